@@ -1,0 +1,47 @@
+"""deqbench: benchmarking and analysis of deep equilibrium models (DEQs) on PyTorch.
+
+Public API::
+
+    import deqbench
+    deqbench.models.create("conv_deq_tiny")
+    deqbench.solvers.get("anderson")(f, z0, max_iter=50, tol=1e-4)
+    deqbench.inits.get("spectral")(model, seed=0, target=0.9)
+    suite = deqbench.load_suite("suites/smoke.yaml"); deqbench.run_suite(suite, out="results/")
+    deqbench.load_results("results/smoke/<run_id>")
+
+Importing deqbench does not import torch; the registries load their built-ins on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import analyses, inits, models, solvers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "models",
+    "solvers",
+    "inits",
+    "analyses",
+    "load_suite",
+    "run_suite",
+    "load_results",
+]
+
+_LAZY = {
+    "load_suite": ("deqbench.suite", "load_suite"),
+    "run_suite": ("deqbench.runner", "run_suite"),
+    "load_results": ("deqbench.results", "load_results"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
+    raise AttributeError(f"module 'deqbench' has no attribute '{name}'")

@@ -1,0 +1,3 @@
+from deqbench.cli import main
+
+main()

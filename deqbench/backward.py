@@ -1,0 +1,137 @@
+"""Backward modes of a DEQ layer: ``ift``, ``unrolled``, ``jfb``, ``phantom``.
+
+``ift`` is a custom ``autograd.Function`` whose forward solves under no_grad and saves z*; its
+backward solves the adjoint ``w = J^T w + g`` (J = df/dz at z*) with a registered solver and
+returns ``(df/du)^T w`` and ``(df/dtheta)^T w``. The partials are taken with ``torch.func.vjp``
+at (z*, u, theta) as independent primals, so when a double backward is requested
+(``create_graph=True``, e.g. Hessian-vector products) z*'s dependence on theta routes back through
+this same Function and the second derivatives are exact (up to the adjoint tolerance and
+``refine`` differentiable adjoint steps). Hook-based IFT silently gets them wrong
+(REFERENCE.md section 3.3).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, vjp
+
+from .solvers.base import make_stats, residuals
+
+if TYPE_CHECKING:
+    from .deq import DEQLayer
+
+
+def _param_items(layer: DEQLayer) -> tuple[list[str], list[Tensor]]:
+    names, params = [], []
+    for n, p in layer.cell.named_parameters():
+        if p.requires_grad:
+            names.append(n)
+            params.append(p)
+    return names, params
+
+
+class _ImplicitFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, z0, u, *params):  # type: ignore[override]
+        z, _ = layer.solve(u, z0)
+        ctx.layer = layer
+        ctx.save_for_backward(z, u, *params)
+        return z
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        from . import solvers
+
+        layer: DEQLayer = ctx.layer
+        z, u, *params = ctx.saved_tensors
+        names, _ = _param_items(layer)
+        cell = layer.cell
+        cfg = layer.backward_cfg
+
+        def fz(z_, u_, *p_):
+            return functional_call(cell, dict(zip(names, p_)), (z_, u_))
+
+        create_graph = torch.is_grad_enabled()
+        _, vjp_fn = vjp(fz, z, u, *params)
+        nvjp = 0
+
+        def adj(w: Tensor) -> Tensor:
+            return vjp_fn(w)[0] + g
+
+        with torch.no_grad():
+            gd = g.detach()
+
+            def adj_ng(w: Tensor) -> Tensor:
+                return vjp_fn(w)[0].detach() + gd
+
+            w0 = gd.clone() if cfg.b_init == "grad" else torch.zeros_like(gd)
+            w, stats = solvers.get(cfg.solver)(
+                adj_ng, w0, max_iter=cfg.max_iter, tol=cfg.tol, stop_mode=cfg.stop_mode, **cfg.options
+            )
+        nvjp += stats.nstep
+        if create_graph:
+            w = w.detach()
+            for _ in range(cfg.refine):
+                w = adj(w)
+            nvjp += cfg.refine
+        grads = vjp_fn(w)
+        nvjp += 1
+        layer.last_backward_stats = stats
+        layer.vjp_bwd = nvjp
+        return (None, None, grads[1], *grads[2:])
+
+
+def _ift(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
+    _, params = _param_items(layer)
+    layer.f_evals_grad = 0
+    return _ImplicitFunction.apply(layer, z0.detach(), u, *params)
+
+
+def _unrolled(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
+    k = max(1, int(layer.backward_cfg.k))
+    z = z0
+    prev = z
+    abs_tr, rel_tr = [], []
+    for _ in range(k):
+        prev = z
+        z = layer.cell(z, u)
+        a, r = residuals(z.detach(), prev.detach())
+        abs_tr.append(a)
+        rel_tr.append(r)
+    # The residual of the last iterate is that of z_{K-1} (f(z_{K-1}) = z_K is what we return).
+    cfg = layer.solver_cfg
+    layer.last_forward_stats = make_stats(
+        "unrolled", k, abs_tr, rel_tr, abs_tr[-1], rel_tr[-1], cfg.tol, cfg.stop_mode,
+        diverged=not bool(torch.isfinite(z.detach()).all()), lowest_step=k - 1,
+    )
+    layer.last_backward_stats = None
+    layer.f_evals_grad = k
+    return z
+
+
+def _phantom(layer: DEQLayer, u: Tensor, z0: Tensor, k: int, tau: float) -> Tensor:
+    zs, _ = layer.solve(u, z0)
+    z = zs.detach()
+    for _ in range(k):
+        fz = layer.cell(z, u)
+        z = fz if tau == 1.0 else tau * fz + (1 - tau) * z
+    layer.last_backward_stats = None
+    layer.f_evals_grad = k
+    return z
+
+
+def apply(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
+    """Run ``layer``'s forward with its configured backward mode (grad enabled)."""
+    cfg = layer.backward_cfg
+    if cfg.name == "ift":
+        return _ift(layer, u, z0)
+    if cfg.name == "unrolled":
+        return _unrolled(layer, u, z0)
+    if cfg.name == "jfb":
+        return _phantom(layer, u, z0, 1, 1.0)
+    if cfg.name == "phantom":
+        return _phantom(layer, u, z0, max(1, int(cfg.k)), float(cfg.tau))
+    raise ValueError(f"unknown backward mode {cfg.name!r}")

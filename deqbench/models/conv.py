@@ -1,0 +1,81 @@
+"""Convolutional residual DEQ (papers/004 eq. 4.1; the implicit-layers tutorial block).
+
+Cell: f(z, x) = GN3(ReLU(z + GN2(x + conv2(GN1(ReLU(conv1(z))))))), 3x3 convs without bias,
+weights N(0, 0.01^2), GroupNorm with 8 groups. Model: conv stem + BatchNorm -> DEQ -> BatchNorm ->
+average pool -> linear head.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..deq import DEQLayer, DEQModel
+from ..registry import models
+from ._common import as_image_shape
+
+
+def _groups(c: int, groups: int) -> int:
+    g = min(groups, c)
+    while c % g:
+        g -= 1
+    return g
+
+
+class ResNetCell(nn.Module):
+    """f(z, x) = GN3(relu(z + GN2(x + conv2(GN1(relu(conv1(z)))))))."""
+
+    def __init__(self, channels: int, inner: int, groups: int = 8, kernel: int = 3) -> None:
+        super().__init__()
+        p = kernel // 2
+        self.conv1 = nn.Conv2d(channels, inner, kernel, padding=p, bias=False)
+        self.conv2 = nn.Conv2d(inner, channels, kernel, padding=p, bias=False)
+        self.norm1 = nn.GroupNorm(_groups(inner, groups), inner)
+        self.norm2 = nn.GroupNorm(_groups(channels, groups), channels)
+        self.norm3 = nn.GroupNorm(_groups(channels, groups), channels)
+        nn.init.normal_(self.conv1.weight, 0.0, 0.01)
+        nn.init.normal_(self.conv2.weight, 0.0, 0.01)
+
+    def forward(self, z: Tensor, x: Tensor) -> Tensor:
+        y = self.norm1(self.conv1(z).relu_())
+        return self.norm3((z + self.norm2(x + self.conv2(y))).relu_())
+
+
+class ConvDEQ(DEQModel):
+    def __init__(
+        self, in_shape, num_outputs: int, channels: int, inner: int, groups: int = 8, pool: int = 4
+    ) -> None:
+        super().__init__()
+        c_in, h, w = as_image_shape(in_shape)
+        self.in_shape = (c_in, h, w)
+        self.stem = nn.Sequential(
+            nn.Conv2d(c_in, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        )
+        self.deq = DEQLayer(ResNetCell(channels, inner, groups))
+        self.post = nn.BatchNorm2d(channels)
+        self.pool = nn.AdaptiveAvgPool2d(min(pool, h, w))
+        k = min(pool, h, w)
+        self.head = nn.Linear(channels * k * k, num_outputs)
+
+    def inject(self, x: Tensor) -> Tensor:
+        return self.stem(x.view(x.shape[0], *self.in_shape))
+
+    def readout(self, z: Tensor) -> Tensor:
+        return self.head(self.pool(self.post(z)).flatten(1))
+
+
+@models.register("conv_deq")
+def conv_deq(
+    in_shape=(3, 32, 32), num_outputs: int = 10, channels: int = 48, inner: int = 64,
+    groups: int = 8, pool: int = 4,
+) -> ConvDEQ:
+    """The tutorial ResNet DEQ (48 channels, inner 64 by default)."""
+    return ConvDEQ(in_shape, num_outputs, channels, inner, groups, pool)
+
+
+@models.register("conv_deq_tiny")
+def conv_deq_tiny(
+    in_shape=(1, 8, 8), num_outputs: int = 10, channels: int = 16, inner: int = 32,
+    groups: int = 4, pool: int = 4,
+) -> ConvDEQ:
+    """Tiny conv_deq for tests (16 channels, inner 32)."""
+    return ConvDEQ(in_shape, num_outputs, channels, inner, groups, pool)

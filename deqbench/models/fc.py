@@ -1,0 +1,59 @@
+"""Fully connected DEQ: z = sigma(W z + U x + b), linear readout."""
+
+from __future__ import annotations
+
+
+from torch import Tensor, nn
+
+from ..deq import DEQLayer, DEQModel
+from ..registry import models
+from ._common import activation, numel
+
+
+class FCCell(nn.Module):
+    """f(z, u) = sigma(W z + u), where u = U x + b is the injection."""
+
+    def __init__(self, width: int, act: str = "tanh") -> None:
+        super().__init__()
+        self.W = nn.Linear(width, width, bias=False)
+        self.act_name = act
+        self.act = activation(act)
+
+    def forward(self, z: Tensor, u: Tensor) -> Tensor:
+        return self.act(self.W(z) + u)
+
+
+class FCDEQ(DEQModel):
+    """Fully connected DEQ with injection U x + b and a linear head on z*."""
+
+    def __init__(
+        self, in_features: int, width: int, num_outputs: int, act: str = "tanh"
+    ) -> None:
+        super().__init__()
+        self.U = nn.Linear(in_features, width)
+        self.deq = DEQLayer(FCCell(width, act))
+        self.head = nn.Linear(width, num_outputs)
+
+    def inject(self, x: Tensor) -> Tensor:
+        return self.U(x.flatten(1))
+
+    def readout(self, z: Tensor) -> Tensor:
+        return self.head(z)
+
+
+@models.register("fc_deq")
+def fc_deq(
+    in_shape=(64,), num_outputs: int = 10, width: int = 128, activation: str = "tanh"
+) -> FCDEQ:
+    """z = sigma(W z + U x + b); sigma in tanh | relu | sigmoid (| softsign | relu6)."""
+    return FCDEQ(numel(in_shape), width, num_outputs, activation)
+
+
+@models.register("fc_deq_tiny")
+def fc_deq_tiny(
+    in_shape=(64,), num_outputs: int = 10, width: int = 32, activation: str = "tanh"
+) -> FCDEQ:
+    """Tiny fc_deq for tests (width 32)."""
+    return FCDEQ(numel(in_shape), width, num_outputs, activation)
+
+

@@ -1,0 +1,16 @@
+"""Registered solvers. Built-ins live in this package's modules; plugins come from entry points.
+
+This package doubles as the public registry facade: `deqbench.solvers.names()`, `.get(name)`,
+`.origin(name)`, `.register(name)`.
+"""
+
+from ..registry import solvers as registry
+
+register = registry.register
+names = registry.names
+get = registry.get
+create = registry.create
+origin = registry.origin
+entry = registry.entry
+add = registry.add
+remove = registry.remove

@@ -1,0 +1,245 @@
+"""The training loop suites use: optimiser, schedule, clipping, per-step/per-epoch callbacks.
+
+Example:
+    >>> import deqbench
+    >>> from deqbench.data import load_data
+    >>> from deqbench.train import TrainConfig, train
+    >>> data = load_data("digits")                                     # doctest: +SKIP
+    >>> model = deqbench.models.create("conv_deq_tiny")               # doctest: +SKIP
+    >>> result = train(model, data, TrainConfig(epochs=2))            # doctest: +SKIP
+    >>> result.status, result.history[-1]["test_accuracy"]            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .analyses.base import CellContext, EpochInfo, Row, StepInfo
+from .data import DataBundle
+from .deq import deq_layers, last_stats
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = (None, "none", "step", "multistep", "cosine")
+
+
+@dataclass
+class TrainConfig:
+    """Training hyperparameters (the suite's ``train:`` block)."""
+
+    epochs: int = 2
+    batch_size: int = 64
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    schedule: str | None = None  # step | multistep | cosine
+    step_size: int = 30  # epochs, for "step"
+    milestones: list[int] = field(default_factory=list)  # epochs, for "multistep"
+    gamma: float = 0.1
+    eta_min: float = 0.0  # for "cosine" (stepped per batch over all steps)
+    grad_clip: float | None = None
+    eval_batch_size: int = 512
+    eval_before: bool = True  # evaluate at epoch 0, before training
+    full_batch: bool = False  # one step per epoch over the whole train set (gradient descent)
+    max_steps: int | None = None  # stop after this many optimiser steps
+
+
+@dataclass
+class TrainResult:
+    status: str = "ok"  # ok | nan | diverged
+    note: str = ""
+    history: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0
+
+
+def loss_function(task: str) -> Callable[[Tensor, Tensor], Tensor]:
+    if task == "classification":
+        return nn.functional.cross_entropy
+    return nn.functional.mse_loss
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    from .errors import ConfigError
+
+    raise ConfigError(f"train.optimizer: unknown optimizer '{cfg.optimizer}'; choose from {OPTIMIZERS}")
+
+
+def make_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int):
+    """(scheduler, per_batch) or (None, False)."""
+    s = cfg.schedule
+    if s in (None, "none"):
+        return None, False
+    if s == "step":
+        return torch.optim.lr_scheduler.StepLR(opt, cfg.step_size, cfg.gamma), False
+    if s == "multistep":
+        return torch.optim.lr_scheduler.MultiStepLR(opt, cfg.milestones, cfg.gamma), False
+    if s == "cosine":
+        total = max(1, cfg.epochs * steps_per_epoch)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, total, eta_min=cfg.eta_min), True
+    from .errors import ConfigError
+
+    raise ConfigError(f"train.schedule: unknown schedule '{s}'; choose from step, multistep, cosine")
+
+
+def post_step(model: nn.Module) -> None:
+    """Call ``post_step()`` on every submodule that defines it (e.g. pcDEQ's projection onto
+    nonnegative weights). Plugins can define the same hook."""
+    for m in model.modules():
+        hook = getattr(m, "post_step", None)
+        if callable(hook):
+            hook()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, X: Tensor, y: Tensor, task: str, batch_size: int = 512) -> dict[str, float]:
+    """Loss, accuracy (classification) or MSE (regression), and mean DEQ forward stats."""
+    was = model.training
+    model.eval()
+    loss_fn = loss_function(task)
+    tot_loss, tot_correct, n = 0.0, 0.0, 0
+    nsteps: list[float] = []
+    resid: list[float] = []
+    conv: list[float] = []
+    for i in range(0, X.shape[0], batch_size):
+        xb, yb = X[i : i + batch_size], y[i : i + batch_size]
+        out = model(xb)
+        b = xb.shape[0]
+        tot_loss += float(loss_fn(out, yb)) * b
+        if task == "classification":
+            tot_correct += float((out.argmax(1) == yb).sum())
+        n += b
+        st = last_stats(model)
+        if st:
+            nsteps.append(st["forward_nstep"])
+            resid.append(st["forward_rel_residual"])
+            conv.append(st["forward_converged"])
+    model.train(was)
+    res = {"loss": tot_loss / max(n, 1)}
+    if task == "classification":
+        res["accuracy"] = tot_correct / max(n, 1)
+    else:
+        res["mse"] = res["loss"]
+    if nsteps:
+        res["forward_nstep"] = sum(nsteps) / len(nsteps)
+        res["forward_rel_residual"] = max(resid)
+        res["forward_converged"] = min(conv)
+    return res
+
+
+def _batches(n: int, bs: int, gen: torch.Generator, device) -> Iterable[Tensor]:
+    perm = torch.randperm(n, generator=gen).to(device)
+    for i in range(0, n, bs):
+        yield perm[i : i + bs]
+
+
+def _emit(emit: Callable[[Any, Iterable[Row]], None] | None, analysis: Any, rows: Iterable[Row] | None) -> None:
+    if emit is not None and rows is not None:
+        emit(analysis, rows)
+
+
+def train(
+    model: nn.Module,
+    data: DataBundle,
+    cfg: TrainConfig,
+    *,
+    ctx: CellContext | None = None,
+    callbacks: Iterable[Any] = (),
+    emit: Callable[[Any, Iterable[Row]], None] | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> TrainResult:
+    """Train ``model`` on ``data`` (tensors already on the target device/dtype).
+
+    ``callbacks`` are analyses (objects with ``on_step``/``on_epoch`` hooks); ``emit(analysis,
+    rows)`` receives what they return. A NaN/inf loss stops training with status ``nan``
+    (``diverged`` if the forward solver diverged on that batch); nothing is raised.
+    """
+    callbacks = list(callbacks)
+    Xtr, ytr = data.train
+    Xte, yte = data.test
+    loss_fn = loss_function(data.task)
+    opt = make_optimizer(model, cfg)
+    if ctx is not None:
+        ctx.optimizer = opt
+        ctx.loss_fn = loss_fn
+    n = Xtr.shape[0]
+    bs = n if cfg.full_batch else min(cfg.batch_size, n)
+    steps_per_epoch = math.ceil(n / bs)
+    sched, per_batch = make_schedule(opt, cfg, steps_per_epoch)
+    gen = torch.Generator().manual_seed(seed)
+    result = TrainResult()
+
+    def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
+        test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size)
+        rec = {"epoch": float(epoch), **{f"train_{k}": v for k, v in train_stats.items()},
+               **{f"test_{k}": v for k, v in test.items()}}
+        result.history.append(rec)
+        info = EpochInfo(epoch, train_stats, test)
+        for cb in callbacks:
+            _emit(emit, cb, cb.on_epoch(ctx, info))
+
+    if cfg.eval_before:
+        ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size)
+        epoch_end(0, ev)
+
+    step = 0
+    has_deq = any(True for _ in deq_layers(model))
+    for epoch in range(1, cfg.epochs + 1):
+        model.train()
+        sums: dict[str, float] = {}
+        count = 0
+        for idx in _batches(n, bs, gen, Xtr.device):
+            xb, yb = Xtr[idx], ytr[idx]
+            opt.zero_grad(set_to_none=True)
+            out = model(xb)
+            loss = loss_fn(out, yb)
+            lv = float(loss.detach())
+            if not math.isfinite(lv):
+                st = last_stats(model) if has_deq else {}
+                result.status = "diverged" if st.get("forward_diverged") else "nan"
+                result.note = f"non-finite loss {lv} at epoch {epoch} step {step + 1}"
+                if st:
+                    result.note += f" (forward residual {st.get('forward_rel_residual', math.nan):.3g})"
+                return result
+            loss.backward()
+            if cfg.grad_clip:
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            post_step(model)
+            if sched is not None and per_batch:
+                sched.step()
+            step += 1
+            st = last_stats(model) if has_deq else {}
+            rec = {"loss": lv, **st}
+            if data.task == "classification":
+                rec["accuracy"] = float((out.detach().argmax(1) == yb).float().mean())
+            for k, v in rec.items():
+                sums[k] = sums.get(k, 0.0) + v
+            count += 1
+            info = StepInfo(epoch, step, lv, st, (xb, yb))
+            for cb in callbacks:
+                _emit(emit, cb, cb.on_step(ctx, info))
+            if progress is not None:
+                progress(epoch, step)
+            if cfg.max_steps is not None and step >= cfg.max_steps:
+                break
+        if sched is not None and not per_batch:
+            sched.step()
+        epoch_end(epoch, {k: v / max(count, 1) for k, v in sums.items()})
+        result.steps = step
+        if cfg.max_steps is not None and step >= cfg.max_steps:
+            break
+    return result
