@@ -33,6 +33,23 @@ def _param_items(layer: DEQLayer) -> tuple[list[str], list[Tensor]]:
     return names, params
 
 
+class AdjointMap:
+    """The adjoint map ``w -> J^T w + g`` (J = df/dz at z*) handed to the IFT adjoint solver.
+
+    Generic solvers just call it. It exposes ``cell``, ``z`` (z*), ``u`` and ``g`` so that
+    solvers needing a family's structure can solve the linear adjoint system their own way
+    (e.g. monDEQ's splitting backward); such a solver returns the same ``w``.
+    """
+
+    __slots__ = ("fn", "cell", "z", "u", "g")
+
+    def __init__(self, fn, cell, z: Tensor, u: Tensor, g: Tensor) -> None:
+        self.fn, self.cell, self.z, self.u, self.g = fn, cell, z, u, g
+
+    def __call__(self, w: Tensor) -> Tensor:
+        return self.fn(w)
+
+
 class _ImplicitFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, z0, u, *params):  # type: ignore[override]
@@ -64,12 +81,18 @@ class _ImplicitFunction(torch.autograd.Function):
         with torch.no_grad():
             gd = g.detach()
 
-            def adj_ng(w: Tensor) -> Tensor:
+            def adj_fn(w: Tensor) -> Tensor:
                 return vjp_fn(w)[0].detach() + gd
 
+            adj_ng = AdjointMap(adj_fn, cell, z, u, gd)
             w0 = gd.clone() if cfg.b_init == "grad" else torch.zeros_like(gd)
             w, stats = solvers.get(cfg.solver)(
-                adj_ng, w0, max_iter=cfg.max_iter, tol=cfg.tol, stop_mode=cfg.stop_mode, **cfg.options
+                adj_ng,
+                w0,
+                max_iter=cfg.max_iter,
+                tol=cfg.tol,
+                stop_mode=cfg.stop_mode,
+                **cfg.options,
             )
         nvjp += stats.nstep
         if create_graph:
@@ -92,20 +115,36 @@ def _ift(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
 
 def _unrolled(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
     k = max(1, int(layer.backward_cfg.k))
-    z = z0
-    prev = z
-    abs_tr, rel_tr = [], []
-    for _ in range(k):
+    from . import solvers
+
+    # A forward solver may define its own differentiable k-step iteration (e.g. SAM, papers/003
+    # Eq. 12); otherwise unroll plain iteration.
+    unroll = getattr(solvers.get(layer.solver_cfg.name), "unroll", None)
+    if unroll is not None:
+        z, abs_tr, rel_tr = unroll(lambda z_: layer.cell(z_, u), z0, k, **layer.solver_cfg.options)
+    else:
+        z = z0
         prev = z
-        z = layer.cell(z, u)
-        a, r = residuals(z.detach(), prev.detach())
-        abs_tr.append(a)
-        rel_tr.append(r)
+        abs_tr, rel_tr = [], []
+        for _ in range(k):
+            prev = z
+            z = layer.cell(z, u)
+            a, r = residuals(z.detach(), prev.detach())
+            abs_tr.append(a)
+            rel_tr.append(r)
     # The residual of the last iterate is that of z_{K-1} (f(z_{K-1}) = z_K is what we return).
     cfg = layer.solver_cfg
     layer.last_forward_stats = make_stats(
-        "unrolled", k, abs_tr, rel_tr, abs_tr[-1], rel_tr[-1], cfg.tol, cfg.stop_mode,
-        diverged=not bool(torch.isfinite(z.detach()).all()), lowest_step=k - 1,
+        "unrolled",
+        k,
+        abs_tr,
+        rel_tr,
+        abs_tr[-1],
+        rel_tr[-1],
+        cfg.tol,
+        cfg.stop_mode,
+        diverged=not bool(torch.isfinite(z.detach()).all()),
+        lowest_step=k - 1,
     )
     layer.last_backward_stats = None
     layer.f_evals_grad = k

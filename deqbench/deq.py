@@ -71,6 +71,24 @@ class BackwardConfig:
         return asdict(self)
 
 
+class CellMap:
+    """The map ``z -> cell(z, u)`` handed to forward solvers.
+
+    Generic solvers just call it. It exposes ``cell`` and ``u`` so that solvers needing a
+    family's structure (e.g. monDEQ operator splitting, which reads the monotone-operator
+    interface of the cell) can reach it.
+    """
+
+    __slots__ = ("cell", "u")
+
+    def __init__(self, cell: nn.Module, u: Tensor) -> None:
+        self.cell = cell
+        self.u = u
+
+    def __call__(self, z: Tensor) -> Tensor:
+        return self.cell(z, self.u)
+
+
 class DEQLayer(nn.Module):
     """Equilibrium layer around ``cell`` (an ``nn.Module`` with ``forward(z, u)``).
 
@@ -111,7 +129,9 @@ class DEQLayer(nn.Module):
         """The cell map f(z, u)."""
         return self.cell(z, u)
 
-    def solve(self, u: Tensor, z0: Tensor, cfg: SolverConfig | None = None) -> tuple[Tensor, SolverStats]:
+    def solve(
+        self, u: Tensor, z0: Tensor, cfg: SolverConfig | None = None
+    ) -> tuple[Tensor, SolverStats]:
         """Forward solve under no_grad; records ``last_forward_stats``."""
         from . import solvers
 
@@ -119,7 +139,7 @@ class DEQLayer(nn.Module):
         fn = solvers.get(cfg.name)
         with torch.no_grad():
             z, stats = fn(
-                lambda z: self.cell(z, u),
+                CellMap(self.cell, u),
                 z0,
                 max_iter=cfg.max_iter,
                 tol=cfg.tol,

@@ -65,6 +65,7 @@ class Registry(Generic[T]):
 
     def __init__(self, kind: str, builtin_package: str) -> None:
         self.kind = kind
+        self.singular = "analysis" if kind == "analyses" else kind[:-1]
         self.group = f"deqbench.{kind}"
         self.builtin_package = builtin_package
         self._entries: dict[str, Entry] = {}
@@ -89,7 +90,9 @@ class Registry(Generic[T]):
         """Register an object at run time (notebooks, tests). Refuses to shadow any name."""
         self._ensure()
         if name in self._entries:
-            raise PluginError(f"{self.kind}: '{name}' already exists ({self._entries[name].origin})")
+            raise PluginError(
+                f"{self.kind}: '{name}' already exists ({self._entries[name].origin})"
+            )
         self._entries[name] = Entry(name=name, obj=obj, origin=origin)
 
     def remove(self, name: str) -> None:
@@ -122,7 +125,7 @@ class Registry(Generic[T]):
             existing = self._entries.get(ep.name)
             if existing is not None and existing.is_builtin:
                 warnings.warn(
-                    f"plugin {label} tries to register {self.kind[:-1]} '{ep.name}', which is a "
+                    f"plugin {label} tries to register {self.singular} '{ep.name}', which is a "
                     "built-in name; the plugin's entry is skipped",
                     stacklevel=2,
                 )
@@ -163,7 +166,7 @@ class Registry(Generic[T]):
         close = difflib.get_close_matches(name, self.names(), n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
         return UnknownNameError(
-            f"unknown {self.kind[:-1]} '{name}'; {hint}(see `deqbench ls {self.kind}`)"
+            f"unknown {self.singular} '{name}'; {hint}(see `deqbench ls {self.kind}`)"
         )
 
     def entry(self, name: str) -> Entry:
@@ -177,7 +180,7 @@ class Registry(Generic[T]):
         e = self.entry(name)
         if len(e.claimants) > 1:
             raise PluginError(
-                f"{self.kind[:-1]} '{name}' is ambiguous: claimed by plugins "
+                f"{self.singular} '{name}' is ambiguous: claimed by plugins "
                 f"{' and '.join(e.claimants)}; uninstall one of them"
             )
         if e.obj is None:
@@ -186,11 +189,11 @@ class Registry(Generic[T]):
                     e.obj = e.entry_point.load()
                 except Exception as exc:
                     e.error = f"{type(exc).__name__}: {exc}"
-                    msg = f"plugin {e.origin} failed to import {self.kind[:-1]} '{name}' ({e.entry_point.value}): {e.error}"
+                    msg = f"plugin {e.origin} failed to import {self.singular} '{name}' ({e.entry_point.value}): {e.error}"
                     self.plugin_errors.append(msg)
             if e.error is not None:
                 raise PluginError(
-                    f"plugin {e.origin} failed to import {self.kind[:-1]} '{name}': {e.error}"
+                    f"plugin {e.origin} failed to import {self.singular} '{name}': {e.error}"
                 )
         return e.obj  # type: ignore[return-value]
 
@@ -199,7 +202,7 @@ class Registry(Generic[T]):
         return self.get(name)(**params)  # type: ignore[operator]
 
     def origin(self, name: str) -> str:
-        """"built-in" or "<distribution> <version>" of the plugin that provides ``name``."""
+        """ "built-in" or "<distribution> <version>" of the plugin that provides ``name``."""
         return self.entry(name).origin
 
     def reset_plugins(self) -> None:

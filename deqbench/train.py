@@ -71,10 +71,14 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
     from .errors import ConfigError
 
-    raise ConfigError(f"train.optimizer: unknown optimizer '{cfg.optimizer}'; choose from {OPTIMIZERS}")
+    raise ConfigError(
+        f"train.optimizer: unknown optimizer '{cfg.optimizer}'; choose from {OPTIMIZERS}"
+    )
 
 
 def make_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int):
@@ -91,7 +95,9 @@ def make_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch:
         return torch.optim.lr_scheduler.CosineAnnealingLR(opt, total, eta_min=cfg.eta_min), True
     from .errors import ConfigError
 
-    raise ConfigError(f"train.schedule: unknown schedule '{s}'; choose from step, multistep, cosine")
+    raise ConfigError(
+        f"train.schedule: unknown schedule '{s}'; choose from step, multistep, cosine"
+    )
 
 
 def post_step(model: nn.Module) -> None:
@@ -104,7 +110,9 @@ def post_step(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, X: Tensor, y: Tensor, task: str, batch_size: int = 512) -> dict[str, float]:
+def evaluate(
+    model: nn.Module, X: Tensor, y: Tensor, task: str, batch_size: int = 512
+) -> dict[str, float]:
     """Loss, accuracy (classification) or MSE (regression), and mean DEQ forward stats."""
     was = model.training
     model.eval()
@@ -145,7 +153,9 @@ def _batches(n: int, bs: int, gen: torch.Generator, device) -> Iterable[Tensor]:
         yield perm[i : i + bs]
 
 
-def _emit(emit: Callable[[Any, Iterable[Row]], None] | None, analysis: Any, rows: Iterable[Row] | None) -> None:
+def _emit(
+    emit: Callable[[Any, Iterable[Row]], None] | None, analysis: Any, rows: Iterable[Row] | None
+) -> None:
     if emit is not None and rows is not None:
         emit(analysis, rows)
 
@@ -184,8 +194,11 @@ def train(
 
     def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
         test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size)
-        rec = {"epoch": float(epoch), **{f"train_{k}": v for k, v in train_stats.items()},
-               **{f"test_{k}": v for k, v in test.items()}}
+        rec = {
+            "epoch": float(epoch),
+            **{f"train_{k}": v for k, v in train_stats.items()},
+            **{f"test_{k}": v for k, v in test.items()},
+        }
         result.history.append(rec)
         info = EpochInfo(epoch, train_stats, test)
         for cb in callbacks:
@@ -207,12 +220,19 @@ def train(
             out = model(xb)
             loss = loss_fn(out, yb)
             lv = float(loss.detach())
-            if not math.isfinite(lv):
-                st = last_stats(model) if has_deq else {}
-                result.status = "diverged" if st.get("forward_diverged") else "nan"
-                result.note = f"non-finite loss {lv} at epoch {epoch} step {step + 1}"
-                if st:
-                    result.note += f" (forward residual {st.get('forward_rel_residual', math.nan):.3g})"
+            fwd = last_stats(model) if has_deq else {}
+            if not math.isfinite(lv) or fwd.get("forward_diverged"):
+                # A diverged forward solve stops the cell even if the loss is still finite
+                # (the solver returns its lowest-residual iterate, which can hide a blow-up).
+                res = fwd.get("forward_rel_residual", math.nan)
+                if fwd.get("forward_diverged") and math.isfinite(res):
+                    result.status = "diverged"
+                    result.note = f"forward solver diverged at epoch {epoch} step {step + 1}"
+                else:
+                    result.status = "nan"
+                    result.note = f"non-finite loss {lv} at epoch {epoch} step {step + 1}"
+                if fwd:
+                    result.note += f" (forward rel residual {res:.3g}, {fwd.get('forward_nstep', 0):.0f} f-evals)"
                 return result
             loss.backward()
             if cfg.grad_clip:

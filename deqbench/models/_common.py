@@ -32,7 +32,9 @@ def activation(name: str):
 
         close = difflib.get_close_matches(name, list(ACTIVATIONS), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"unknown activation '{name}'{hint}; choose from {', '.join(ACTIVATIONS)}")
+        raise ConfigError(
+            f"unknown activation '{name}'{hint}; choose from {', '.join(ACTIVATIONS)}"
+        )
     return ACTIVATIONS[name]
 
 

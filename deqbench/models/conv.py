@@ -65,8 +65,12 @@ class ConvDEQ(DEQModel):
 
 @models.register("conv_deq")
 def conv_deq(
-    in_shape=(3, 32, 32), num_outputs: int = 10, channels: int = 48, inner: int = 64,
-    groups: int = 8, pool: int = 4,
+    in_shape=(3, 32, 32),
+    num_outputs: int = 10,
+    channels: int = 48,
+    inner: int = 64,
+    groups: int = 8,
+    pool: int = 4,
 ) -> ConvDEQ:
     """The tutorial ResNet DEQ (48 channels, inner 64 by default)."""
     return ConvDEQ(in_shape, num_outputs, channels, inner, groups, pool)
@@ -74,8 +78,12 @@ def conv_deq(
 
 @models.register("conv_deq_tiny")
 def conv_deq_tiny(
-    in_shape=(1, 8, 8), num_outputs: int = 10, channels: int = 16, inner: int = 32,
-    groups: int = 4, pool: int = 4,
+    in_shape=(1, 8, 8),
+    num_outputs: int = 10,
+    channels: int = 16,
+    inner: int = 32,
+    groups: int = 4,
+    pool: int = 4,
 ) -> ConvDEQ:
     """Tiny conv_deq for tests (16 channels, inner 32)."""
     return ConvDEQ(in_shape, num_outputs, channels, inner, groups, pool)

@@ -26,9 +26,7 @@ class FCCell(nn.Module):
 class FCDEQ(DEQModel):
     """Fully connected DEQ with injection U x + b and a linear head on z*."""
 
-    def __init__(
-        self, in_features: int, width: int, num_outputs: int, act: str = "tanh"
-    ) -> None:
+    def __init__(self, in_features: int, width: int, num_outputs: int, act: str = "tanh") -> None:
         super().__init__()
         self.U = nn.Linear(in_features, width)
         self.deq = DEQLayer(FCCell(width, act))
@@ -55,5 +53,3 @@ def fc_deq_tiny(
 ) -> FCDEQ:
     """Tiny fc_deq for tests (width 32)."""
     return FCDEQ(numel(in_shape), width, num_outputs, activation)
-
-

@@ -37,8 +37,14 @@ class TiedRepeat(nn.Module):
 
 @models.register("tied_repeat")
 def tied_repeat(
-    in_shape=(1, 8, 8), num_outputs: int = 10, repeats: int = 6, cell: str = "conv",
-    channels: int = 48, inner: int = 64, width: int = 128, activation: str = "tanh",
+    in_shape=(1, 8, 8),
+    num_outputs: int = 10,
+    repeats: int = 6,
+    cell: str = "conv",
+    channels: int = 48,
+    inner: int = 64,
+    width: int = 128,
+    activation: str = "tanh",
 ) -> TiedRepeat:
     """Weight-tied network of ``repeats`` applications of the ``cell`` ('conv' or 'fc')."""
     if cell == "conv":

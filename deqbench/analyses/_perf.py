@@ -1,0 +1,213 @@
+"""Pieces shared by the performance analyses (``throughput``, ``backward``, ``solver_overhead``):
+params, batch choice, when to measure, state preservation and picklable steps.
+
+A *step* is an instance of a module-level class holding the model and the batch, so the same
+object is timed in-process, measured for GPU peak memory in its own pass, and pickled into a
+fresh worker for CPU peak RSS (:func:`deqbench.measure.cpu_peak_rss`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+from ..deq import deq_layers
+from .base import CellContext
+
+Phase = Literal["init", "trained"]
+
+
+class PerfParams(BaseModel):
+    """Params every performance analysis accepts."""
+
+    model_config = ConfigDict(extra="forbid")
+    #: samples per measured batch: an int, a mapping model name -> int (suites whose matrix mixes
+    #: models measured at different batch sizes), or null for ``train.batch_size``
+    batch_size: int | dict[str, int] | None = None
+    #: which split the batch is drawn from (seeded, the same for every variant compared)
+    split: Literal["train", "test"] = "train"
+    repeats: int = Field(5, ge=1)
+    warmup: int = Field(2, ge=0)
+    #: measure before training (step 0), after training (step = epochs), or both
+    at: list[Phase] = Field(default_factory=lambda: ["trained"], min_length=1)
+    #: peak memory in its own pass (GPU: max_memory_allocated; CPU: see memory_cpu)
+    memory: bool = True
+    #: on CPU, peak RSS of a fresh worker process per measurement (a process start each)
+    memory_cpu: bool = True
+    #: TF32 for matmul and cuDNN during the measurement (reference numbers keep it off)
+    tf32: bool = False
+    #: torch intra-op threads during the measurement (null: leave as set by the suite)
+    threads: int | None = Field(None, ge=1)
+
+
+def phase_step(ctx: CellContext, phase: str) -> int:
+    """``step`` column of a measurement: 0 before training, the epochs after."""
+    if phase == "init":
+        return 0
+    return int((ctx.cell.get("train") or {}).get("epochs", 0))
+
+
+def batch_size(params: PerfParams, ctx: CellContext) -> int:
+    """Resolve ``batch_size`` (int, per-model mapping or the train batch size)."""
+    from ..errors import ConfigError
+
+    bs = params.batch_size
+    model = (ctx.cell.get("model") or {}).get("name", "")
+    if isinstance(bs, dict):
+        if model not in bs:
+            raise ConfigError(
+                f"batch_size: no entry for model '{model}' (has {', '.join(bs) or 'none'})"
+            )
+        return int(bs[model])
+    if bs is None:
+        return int((ctx.cell.get("train") or {}).get("batch_size", 64))
+    return int(bs)
+
+
+def pick_batch(ctx: CellContext, n: int, split: str = "train") -> tuple[Tensor, Tensor, str]:
+    """A seeded batch of ``n`` samples (x, y, note); samples are repeated when the split is
+    smaller than ``n`` (the note says so)."""
+    X, y = ctx.data.train if split == "train" else ctx.data.test
+    g = torch.Generator().manual_seed(int(ctx.seed) + 12345)
+    idx = torch.randperm(X.shape[0], generator=g)
+    note = ""
+    if n > X.shape[0]:
+        idx = idx.repeat((n + X.shape[0] - 1) // X.shape[0])
+        note = f"{split} split has {X.shape[0]} samples < batch {n}: samples repeated"
+    idx = idx[:n].to(X.device)
+    return X[idx], y[idx], note
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module) -> Iterator[nn.Module]:
+    """Restore the model's buffers (BatchNorm running stats), train/eval mode and DEQ configs
+    after the block: measuring must not change the model under analysis."""
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    modes = {m: m.training for m in model.modules()}
+    configs = [(layer, layer.solver_cfg, layer.backward_cfg) for layer in deq_layers(model)]
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                if k in buffers:
+                    v.copy_(buffers[k])
+        for m, t in modes.items():
+            m.training = t
+        for layer, s, b in configs:
+            layer.solver_cfg, layer.backward_cfg = s, b
+
+
+@contextlib.contextmanager
+def measuring(params: PerfParams) -> Iterator[None]:
+    """Threads and TF32 for the measurement block, restored afterwards."""
+    from ..measure import numeric_flags
+
+    old = torch.get_num_threads()
+    if params.threads is not None:
+        torch.set_num_threads(params.threads)
+    try:
+        with numeric_flags(tf32=params.tf32):
+            yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def forward_nstep(model: nn.Module) -> int:
+    """Forward f-evaluations of the last pass, summed over DEQ layers (host ints: no sync)."""
+    return sum(
+        int(layer.last_forward_stats.nstep)
+        for layer in deq_layers(model)
+        if layer.last_forward_stats is not None
+    )
+
+
+def backward_nstep(model: nn.Module) -> int:
+    return sum(
+        int(layer.last_backward_stats.nstep)
+        for layer in deq_layers(model)
+        if layer.last_backward_stats is not None
+    )
+
+
+def loss_for(task: str) -> Any:
+    from ..train import loss_function
+
+    return loss_function(task)
+
+
+# -- picklable steps ---------------------------------------------------------------------------
+
+
+class EvalStep:
+    """One no-grad forward of ``model`` (eval mode) on ``x``; returns forward f-evaluations."""
+
+    def __init__(self, model: nn.Module, x: Tensor) -> None:
+        self.model, self.x = model, x
+
+    def __call__(self) -> int:
+        self.model.eval()
+        with torch.no_grad():
+            self.model(self.x)
+        return forward_nstep(self.model)
+
+
+class GradStep:
+    """Forward with grad, loss, and the parameter gradients (``autograd.grad``; ``.grad`` is not
+    touched); returns (forward f-evals, backward f-evals)."""
+
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, task: str) -> None:
+        self.model, self.x, self.y, self.task = model, x, y, task
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def __call__(self) -> tuple[int, int]:
+        self.model.train()
+        with torch.enable_grad():
+            loss = loss_for(self.task)(self.model(self.x), self.y)
+            torch.autograd.grad(loss, self.params(), allow_unused=True)
+        return forward_nstep(self.model), backward_nstep(self.model)
+
+
+class TrainStep:
+    """A full optimiser step on ``model`` (zero_grad, forward, loss, backward, step) with the
+    cell's optimiser; the optimiser is built on first call. Returns (forward, backward)
+    f-evaluations."""
+
+    def __init__(
+        self, model: nn.Module, x: Tensor, y: Tensor, task: str, train: dict[str, Any] | None = None
+    ) -> None:
+        self.model, self.x, self.y, self.task = model, x, y, task
+        self.train = dict(train or {})
+        self.opt: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "opt": None}
+
+    def __call__(self) -> tuple[int, int]:
+        from ..train import TrainConfig, make_optimizer
+
+        if self.opt is None:
+            known = set(TrainConfig.__dataclass_fields__)
+            self.opt = make_optimizer(
+                self.model, TrainConfig(**{k: v for k, v in self.train.items() if k in known})
+            )
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            loss = loss_for(self.task)(self.model(self.x), self.y)
+            loss.backward()
+        self.opt.step()
+        return forward_nstep(self.model), backward_nstep(self.model)
+
+
+def detached_copy(model: nn.Module) -> nn.Module:
+    """A deep copy (its own parameters, buffers and DEQ configs)."""
+    return copy.deepcopy(model)

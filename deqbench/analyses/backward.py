@@ -1,0 +1,662 @@
+"""Backward modes compared on one batch: cost and gradient accuracy against a float64 reference.
+
+For each entry of ``modes`` (``ift`` at several adjoint tolerances, ``unrolled`` K, ``jfb``,
+``phantom`` k/tau; optionally through a *wrapper* model, e.g. the TorchDEQ plugin's
+``torchdeq_deq``, on the same trained parameters) one training step (forward with grad, loss,
+parameter gradients with ``autograd.grad``) is measured on the same seeded batch:
+
+* ``forward_ms`` / ``backward_ms`` / ``step_ms`` per repeat + ``_median`` / ``_iqr`` / ``_spread``;
+* ``peak_memory`` (MiB, own pass: GPU ``max_memory_allocated`` above the baseline, CPU peak RSS
+  of a fresh worker) and ``activation_memory`` (MiB autograd saves during the forward; device
+  independent: O(1) in the iterations for IFT, O(K) for unrolled);
+* ``grad_cosine`` and ``grad_rel_error`` = ||g - g_ref|| / ||g_ref|| over all trainable
+  parameters, against the reference g_ref: the same step in float64 with IFT at ``ref_tol``
+  (forward and adjoint), reported as variant ``reference`` with its residuals;
+* ``forward_nstep``, ``backward_nstep`` (adjoint solver steps), ``f_evals_grad`` (tracked f
+  calls), ``forward_rel_residual``, ``backward_rel_residual``.
+
+The memory-against-iterations series (``memory_series``): IFT whose forward runs exactly N
+fixed-point iterations (tol 0) and unrolled K = N, for each N: ``series_activation_memory`` and
+``series_peak_memory`` rows (variant ``<mode>-n=<N>``), ``series/backward_memory__*.csv`` and the
+plot ``backward_memory`` (IFT flat, unrolled linear).
+
+Rows have ``step`` 0 (before training) or the number of epochs (after training).
+
+Example (plain functions):
+    >>> import deqbench, torch
+    >>> from deqbench.analyses.backward import reference_gradient, grad_vector, gradient_accuracy
+    >>> model = deqbench.models.create("fc_deq_tiny")
+    >>> x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    >>> g_ref, info = reference_gradient(model, x, y)
+    >>> cos, err = gradient_accuracy(grad_vector(model, x, y, names=g_ref.names), g_ref)
+    >>> cos > 0.99, err < 1e-3
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+from ..deq import BackwardConfig, DEQLayer, SolverConfig, configure, deq_layers, last_stats
+from ..measure import MIB, Memory, flag_rows, peak_memory, saved_tensor_bytes, time_phases
+from ..registry import analyses
+from ._perf import (
+    GradStep,
+    PerfParams,
+    backward_nstep,
+    batch_size,
+    detached_copy,
+    forward_nstep,
+    loss_for,
+    measuring,
+    phase_step,
+    pick_batch,
+    preserved,
+)
+from .base import Analysis, CellContext, Row
+
+# -- gradients and their accuracy ----------------------------------------------------------------
+
+
+@dataclass
+class GradVector:
+    """Flattened parameter gradients, in the order of ``names`` (float64, on the CPU)."""
+
+    vec: Tensor
+    names: list[str]
+
+
+def _param_dict(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def grad_vector(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    task: str = "classification",
+    names: Sequence[str] | None = None,
+) -> GradVector:
+    """Gradients of the training loss on (x, y) w.r.t. the trainable parameters (train mode,
+    buffers restored), flattened in the order of ``names`` (default: the model's own); a
+    parameter without gradient contributes zeros."""
+    params = _param_dict(model)
+    names = list(names) if names is not None else list(params)
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise ValueError(f"grad_vector: the model has no parameter {missing[0]!r}")
+    with preserved(model):
+        model.train()
+        with torch.enable_grad():
+            loss = loss_for(task)(model(x), y)
+            plist = [params[n] for n in names]
+            grads = torch.autograd.grad(loss, plist, allow_unused=True)
+    parts = [
+        (g if g is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu()
+        for g, p in zip(grads, plist)
+    ]
+    return GradVector(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64), names)
+
+
+def gradient_accuracy(g: GradVector | Tensor, g_ref: GradVector | Tensor) -> tuple[float, float]:
+    """(cosine, relative error ||g - g_ref|| / ||g_ref||) of two gradient vectors."""
+    a = (g.vec if isinstance(g, GradVector) else g).double().reshape(-1)
+    b = (g_ref.vec if isinstance(g_ref, GradVector) else g_ref).double().reshape(-1)
+    nb = float(torch.linalg.vector_norm(b))
+    na = float(torch.linalg.vector_norm(a))
+    cos = float(a @ b) / (na * nb) if na > 0 and nb > 0 else math.nan
+    err = float(torch.linalg.vector_norm(a - b)) / nb if nb > 0 else math.nan
+    return cos, err
+
+
+def native_copy(model: nn.Module, solver: SolverConfig, backward: BackwardConfig) -> nn.Module:
+    """A deep copy of ``model`` whose DEQ layers (any DEQLayer subclass, e.g. a plugin's) are
+    plain deqbench DEQLayers around the copied cells, configured with ``solver``/``backward``."""
+    ref = copy.deepcopy(model)
+    targets = [
+        (parent, name, child)
+        for parent in ref.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, DEQLayer)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, DEQLayer(child.cell, replace(solver), replace(backward)))
+    return ref
+
+
+def reference_gradient(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    task: str = "classification",
+    *,
+    solver: str = "anderson",
+    tol: float = 1e-12,
+    max_iter: int = 1000,
+    adjoint_solver: str = "fixed_point",
+    options: dict[str, Any] | None = None,
+) -> tuple[GradVector, dict[str, float]]:
+    """The reference gradient: the same training step in float64 with deqbench's IFT, forward
+    solved with ``solver`` and the adjoint with ``adjoint_solver``, both to ``tol`` (rel).
+
+    Returns (gradient, info) where info has the achieved ``forward_rel_residual``,
+    ``backward_rel_residual``, ``forward_nstep``, ``backward_nstep`` and ``time_s``."""
+    scfg = SolverConfig(
+        solver, max_iter=max_iter, tol=tol, stop_mode="rel", options=dict(options or {})
+    )
+    bcfg = BackwardConfig("ift", solver=adjoint_solver, max_iter=max_iter, tol=tol, stop_mode="rel")
+    ref = native_copy(model, scfg, bcfg).double()
+    x64 = x.double() if x.is_floating_point() else x
+    y64 = y.double() if y.is_floating_point() else y
+    t0 = time.perf_counter()
+    g = grad_vector(ref, x64, y64, task)
+    info = {"time_s": time.perf_counter() - t0, **last_stats(ref)}
+    return g, info
+
+
+# -- one backward mode ---------------------------------------------------------------------------
+
+
+class ModeSpec(BaseModel):
+    """One backward mode to measure. Unset fields come from the cell's ``backward`` section."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: Literal["ift", "unrolled", "jfb", "phantom"]
+    label: str | None = None
+    #: a registered model factory that converts a built model (``wrap=model``), e.g. the
+    #: TorchDEQ plugin's ``torchdeq_deq``: the mode then runs on that implementation
+    wrapper: str | None = None
+    #: forward solver override ``{name, max_iter, tol, stop_mode, **options}``
+    forward: dict[str, Any] | None = None
+    solver: str | None = None  #: adjoint solver (ift)
+    max_iter: int | None = Field(None, ge=1)
+    tol: float | None = Field(None, ge=0)
+    stop_mode: Literal["rel", "abs"] | None = None
+    k: int | None = Field(None, ge=1)
+    tau: float | None = Field(None, gt=0, le=1)
+    b_init: Literal["grad", "zeros"] | None = None
+    options: dict[str, Any] | None = None
+
+    def backward_config(self, base: BackwardConfig) -> BackwardConfig:
+        kw = {
+            k: getattr(self, k)
+            for k in ("solver", "max_iter", "tol", "stop_mode", "k", "tau", "b_init", "options")
+            if getattr(self, k) is not None
+        }
+        return replace(base, name=self.name, **kw)
+
+    def forward_config(self, base: SolverConfig) -> SolverConfig:
+        if not self.forward:
+            return replace(base)
+        d = dict(self.forward)
+        generic = {"name", "max_iter", "tol", "stop_mode"}
+        name = d.get("name", base.name)
+        opts = dict(base.options) if name == base.name else {}
+        opts.update({k: v for k, v in d.items() if k not in generic})
+        return SolverConfig(
+            name,
+            int(d.get("max_iter", base.max_iter)),
+            float(d.get("tol", base.tol)),
+            d.get("stop_mode", base.stop_mode),
+            opts,
+        )
+
+    def variant(self, cfg: BackwardConfig, fwd: SolverConfig | None = None) -> str:
+        if self.label:
+            return self.label
+        if cfg.name == "ift":
+            s = f"ift-tol={cfg.tol:g}"
+        elif cfg.name == "unrolled":
+            s = f"unrolled-k={cfg.k}"
+        elif cfg.name == "phantom":
+            s = f"phantom-k={cfg.k}-tau={cfg.tau:g}"
+        else:
+            s = "jfb"
+        if self.forward and fwd is not None:
+            s += f"-fwd={fwd.name}" + (f"-ftol={fwd.tol:g}" if "tol" in self.forward else "")
+        return f"{self.wrapper}:{s}" if self.wrapper else s
+
+
+DEFAULT_MODES = [
+    {"name": "ift", "tol": 1e-2},
+    {"name": "ift", "tol": 1e-4},
+    {"name": "ift", "tol": 1e-6},
+    {"name": "unrolled", "k": 30},
+    {"name": "jfb"},
+    {"name": "phantom", "k": 5, "tau": 0.5},
+]
+
+
+def _first_layer(model: nn.Module) -> DEQLayer:
+    layers = list(deq_layers(model))
+    if not layers:
+        raise ValueError("backward: the model has no DEQ layer")
+    return layers[0]
+
+
+def measure_mode(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    task: str,
+    backward: BackwardConfig,
+    forward: SolverConfig | None = None,
+    *,
+    g_ref: GradVector | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    memory: bool = True,
+    memory_cpu: bool = True,
+) -> dict[str, Any]:
+    """Time, memory, solver counts and gradient accuracy of one training step of ``model`` with
+    ``backward`` (and the forward solver ``forward``, default: the model's). The model's
+    configs, buffers and mode are restored afterwards.
+
+    Returns a dict with ``timing`` ({forward, backward, total} Timings, results = (forward,
+    backward) f-evals per repeat), ``memory`` (Memory or None), ``activation_bytes``,
+    ``stats`` (:func:`deqbench.deq.last_stats` of the untimed gradient pass), ``f_evals_grad``,
+    ``cosine`` and ``rel_error`` (NaN without ``g_ref``)."""
+    device = x.device
+    with preserved(model):
+        configure(model, forward, backward)
+        params = list(_param_dict(model).values())
+        loss_fn = loss_for(task)
+
+        def step(mark: Any) -> tuple[int, int]:
+            model.train()
+            loss = loss_fn(model(x), y)
+            nf = forward_nstep(model)
+            mark("forward")
+            torch.autograd.grad(loss, params, allow_unused=True)
+            return nf, backward_nstep(model)
+
+        timing = time_phases(
+            step, ("forward", "backward"), device=device, repeats=repeats, warmup=warmup
+        )
+        g = grad_vector(model, x, y, task, names=g_ref.names if g_ref is not None else None)
+        stats = last_stats(model)
+        fe_grad = sum(int(layer.f_evals_grad) for layer in deq_layers(model))
+        with preserved(model):
+            model.train()
+            act, _ = saved_tensor_bytes(lambda: loss_fn(model(x), y))
+        mem = peak_memory(GradStep(model, x, y, task), device, cpu=memory_cpu) if memory else None
+    cos, err = gradient_accuracy(g, g_ref) if g_ref is not None else (math.nan, math.nan)
+    return {
+        "timing": timing,
+        "memory": mem,
+        "activation_bytes": act,
+        "stats": stats,
+        "f_evals_grad": fe_grad,
+        "cosine": cos,
+        "rel_error": err,
+    }
+
+
+def mode_rows(
+    res: dict[str, Any], variant: str, step: int | None = None, note: str = ""
+) -> list[Row]:
+    """Result rows of :func:`measure_mode`."""
+    t = res["timing"]
+    rows: list[Row] = []
+    rows += t["forward"].rows("forward_ms", variant=variant, step=step)
+    rows += t["backward"].rows("backward_ms", variant=variant, step=step)
+    rows += t["total"].rows("step_ms", variant=variant, step=step)
+    for i, (nf, nb) in enumerate(t["total"].results):
+        rows.append(Row("forward_nstep", nf, variant=variant, step=step, repeat=i, unit="f-evals"))
+        rows.append(Row("backward_nstep", nb, variant=variant, step=step, repeat=i, unit="steps"))
+    rows.append(
+        Row("f_evals_grad", res["f_evals_grad"], variant=variant, step=step, unit="f-evals")
+    )
+    st = res["stats"]
+    for k in ("forward_rel_residual", "backward_rel_residual"):
+        if k in st:
+            rows.append(Row(k, st[k], variant=variant, step=step))
+    rows.append(Row("grad_cosine", res["cosine"], variant=variant, step=step, note=note))
+    rows.append(Row("grad_rel_error", res["rel_error"], variant=variant, step=step, note=note))
+    rows.append(
+        Row(
+            "activation_memory",
+            res["activation_bytes"] / MIB,
+            variant=variant,
+            step=step,
+            unit="MiB",
+            note="bytes autograd saves during the forward",
+        )
+    )
+    if res["memory"] is not None:
+        rows.append(res["memory"].row("peak_memory", variant=variant, step=step))
+    return rows
+
+
+def memory_vs_iterations(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    task: str = "classification",
+    *,
+    iterations: Sequence[int] = (5, 10, 20, 40),
+    modes: Sequence[str] = ("ift", "unrolled"),
+    memory: bool = True,
+    memory_cpu: bool = True,
+) -> Any:
+    """Memory of one training step against the number of forward iterations N: ``ift`` with a
+    forward of exactly N fixed-point iterations (tol 0) and the model's adjoint settings, and
+    ``unrolled`` with K = N. Returns a DataFrame: mode, iterations, activation_mib, peak_mib,
+    forward_nstep."""
+    import pandas as pd
+
+    layer = _first_layer(model)
+    base_b = layer.backward_cfg
+    out = []
+    with preserved(model):
+        loss_fn = loss_for(task)
+        for mode in modes:
+            for n in iterations:
+                if mode == "ift":
+                    fwd = SolverConfig("fixed_point", max_iter=int(n), tol=0.0, stop_mode="rel")
+                    bwd = replace(base_b, name="ift")
+                elif mode == "unrolled":
+                    fwd, bwd = replace(layer.solver_cfg), replace(base_b, name="unrolled", k=int(n))
+                else:
+                    raise ValueError(
+                        f"memory_vs_iterations: mode must be ift or unrolled, got {mode!r}"
+                    )
+                configure(model, fwd, bwd)
+                model.train()
+                act, _ = saved_tensor_bytes(lambda: loss_fn(model(x), y))
+                nf = forward_nstep(model)
+                mem = (
+                    peak_memory(GradStep(model, x, y, task), x.device, cpu=memory_cpu)
+                    if memory
+                    else Memory(math.nan, note="memory off")
+                )
+                out.append(
+                    {
+                        "mode": mode,
+                        "iterations": int(n),
+                        "activation_mib": act / MIB,
+                        "peak_mib": mem.peak_mib,
+                        "forward_nstep": nf,
+                        "method": mem.method,
+                    }
+                )
+    return pd.DataFrame(out)
+
+
+# -- the analysis --------------------------------------------------------------------------------
+
+
+@analyses.register("backward")
+class Backward(Analysis):
+    """Backward modes on one batch: time, memory, gradient accuracy (see module docstring)."""
+
+    name = "backward"
+    version = "1"
+    needs_training = False
+
+    class Params(PerfParams):
+        modes: list[ModeSpec] = Field(
+            default_factory=lambda: [ModeSpec(**m) for m in DEFAULT_MODES], min_length=1
+        )
+        #: float64 IFT reference gradient (forward and adjoint to ref_tol)
+        reference: bool = True
+        ref_solver: str = "anderson"
+        ref_adjoint_solver: str = "fixed_point"
+        ref_tol: float = Field(1e-12, gt=0)
+        ref_max_iter: int = Field(1000, ge=1)
+        #: forward iterations N of the memory-vs-iterations series (empty: no series)
+        memory_series: list[int] = Field(default_factory=lambda: [5, 10, 20, 40])
+        memory_series_modes: list[Literal["ift", "unrolled"]] = Field(
+            default_factory=lambda: ["ift", "unrolled"]
+        )
+
+    def _measure(self, ctx: CellContext, phase: str):
+        from .. import models as model_registry
+
+        p = self.params
+        step = phase_step(ctx, phase)
+        if not any(True for _ in deq_layers(ctx.model)):
+            yield Row(
+                "grad_rel_error",
+                math.nan,
+                step=step,
+                status="skipped",
+                note="the model has no DEQ layer",
+            )
+            return
+        bs = batch_size(p, ctx)
+        x, y, note = pick_batch(ctx, bs, p.split)
+        task = ctx.task
+        with measuring(p):
+            g_ref = None
+            if p.reference:
+                g_ref, info = reference_gradient(
+                    ctx.model,
+                    x,
+                    y,
+                    task,
+                    solver=p.ref_solver,
+                    tol=p.ref_tol,
+                    max_iter=p.ref_max_iter,
+                    adjoint_solver=p.ref_adjoint_solver,
+                )
+                ok = (
+                    info.get("forward_rel_residual", math.inf) < 1e3 * p.ref_tol
+                    and info.get("backward_rel_residual", math.inf) < 1e3 * p.ref_tol
+                )
+                rnote = (
+                    ""
+                    if ok
+                    else "reference not converged to 1e3 x ref_tol: accuracy rows are bounded by it"
+                )
+                for k in (
+                    "forward_rel_residual",
+                    "backward_rel_residual",
+                    "forward_nstep",
+                    "backward_nstep",
+                ):
+                    if k in info:
+                        yield Row(k, info[k], variant="reference", step=step, note=rnote)
+                yield Row("time_s", info["time_s"], variant="reference", step=step, unit="s")
+            layer = _first_layer(ctx.model)
+            for spec in p.modes:
+                bcfg = spec.backward_config(layer.backward_cfg)
+                fcfg = spec.forward_config(layer.solver_cfg)
+                v = spec.variant(bcfg, fcfg)
+                model = ctx.model
+                if spec.wrapper:
+                    fac = model_registry.get(spec.wrapper)
+                    if not getattr(fac, "wraps", False):
+                        yield Row(
+                            "step_ms_median",
+                            math.nan,
+                            variant=v,
+                            step=step,
+                            status="skipped",
+                            note=f"model '{spec.wrapper}' does not accept wrap=model",
+                        )
+                        continue
+                    model = fac(wrap=detached_copy(ctx.model))
+                try:
+                    res = measure_mode(
+                        model,
+                        x,
+                        y,
+                        task,
+                        bcfg,
+                        fcfg,
+                        g_ref=g_ref,
+                        repeats=p.repeats,
+                        warmup=p.warmup,
+                        memory=p.memory,
+                        memory_cpu=p.memory_cpu,
+                    )
+                except torch.cuda.OutOfMemoryError as exc:
+                    torch.cuda.empty_cache()
+                    yield Row(
+                        "step_ms_median",
+                        math.nan,
+                        variant=v,
+                        step=step,
+                        status="oom",
+                        note=str(exc).splitlines()[0],
+                    )
+                    continue
+                except Exception as exc:  # a mode the implementation lacks (torchdeq: unrolled)
+                    from ..errors import DeqbenchError
+
+                    if not isinstance(exc, DeqbenchError):
+                        raise
+                    yield Row(
+                        "step_ms_median",
+                        math.nan,
+                        variant=v,
+                        step=step,
+                        status="skipped",
+                        note=str(exc),
+                    )
+                    continue
+                yield from mode_rows(res, v, step)
+            if p.memory_series:
+                df = memory_vs_iterations(
+                    ctx.model,
+                    x,
+                    y,
+                    task,
+                    iterations=p.memory_series,
+                    modes=p.memory_series_modes,
+                    memory=p.memory,
+                    memory_cpu=p.memory_cpu,
+                )
+                df.insert(0, "step", step)
+                self._series = getattr(self, "_series", [])
+                self._series.append(df)
+                import pandas as pd
+
+                ctx.write_series("backward_memory", pd.concat(self._series, ignore_index=True))
+                for r in df.itertuples():
+                    v = f"{r.mode}-n={r.iterations}"
+                    yield Row(
+                        "series_activation_memory",
+                        r.activation_mib,
+                        variant=v,
+                        step=step,
+                        unit="MiB",
+                    )
+                    if math.isfinite(r.peak_mib):
+                        yield Row(
+                            "series_peak_memory",
+                            r.peak_mib,
+                            variant=v,
+                            step=step,
+                            unit="MiB",
+                            note=r.method,
+                        )
+            yield Row("batch_size", bs, step=step, unit="samples", note=note)
+            yield from flag_rows(ctx.device, step=step)
+
+    def before_training(self, ctx: CellContext):
+        if "init" in self.params.at:
+            yield from self._measure(ctx, "init")
+
+    def after_training(self, ctx: CellContext):
+        if "trained" in self.params.at:
+            yield from self._measure(ctx, "trained")
+
+
+# -- plots ---------------------------------------------------------------------------------------
+
+
+def plot_memory_vs_iterations(series: Any) -> Any | None:
+    """Activation (and, where measured, peak) memory against forward iterations, per cell and
+    mode: IFT flat, unrolled linear."""
+    from .. import plots
+
+    if series is None or len(series) == 0:
+        return None
+    has_peak = "peak_mib" in series and series["peak_mib"].notna().any()
+    fig = plots.new_figure(5.0, 3.6, ncols=2 if has_peak else 1)
+    labels = plots.short_labels(sorted(set(series["cell_id"])))
+    cols = [("activation_mib", "activation memory (MiB)")]
+    if has_peak:
+        cols.append(("peak_mib", "peak memory (MiB)"))
+    for ax, (col, ylabel) in zip(fig.axes, cols):
+        for (cell, mode, step), g in series.groupby(["cell_id", "mode", "step"]):
+            g = g.sort_values("iterations")
+            ax.plot(
+                g["iterations"],
+                g[col],
+                marker="o",
+                ls="-" if mode == "unrolled" else "--",
+                label=f"{labels.get(cell, cell)} {mode} (step {step})",
+            )
+        ax.set_xlabel("forward iterations N (unrolled K = N)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(fontsize=7)
+    return fig
+
+
+def plot_accuracy_vs_time(df: Any) -> Any | None:
+    """Gradient relative error against training-step time, one point per backward variant."""
+    from .. import plots
+
+    d = df[(df["analysis"] == "backward") & df["metric"].isin(["grad_rel_error", "step_ms_median"])]
+    d = d[d["variant"] != "reference"].dropna(subset=["value"])
+    if d.empty:
+        return None
+    w = (
+        d.pivot_table(
+            index=["cell_id", "step", "variant"], columns="metric", values="value", aggfunc="median"
+        )
+        .dropna()
+        .reset_index()
+    )
+    if w.empty or "grad_rel_error" not in w:
+        return None
+    fig = plots.new_figure(6.0, 4.0)
+    ax = fig.axes[0]
+    labels = plots.short_labels(sorted(set(w["cell_id"])))
+    for cell, g in w.groupby("cell_id"):
+        ax.scatter(
+            g["step_ms_median"], g["grad_rel_error"].clip(lower=1e-16), label=labels.get(cell, cell)
+        )
+        for r in g.itertuples():
+            ax.annotate(r.variant, (r.step_ms_median, max(r.grad_rel_error, 1e-16)), fontsize=6)
+    ax.set_xlabel("training step (ms, median)")
+    ax.set_ylabel("gradient relative error vs float64 IFT")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _plots(df: Any, run_dir: Any) -> dict[str, Any]:
+    from .. import plots
+
+    out = {}
+    fig = plot_memory_vs_iterations(plots.read_series(run_dir, "backward_memory"))
+    if fig is not None:
+        out["backward_memory"] = fig
+    fig = plot_accuracy_vs_time(df)
+    if fig is not None:
+        out["backward_accuracy"] = fig
+    return out
+
+
+def _register_plot() -> None:
+    from .. import plots
+
+    plots.register("backward")(_plots)
+
+
+_register_plot()

@@ -1,0 +1,218 @@
+"""Throughput: eval and train samples/s and time per batch, peak memory, parameter count.
+
+Rows (analysis ``throughput``; ``step`` 0 = before training, = epochs after training):
+
+* ``eval_ms`` (one row per timed repeat, ``repeat`` = index) and ``eval_ms_median`` /
+  ``_iqr`` / ``_spread`` (IQR / median; the note flags a spread above 10%): a no-grad forward of
+  one batch in eval mode; ``eval_samples_per_s`` from the median; ``eval_forward_nstep``: the
+  f-evaluations of every timed repeat (counted in the same repeat);
+* ``train_ms`` (same layout), ``train_samples_per_s``, ``train_forward_nstep`` /
+  ``train_backward_nstep``: a full optimiser step (zero_grad, forward, loss, backward, step with
+  the cell's optimiser) on a copy of the model, so the model under analysis is not changed;
+* ``eval_peak_memory`` / ``train_peak_memory`` (MiB) in their own pass: GPU
+  ``max_memory_allocated`` above the baseline; CPU peak RSS of a fresh worker process;
+* ``param_count``, ``batch_size``, ``threads`` (and on GPU the TF32 / cudnn.benchmark flags).
+
+Timing: CUDA events on GPU, ``perf_counter`` on CPU with the thread count recorded; ``warmup``
+untimed calls first; every repeat stored (DESIGN.md "Measuring").
+
+Example (plain functions):
+    >>> import deqbench, torch
+    >>> from deqbench.analyses.throughput import measure_throughput
+    >>> model = deqbench.models.create("fc_deq_tiny")
+    >>> res = measure_throughput(model, torch.randn(32, 64), torch.randint(0, 10, (32,)),
+    ...                          repeats=3, warmup=1, memory=False)
+    >>> res["eval"].median > 0, res["eval_nstep"][0] > 0
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from ..measure import Memory, Timing, flag_rows, param_count, peak_memory, sync, time_fn
+from ..registry import analyses
+from ._perf import (
+    EvalStep,
+    PerfParams,
+    TrainStep,
+    batch_size,
+    detached_copy,
+    measuring,
+    phase_step,
+    pick_batch,
+    preserved,
+)
+from .base import Analysis, CellContext, Row
+
+
+def measure_throughput(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor | None = None,
+    *,
+    task: str = "classification",
+    train: dict[str, Any] | None = None,
+    repeats: int = 10,
+    warmup: int = 3,
+    train_step: bool = True,
+    memory: bool = True,
+    memory_cpu: bool = True,
+) -> dict[str, Any]:
+    """Eval forward and train step timings and peak memory of ``model`` on batch ``x``.
+
+    Returns a dict: ``eval`` (:class:`~deqbench.measure.Timing`), ``eval_nstep`` (f-evals per
+    repeat), ``eval_memory`` (:class:`~deqbench.measure.Memory`), and with ``train_step`` and
+    ``y``: ``train``, ``train_nstep`` (forward, backward per repeat), ``train_memory``. The model's
+    buffers and mode are restored; the train step runs on a copy.
+    """
+    device = x.device
+    out: dict[str, Any] = {}
+    with preserved(model):
+        ev = EvalStep(model, x)
+        t = time_fn(ev, device=device, repeats=repeats, warmup=warmup)
+        out["eval"], out["eval_nstep"] = t, list(t.results)
+        if memory:
+            out["eval_memory"] = peak_memory(ev, device, cpu=memory_cpu)
+    if train_step and y is not None:
+        ts = TrainStep(detached_copy(model), x, y, task, train)
+        t = time_fn(ts, device=device, repeats=repeats, warmup=warmup)
+        out["train"], out["train_nstep"] = t, list(t.results)
+        if memory:
+            out["train_memory"] = peak_memory(
+                TrainStep(detached_copy(model), x, y, task, train), device, cpu=memory_cpu
+            )
+        del ts
+    return out
+
+
+def reference_loop_ms(model: nn.Module, x: Tensor, iters: int = 20, warmup: int = 3) -> float:
+    """A hand-written timing loop without measurement machinery: ``iters`` no-grad eval
+    forwards between two synchronisations, mean milliseconds per batch (the baseline the
+    ``throughput`` numbers are checked against)."""
+    import time
+
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        for _ in range(warmup):
+            model(x)
+        sync(x.device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            model(x)
+        sync(x.device)
+        dt = time.perf_counter() - t0
+    model.train(was)
+    return dt / iters * 1e3
+
+
+def throughput_rows(
+    res: dict[str, Any], batch: int, *, step: int | None = None, variant: str = ""
+) -> list[Row]:
+    """Result rows of :func:`measure_throughput`."""
+    rows: list[Row] = []
+    for kind in ("eval", "train"):
+        t: Timing | None = res.get(kind)
+        if t is None:
+            continue
+        rows += t.rows(f"{kind}_ms", variant=variant, step=step)
+        med = t.median
+        rows.append(
+            Row(
+                f"{kind}_samples_per_s",
+                batch / med if med > 0 else math.nan,
+                variant=variant,
+                step=step,
+                unit="samples/s",
+            )
+        )
+        ns = res.get(f"{kind}_nstep") or []
+        for i, n in enumerate(ns):
+            if kind == "eval":
+                rows.append(
+                    Row(
+                        "eval_forward_nstep",
+                        n,
+                        variant=variant,
+                        step=step,
+                        repeat=i,
+                        unit="f-evals",
+                    )
+                )
+            else:
+                rows.append(
+                    Row(
+                        "train_forward_nstep",
+                        n[0],
+                        variant=variant,
+                        step=step,
+                        repeat=i,
+                        unit="f-evals",
+                    )
+                )
+                rows.append(
+                    Row(
+                        "train_backward_nstep",
+                        n[1],
+                        variant=variant,
+                        step=step,
+                        repeat=i,
+                        unit="f-evals",
+                    )
+                )
+        mem: Memory | None = res.get(f"{kind}_memory")
+        if mem is not None:
+            rows.append(mem.row(f"{kind}_peak_memory", variant=variant, step=step))
+    return rows
+
+
+@analyses.register("throughput")
+class Throughput(Analysis):
+    """Eval/train samples per second, time per batch and peak memory (see module docstring)."""
+
+    name = "throughput"
+    version = "1"
+    needs_training = False
+
+    class Params(PerfParams):
+        repeats: int = Field(10, ge=1)
+        warmup: int = Field(3, ge=0)
+        #: also time a full optimiser step (on a copy of the model)
+        train_step: bool = True
+
+    def _measure(self, ctx: CellContext, phase: str):
+        p = self.params
+        step = phase_step(ctx, phase)
+        bs = batch_size(p, ctx)
+        x, y, note = pick_batch(ctx, bs, p.split)
+        with measuring(p):
+            res = measure_throughput(
+                ctx.model,
+                x,
+                y,
+                task=ctx.task,
+                train=(ctx.cell.get("train") or {}),
+                repeats=p.repeats,
+                warmup=p.warmup,
+                train_step=p.train_step,
+                memory=p.memory,
+                memory_cpu=p.memory_cpu,
+            )
+            yield from throughput_rows(res, bs, step=step)
+            yield Row("param_count", param_count(ctx.model), step=step, unit="parameters")
+            yield Row("batch_size", bs, step=step, unit="samples", note=note)
+            yield from flag_rows(ctx.device, step=step)
+
+    def before_training(self, ctx: CellContext):
+        if "init" in self.params.at:
+            yield from self._measure(ctx, "init")
+
+    def after_training(self, ctx: CellContext):
+        if "trained" in self.params.at:
+            yield from self._measure(ctx, "trained")

@@ -1,0 +1,519 @@
+"""Unrolled-K vs implicit (IFT) training of a DEQ: papers/003 Table 8 (REFERENCE.md 9.5).
+
+After training, for the cell's backward mode, measures on the test set:
+
+* ``test_accuracy`` with the inference that matches training: K cell steps from z0 for an
+  ``unrolled`` cell (the solver's own K-step iteration when it defines ``unroll``, e.g. SAM),
+  the forward solver at its tolerance otherwise;
+* ``rel_residual_opteq``: OptEq's relative residual ||z - T(z)|| / ||z||, whole-batch norms,
+  averaged over test batches (papers/003 section 7.4), and the canonical per-sample residual
+  ``rel_residual_mean`` / ``rel_residual_max`` (||T(z) - z|| / ||T(z)||);
+* ``inference_ms`` (no-grad forward of one batch), ``train_forward_ms`` and ``backprop_ms``
+  (forward with grad and ``loss.backward()``), every repeat stored, medians over the timed
+  batches; ``inference_samples_per_s``;
+* ``activation_memory``: bytes of the distinct tensors autograd saves during one training
+  forward (device-independent; grows with K for unrolled training, O(1) for IFT), and on CUDA
+  ``peak_memory`` (max_memory_allocated over one training step, above the baseline);
+* configuration rows ``gamma``, ``alpha``, ``unroll_k``, ``threshold`` and the model's
+  ``weight_norm_max`` / ``contraction_bound`` when it has them (OptEq).
+
+``tie_ift_tol`` (default on) sets an IFT cell's forward solver tolerance to its backward
+tolerance before training, so one matrix axis ``backward: [{name: ift, tol: 1e-2}, ...]`` gives
+the paper's single residual threshold "thd" for both passes.
+
+:func:`opteq_outcomes` turns a run's rows into the expected-behaviour checks of the ``opteq``
+suite, :func:`plot_unroll_compare` draws residual and memory against K.
+
+Example (plain functions)::
+
+    from deqbench.analyses.unroll_compare import infer, opteq_residual, saved_tensor_bytes
+    z = infer(model, x, k=10)                       # K steps; k=None: the forward solver
+    r = opteq_residual(model, x, z)                 # {"opteq": ..., "rel_mean": ..., ...}
+    nbytes = saved_tensor_bytes(lambda: model(x).sum())
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from .. import plots
+from ..deq import DEQLayer, deq_layers
+from ..registry import analyses
+from .base import Analysis, CellContext, Row
+
+FLOOR = 1e-6  # residuals below this are at float32 round-off; excluded from rate fits
+
+
+# -- plain functions ------------------------------------------------------------------------
+
+
+def _layer(model: Any) -> DEQLayer:
+    layers = list(deq_layers(model))
+    if len(layers) != 1:
+        raise ValueError(
+            f"unroll_compare needs a model with exactly one DEQ layer, found {len(layers)}"
+        )
+    return layers[0]
+
+
+def unrolled_k(model: Any) -> int | None:
+    """K of an ``unrolled`` backward, None for other modes."""
+    cfg = _layer(model).backward_cfg
+    return max(1, int(cfg.k)) if cfg.name == "unrolled" else None
+
+
+@torch.no_grad()
+def equilibrium(model: Any, x: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
+    """(z, u): K cell steps from z0 (``k``) or the forward solver (``k=None``), no grad."""
+    from .. import solvers
+
+    layer = _layer(model)
+    refresh = getattr(layer.cell, "refresh", None)
+    if callable(refresh):
+        refresh()
+    u = model.inject(x)
+    z0 = model.z0(u)
+    if k is None:
+        z, _ = layer.solve(u, z0)
+        return z, u
+    unroll = getattr(solvers.get(layer.solver_cfg.name), "unroll", None)
+    if unroll is not None:
+        z, _, _ = unroll(lambda z_: layer.cell(z_, u), z0, k, **layer.solver_cfg.options)
+        return z, u
+    z = z0
+    for _ in range(k):
+        z = layer.cell(z, u)
+    return z, u
+
+
+def infer(model: Any, x: Tensor, k: int | None = None) -> Tensor:
+    """Equilibrium state for input ``x`` (see :func:`equilibrium`)."""
+    return equilibrium(model, x, k)[0]
+
+
+@torch.no_grad()
+def opteq_residual(model: Any, z: Tensor, u: Tensor) -> dict[str, float]:
+    """Residuals of state ``z`` under the cell map T(., u): ``opteq`` = ||z - T(z)||_F /
+    ||z||_F over the batch (papers/003), ``rel_mean``/``rel_max`` per sample canonical."""
+    tz = _layer(model).cell(z, u)
+    d = (tz - z).reshape(z.shape[0], -1)
+    opteq = float(torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(z) + 1e-12))
+    per = torch.linalg.vector_norm(d, dim=1) / (
+        torch.linalg.vector_norm(tz.reshape(z.shape[0], -1), dim=1) + 1e-9
+    )
+    return {"opteq": opteq, "rel_mean": float(per.mean()), "rel_max": float(per.max())}
+
+
+def saved_tensor_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """(bytes, fn()): total size of the distinct storages autograd saves while ``fn`` runs
+    (tensors saved several times, e.g. a weight used by every unrolled step, count once)."""
+    seen: dict[tuple[Any, int], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        try:
+            st = t.untyped_storage()
+            seen[(t.device, st.data_ptr())] = st.nbytes()
+        except Exception:  # pragma: no cover - exotic tensors
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return int(sum(seen.values())), out
+
+
+def _sync(device: Any) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+# -- the analysis ---------------------------------------------------------------------------
+
+
+@analyses.register("unroll_compare")
+class UnrollCompare(Analysis):
+    """Unrolled-K vs IFT: accuracy, inference/backprop time, residual, memory (papers/003 Table 8)."""
+
+    name = "unroll_compare"
+    version = "1"
+
+    class Params(Analysis.Params):
+        timing_batches: int = Field(10, ge=1, description="test batches timed per repeat")
+        batch_size: int | None = Field(None, ge=1, description="default: the train batch size")
+        repeats: int = Field(3, ge=1)
+        warmup: int = Field(1, ge=0)
+        tie_ift_tol: bool = True
+        memory: bool = True
+
+    def before_training(self, ctx: CellContext) -> Iterable[Row]:
+        layer = _layer(ctx.model)
+        bw = layer.backward_cfg
+        if self.params.tie_ift_tol and bw.name == "ift":
+            layer.configure(solver=replace(layer.solver_cfg, tol=float(bw.tol)))
+        return ()
+
+    def _batch_size(self, ctx: CellContext) -> int:
+        if self.params.batch_size:
+            return int(self.params.batch_size)
+        return int((ctx.cell.get("train") or {}).get("batch_size", 64))
+
+    def after_training(self, ctx: CellContext) -> Iterable[Row]:
+        model = ctx.model
+        layer = _layer(model)
+        k = unrolled_k(model)
+        thd = None if k is not None else float(layer.solver_cfg.tol)
+        variant = f"unrolled_K={k}" if k is not None else f"{layer.backward_cfg.name}_thd={thd:g}"
+        X, y = ctx.data.test
+        bs = self._batch_size(ctx)
+        was = model.training
+        model.eval()
+
+        def row(metric: str, value: float, unit: str = "", **kw: Any) -> Row:
+            return Row(metric, value, variant=variant, unit=unit, **kw)
+
+        # configuration
+        yield row("unroll_k", k if k is not None else math.nan)
+        yield row("threshold", thd if thd is not None else math.nan)
+        for attr in ("gamma", "alpha"):
+            if hasattr(model, attr):
+                yield row(attr, float(getattr(model, attr)))
+        if hasattr(model, "weight_norms"):
+            yield row("weight_norm_max", max(model.weight_norms()))
+        if hasattr(model, "contraction_bound"):
+            yield row("contraction_bound", model.contraction_bound())
+
+        # accuracy and residual over the whole test set
+        correct, n, res_opteq, rel_means, rel_max, nsteps = 0.0, 0, [], [], 0.0, []
+        with torch.no_grad():
+            for i in range(0, X.shape[0], bs):
+                xb, yb = X[i : i + bs], y[i : i + bs]
+                z, u = equilibrium(model, xb, k)
+                if k is None and layer.last_forward_stats is not None:
+                    nsteps.append(layer.last_forward_stats.nstep)
+                out = model.readout(z)
+                if ctx.task == "classification":
+                    correct += float((out.argmax(1) == yb).sum())
+                n += xb.shape[0]
+                r = opteq_residual(model, z, u)
+                res_opteq.append(r["opteq"])
+                rel_means.append(r["rel_mean"] * xb.shape[0])
+                rel_max = max(rel_max, r["rel_max"])
+        if ctx.task == "classification":
+            yield row("test_accuracy", correct / max(n, 1))
+        yield row("rel_residual_opteq", sum(res_opteq) / max(len(res_opteq), 1))
+        yield row("rel_residual_mean", sum(rel_means) / max(n, 1))
+        yield row("rel_residual_max", rel_max)
+        yield row(
+            "forward_nstep", _median(nsteps) if nsteps else (k if k is not None else math.nan)
+        )
+
+        # timing
+        nb = min(self.params.timing_batches, max(1, X.shape[0] // bs))
+        batches = [(X[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs]) for i in range(nb)]
+        dev = ctx.device
+        for r in range(self.params.warmup + self.params.repeats):
+            times = []
+            for xb, _ in batches:
+                _sync(dev)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    model.readout(infer(model, xb, k))
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+            if r >= self.params.warmup:
+                rep = r - self.params.warmup
+                med = _median(times)
+                yield row("inference_ms", 1e3 * med, "ms", repeat=rep)
+                yield row(
+                    "inference_samples_per_s", bs / med if med > 0 else math.nan, "1/s", repeat=rep
+                )
+
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        model.train()
+        loss_fn = ctx.loss_fn or torch.nn.functional.cross_entropy
+        bnsteps: list[float] = []
+        for r in range(self.params.warmup + self.params.repeats):
+            fwd, bwd = [], []
+            for xb, yb in batches:
+                model.zero_grad(set_to_none=True)
+                _sync(dev)
+                t0 = time.perf_counter()
+                loss = loss_fn(model(xb), yb)
+                _sync(dev)
+                t1 = time.perf_counter()
+                loss.backward()
+                _sync(dev)
+                t2 = time.perf_counter()
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                if layer.last_backward_stats is not None:
+                    bnsteps.append(layer.last_backward_stats.nstep)
+            if r >= self.params.warmup:
+                rep = r - self.params.warmup
+                yield row("train_forward_ms", 1e3 * _median(fwd), "ms", repeat=rep)
+                yield row("backprop_ms", 1e3 * _median(bwd), "ms", repeat=rep)
+        if bnsteps:
+            yield row("backward_nstep", _median(bnsteps))
+
+        if self.params.memory:
+            xb, yb = batches[0]
+            model.zero_grad(set_to_none=True)
+            nbytes, loss = saved_tensor_bytes(lambda: loss_fn(model(xb), yb))
+            loss.backward()
+            yield row("activation_memory", nbytes, "bytes")
+            if torch.device(dev).type == "cuda":
+                model.zero_grad(set_to_none=True)
+                torch.cuda.synchronize(dev)
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                loss_fn(model(xb), yb).backward()
+                torch.cuda.synchronize(dev)
+                yield row("peak_memory", torch.cuda.max_memory_allocated(dev) - base, "bytes")
+            else:
+                yield row(
+                    "peak_memory",
+                    math.nan,
+                    "bytes",
+                    status="skipped",
+                    note="CPU: no allocator peak; see activation_memory",
+                )
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        model.train(was)
+
+
+# -- outcome checks -------------------------------------------------------------------------
+
+
+def unroll_table(df: Any) -> Any:
+    """One row per (cell, seed) of an ``unroll_compare`` run, metrics as columns (medians over
+    repeats), then averaged over seeds: columns cell_id, method, gamma, unroll_k, threshold,
+    test_accuracy, rel_residual_opteq, inference_ms, backprop_ms, activation_memory, ..."""
+    import pandas as pd
+
+    d = df[(df["analysis"] == "unroll_compare")]
+    if "status" in d.columns:
+        d = d[d["status"].fillna("ok") == "ok"]
+    if d.empty:
+        return pd.DataFrame()
+    per_seed = d.pivot_table(
+        index=["cell_id", "variant", "seed"], columns="metric", values="value", aggfunc="median"
+    ).reset_index()
+    num = [c for c in per_seed.columns if c not in ("cell_id", "variant", "seed")]
+    tab = per_seed.groupby(["cell_id", "variant"], dropna=False)[num].mean().reset_index()
+    tab = tab.rename(columns={"variant": "method"})
+    sort = [c for c in ("gamma", "unroll_k", "threshold") if c in tab.columns]
+    return tab.sort_values(sort, na_position="last").reset_index(drop=True)
+
+
+def _fit_rate(ks: list[float], res: list[float]) -> float:
+    """exp(slope) of log(residual) against K over the points above :data:`FLOOR`."""
+    pts = [(k, math.log(r)) for k, r in zip(ks, res) if r > FLOOR and math.isfinite(r)]
+    if len(pts) < 2:
+        return math.nan
+    mk = sum(p[0] for p in pts) / len(pts)
+    ml = sum(p[1] for p in pts) / len(pts)
+    num = sum((p[0] - mk) * (p[1] - ml) for p in pts)
+    den = sum((p[0] - mk) ** 2 for p in pts)
+    return math.exp(num / den) if den > 0 else math.nan
+
+
+def opteq_outcomes(df: Any, *, acc_spread: float = 0.05, mem_growth: float = 4.0) -> Any:
+    """Expected behaviours of the ``opteq`` suites (REFERENCE.md 9.5), one row per check in the
+    :mod:`deqbench.outcomes` schema (``check, cell_id, held, value, expected, detail``).
+
+    Per gamma: the unrolled residual falls with K (``residual falls with K``) at a geometric
+    rate within the contraction bound (``geometric rate within bound``, fitted over residuals
+    above 1e-6); accuracy is nearly flat over all methods (``accuracy flat``, spread <=
+    ``acc_spread``); unrolled activation memory grows with K (``unrolled memory grows with K``,
+    K=max / K=min >= ``mem_growth``); IFT memory does not (``IFT memory constant``: equal across
+    thresholds, below the smallest K); each IFT cell meets its threshold on the test set;
+    ||W|| <= gamma. Across gammas: the fitted rate grows with gamma.
+    """
+    import pandas as pd
+
+    from ..outcomes import outcome
+
+    tab = unroll_table(df)
+    rows: list[dict[str, Any]] = []
+    if tab.empty or "gamma" not in tab.columns:
+        return pd.DataFrame(
+            [
+                outcome(
+                    "unroll_compare rows present",
+                    False,
+                    detail="the suite must run the unroll_compare analysis",
+                )
+            ]
+        )
+    rates: dict[float, float] = {}
+    for gamma, g in tab.groupby("gamma"):
+        grp = f"gamma={gamma:g}"
+        unr = g[g["unroll_k"].notna()].sort_values("unroll_k")
+        ift = g[g["unroll_k"].isna()]
+        ks = unr["unroll_k"].tolist()
+        res = unr["rel_residual_opteq"].tolist() if "rel_residual_opteq" in unr else []
+        if len(ks) >= 2 and res:
+            dec = all(b < a or (a <= FLOOR and b <= FLOOR) for a, b in zip(res, res[1:]))
+            rows.append(
+                outcome(
+                    f"residual falls with K ({grp})",
+                    dec,
+                    res[-1],
+                    "decreasing in K (flat below 1e-6)",
+                    ", ".join(f"K={k:g}: {r:.2e}" for k, r in zip(ks, res)),
+                )
+            )
+            rate = _fit_rate(ks, res)
+            rates[float(gamma)] = rate
+            bound = (
+                float(unr["contraction_bound"].mean()) if "contraction_bound" in unr else math.nan
+            )
+            ok = math.isfinite(rate) and (not math.isfinite(bound) or rate <= bound + 0.02)
+            if gamma < 1:
+                ok = ok and rate < 1
+            rows.append(
+                outcome(
+                    f"geometric rate within bound ({grp})",
+                    ok if math.isfinite(rate) else None,
+                    rate,
+                    f"<= {bound:.3f} (Lipschitz bound of T)" + (", < 1" if gamma < 1 else ""),
+                    f"residual ~ rate^K fitted over residuals > {FLOOR:g}; per step {rate:.3f}",
+                )
+            )
+        if "test_accuracy" in g:
+            acc = g["test_accuracy"]
+            spread = float(acc.max() - acc.min())
+            rows.append(
+                outcome(
+                    f"accuracy flat across K and IFT ({grp})",
+                    spread <= acc_spread,
+                    spread,
+                    f"spread <= {acc_spread}",
+                    ", ".join(f"{m}: {a:.3f}" for m, a in zip(g["method"], acc)),
+                )
+            )
+        if "activation_memory" in g and len(unr) >= 2:
+            mem = unr["activation_memory"].tolist()
+            grows = all(b > a for a, b in zip(mem, mem[1:]))
+            ratio = mem[-1] / mem[0] if mem[0] > 0 else math.nan
+            rows.append(
+                outcome(
+                    f"unrolled memory grows with K ({grp})",
+                    grows and ratio >= mem_growth,
+                    ratio,
+                    f"increasing, K={ks[-1]:g} / K={ks[0]:g} >= {mem_growth:g}",
+                    ", ".join(f"K={k:g}: {m / 2**20:.2f} MiB" for k, m in zip(ks, mem)),
+                )
+            )
+            if len(ift):
+                im = ift["activation_memory"].tolist()
+                const = max(im) <= 1.1 * min(im) and max(im) < mem[0]
+                rows.append(
+                    outcome(
+                        f"IFT memory constant ({grp})",
+                        const,
+                        max(im),
+                        f"equal across thresholds, < unrolled K={ks[0]:g} ({mem[0] / 2**20:.2f} MiB)",
+                        ", ".join(f"{m}: {v / 2**20:.2f} MiB" for m, v in zip(ift["method"], im)),
+                    )
+                )
+        for _, r in ift.iterrows():
+            thd = float(r["threshold"])
+            obs = float(r.get("rel_residual_opteq", math.nan))
+            rows.append(
+                outcome(
+                    f"IFT meets its threshold ({grp}, thd={thd:g})",
+                    obs <= thd,
+                    obs,
+                    f"<= {thd:g}",
+                    f"test residual ||z - T(z)|| / ||z||, forward iterations {r.get('forward_nstep', math.nan):.0f}",
+                    cell_id=str(r["cell_id"]),
+                )
+            )
+        if "weight_norm_max" in g:
+            wn = float(g["weight_norm_max"].max())
+            rows.append(
+                outcome(
+                    f"norm bound ||W|| <= gamma ({grp})",
+                    wn <= gamma * (1 + 1e-4),
+                    wn,
+                    f"<= {gamma:g}",
+                )
+            )
+    fin = {g: r for g, r in sorted(rates.items()) if math.isfinite(r)}
+    if len(fin) >= 2:
+        vals = list(fin.values())
+        rows.append(
+            outcome(
+                "rate increases with gamma",
+                all(b > a for a, b in zip(vals, vals[1:])),
+                vals[-1],
+                "increasing in gamma",
+                ", ".join(f"gamma={g:g}: {r:.3f}" for g, r in fin.items()),
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+@plots.register("unroll_compare")
+def _plots(df: Any, run_dir: Any) -> dict[str, Any]:
+    if not (df["analysis"] == "unroll_compare").any():
+        return {}
+    return {"unroll_compare": plot_unroll_compare(df)}
+
+
+def plot_unroll_compare(df: Any) -> Any:
+    """Figure: OptEq residual (log) and activation memory against K per gamma, IFT thresholds as
+    dashed lines (papers/003 Table 8 as curves)."""
+    from matplotlib.figure import Figure
+
+    tab = unroll_table(df)
+    fig = Figure(figsize=(10, 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    if tab.empty or "gamma" not in tab.columns:
+        return fig
+    for gamma, g in tab.groupby("gamma"):
+        unr = g[g["unroll_k"].notna()].sort_values("unroll_k")
+        line = ax1.semilogy(
+            unr["unroll_k"], unr["rel_residual_opteq"], "o-", label=f"gamma={gamma:g}"
+        )
+        color = line[0].get_color()
+        for _, r in g[g["unroll_k"].isna()].iterrows():
+            ax1.axhline(r["rel_residual_opteq"], color=color, ls="--", lw=0.8)
+        if "activation_memory" in unr:
+            ax2.plot(
+                unr["unroll_k"],
+                unr["activation_memory"] / 2**20,
+                "o-",
+                color=color,
+                label=f"unrolled gamma={gamma:g}",
+            )
+            for _, r in g[g["unroll_k"].isna()].iterrows():
+                ax2.axhline(r["activation_memory"] / 2**20, color=color, ls="--", lw=0.8)
+    ax1.set_xlabel("K (unrolled steps)")
+    ax1.set_ylabel("relative residual ||z - T(z)|| / ||z||")
+    ax1.set_title("residual vs K (dashed: IFT)")
+    ax1.legend()
+    ax2.set_xlabel("K")
+    ax2.set_ylabel("saved activations (MiB)")
+    ax2.set_title("training memory (dashed: IFT)")
+    ax2.legend()
+    fig.tight_layout()
+    return fig

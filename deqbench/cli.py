@@ -1,0 +1,330 @@
+"""The ``deqbench`` command line (Typer). Parses options, calls the library, maps errors to exit
+codes; no logic of its own. Nothing heavy is imported at module level: ``deqbench --help`` does
+not import torch.
+
+Exit codes: 0 ok; 1 finished but some cell failed; 2 usage, config or unknown-name error (one
+red line per problem on stderr, no traceback); 130 interrupted (finished cells are on disk).
+
+Adding a command that measures something (``landscape``, ``hessian``, ``ntk``): build a one-cell
+suite from its options and hand it to the same runner::
+
+    @app.command(epilog="Example: deqbench landscape --model fc_deq_tiny")
+    def landscape(model: str = "fc_deq_tiny", device: DeviceOpt = None, ...) -> None:
+        run_one_cell("landscape", model=model, analyses=[{"landscape": {...}}], device=device, ...)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .console import KINDS, err_console, esc
+
+app = typer.Typer(
+    name="deqbench",
+    help="Benchmark and analyse deep equilibrium models: YAML suites in, tidy CSV and plots out.",
+    epilog="Example: deqbench run suites/smoke.yaml --set defaults.train.epochs=1",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+DeviceOpt = Annotated[
+    str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N (overrides the suite).")
+]
+SeedsOpt = Annotated[
+    str | None, typer.Option("--seeds", help="Seeds, e.g. 0,1,2 or 0-4 (overrides the suite).")
+]
+OutOpt = Annotated[
+    Path | None, typer.Option("--out", help="Results root (overrides the suite's output).")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Override a suite field: KEY=VALUE with a dotted key, e.g. defaults.train.epochs=1 (repeatable).",
+    ),
+]
+ProgressOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--progress/--no-progress",
+        help="Progress bar on stderr (default: on when stderr is a terminal).",
+    ),
+]
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print ``message`` (one red line per line) on stderr and exit with ``code``."""
+    con = err_console()
+    for line in str(message).splitlines() or ["error"]:
+        con.print(f"[red]error:[/red] {esc(line)}", markup=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def handle_errors() -> Iterator[None]:
+    """DeqbenchError -> exit 2 with its lines; KeyboardInterrupt -> exit 130."""
+    from .errors import DeqbenchError
+
+    try:
+        yield
+    except DeqbenchError as exc:
+        fail(str(exc), 2)
+    except KeyboardInterrupt:
+        err_console().print("[yellow]interrupted[/yellow]", markup=True)
+        raise typer.Exit(130) from None
+
+
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``"0,1,2"`` / ``"0-4"`` -> list of ints."""
+    from .errors import ConfigError
+
+    if text is None:
+        return None
+    seeds: list[int] = []
+    try:
+        for part in text.replace(" ", "").split(","):
+            lo, dash, hi = part.partition("-")
+            seeds += list(range(int(lo), int(hi) + 1)) if dash and lo else [int(part)]
+    except ValueError:
+        raise ConfigError(f"--seeds {text}: expected integers like 0,1,2 or 0-4") from None
+    if not seeds:
+        raise ConfigError(f"--seeds {text}: no seeds")
+    return seeds
+
+
+def execute(
+    suite: Any,
+    *,
+    resume: Path | None = None,
+    progress: bool | None = None,
+    plots: bool = True,
+    out: Path | None = None,
+) -> int:
+    """Run ``suite`` through the runner, print the summary; return the exit code."""
+    from .console import print_summary
+    from .runner import run_suite
+
+    summary = run_suite(suite, out, resume=resume, progress=progress, plots=plots, command=sys.argv)
+    from .results import load_results
+
+    print_summary(load_results(summary.run_dir))
+    con = err_console()
+    for cell, seed, status, note in summary.failed:
+        con.print(f"[red]{status}[/red] {esc(f'{cell} seed={seed}: {note}')}", markup=True)
+    if summary.interrupted:
+        con.print(
+            "[yellow]interrupted[/yellow]; resume with: "
+            + esc(f"deqbench run {summary.run_dir / 'suite.yaml'} --resume {summary.run_dir}"),
+            markup=True,
+        )
+    print(f"run directory: {summary.run_dir}")
+    return summary.exit_code
+
+
+def run_one_cell(
+    name: str,
+    *,
+    model: str | dict[str, Any],
+    analyses: Sequence[Any],
+    device: str | None = None,
+    seeds: str | None = None,
+    out: Path | None = None,
+    set_: Sequence[str] | None = None,
+    progress: bool | None = None,
+    **sections: Any,
+) -> None:
+    """Build a one-cell suite from options (:func:`deqbench.suite.one_cell_suite`) and run it;
+    exits with the run's code. For commands like ``landscape``, ``hessian``, ``ntk``."""
+    with handle_errors():
+        from .suite import one_cell_suite
+
+        suite = one_cell_suite(
+            name,
+            model=model,
+            analyses=analyses,
+            device=device or "auto",
+            seeds=parse_seeds(seeds) or [0],
+            output=str(out) if out else "results",
+            overrides=set_ or (),
+            **{k: v for k, v in sections.items() if v is not None},
+        )
+        code = execute(suite, progress=progress)
+    raise typer.Exit(code)
+
+
+@app.command(
+    epilog="Example: deqbench run suites/smoke.yaml --device cpu --seeds 0 --set defaults.train.epochs=1"
+)
+def run(
+    suite: Annotated[Path, typer.Argument(help="Suite YAML file.")],
+    device: DeviceOpt = None,
+    seeds: SeedsOpt = None,
+    out: OutOpt = None,
+    set_: SetOpt = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option("--resume", help="Continue this run directory: finished cells are skipped."),
+    ] = None,
+    progress: ProgressOpt = None,
+    plots: Annotated[
+        bool, typer.Option("--plots/--no-plots", help="Write plots/ at the end.")
+    ] = True,
+) -> None:
+    """Run a suite: every cell x seed; writes results/<suite>/<run_id>/."""
+    with handle_errors():
+        from .suite import load_suite
+
+        s = load_suite(
+            suite,
+            overrides=set_ or (),
+            device=device,
+            seeds=parse_seeds(seeds),
+            output=str(out) if out else None,
+        )
+        code = execute(s, resume=resume, progress=progress, plots=plots)
+    raise typer.Exit(code)
+
+
+@app.command(epilog="Example: deqbench validate suites/smoke.yaml --set defaults.solver.tol=1e-6")
+def validate(
+    suite: Annotated[Path, typer.Argument(help="Suite YAML file.")],
+    device: DeviceOpt = None,
+    seeds: SeedsOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Check a suite without running it; list its cells."""
+    with handle_errors():
+        from .suite import format_cells, load_suite
+
+        s = load_suite(suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds))
+        n = len(s.cells)
+        print(
+            f"{suite}: ok: {n} cell{'s' * (n != 1)} x {len(s.seeds)} seed"
+            f"{'s' * (len(s.seeds) != 1)} = {n * len(s.seeds)} tasks; device {s.device}; "
+            f"analyses: {', '.join(a for a, _ in s.analyses) or 'none'}"
+        )
+        for line in format_cells(s):
+            print(line)
+
+
+@app.command("ls", epilog="Example: deqbench ls models 'conv*'")
+def ls(
+    kind: Annotated[
+        str | None, typer.Argument(help=f"One of {', '.join(KINDS)} (default: all).")
+    ] = None,
+    pattern: Annotated[
+        str | None, typer.Argument(help="Glob or substring filter on names.")
+    ] = None,
+) -> None:
+    """List registered names and where they come from (built-in or plugin distribution)."""
+    with handle_errors():
+        from .console import list_names
+
+        for line in list_names(kind, pattern):
+            print(line)
+
+
+@app.command(epilog="Example: deqbench info --device cuda")
+def info(
+    device: DeviceOpt = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Versions, device, CUDA, numeric flags and installed plugins."""
+    with handle_errors():
+        from .console import info_lines
+
+        for line in info_lines(device, as_json=json_):
+            print(line)
+
+
+@app.command(epilog="Example: deqbench plot results/smoke/20250101-120000")
+def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) -> None:
+    """Regenerate the plots of a run into RUN_DIR/plots/."""
+    with handle_errors():
+        from .plots import write_plots
+        from .results import load_results
+
+        paths, errors = write_plots(run_dir, load_results(run_dir))
+        for p in paths:
+            print(p)
+        for e in errors:
+            err_console().print(f"[red]error:[/red] {esc(e)}", markup=True)
+        if not paths and not errors:
+            err_console().print("nothing to plot in this run", markup=False)
+    if errors:
+        raise typer.Exit(1)
+
+
+@app.command(
+    epilog="Example: deqbench compare results/smoke/RUN_A results/smoke/RUN_B --factor 1.2"
+)
+def compare(
+    run_a: Annotated[Path, typer.Argument(help="Baseline run directory.")],
+    run_b: Annotated[Path, typer.Argument(help="Run directory to compare against the baseline.")],
+    factor: Annotated[
+        float,
+        typer.Option(
+            "--factor",
+            min=1.0,
+            help="Flag metrics whose median ratio B/A is beyond this factor either way.",
+        ),
+    ] = 1.1,
+    csv: Annotated[
+        Path | None,
+        typer.Option(
+            "--csv",
+            help="Where to write the comparison CSV (default RUN_B/compare-<RUN_A name>.csv).",
+        ),
+    ] = None,
+    fail_on_change: Annotated[
+        bool, typer.Option("--fail-on-change", help="Exit 1 when a metric is flagged.")
+    ] = False,
+) -> None:
+    """Compare two runs: median ratio B/A per metric, joined on (cell_id, seed, analysis,
+    variant, metric, step)."""
+    with handle_errors():
+        from .console import compare_table, out_console
+        from .errors import ConfigError
+        from .results import compare as compare_runs
+        from .results import load_results
+
+        summary, _ = compare_runs(load_results(run_a), load_results(run_b), factor)
+        if summary.empty:
+            raise ConfigError(f"{run_a} and {run_b} share no (cell_id, seed, metric) rows")
+        path = csv or Path(run_b) / f"compare-{Path(run_a).name}.csv"
+        summary.to_csv(path, index=False)
+        out_console().print(
+            compare_table(summary, f"B/A: {run_b} vs {run_a} (flag beyond x{factor:g})")
+        )
+        print(f"wrote {path}")
+        changed = int(summary["changed"].sum())
+    raise typer.Exit(1 if (fail_on_change and changed) else 0)
+
+
+def _register_subcommands() -> None:
+    """Add the commands of ``deqbench/cli_*.py`` modules (each defines ``register(app)``; they
+    must not import torch at module level)."""
+    import importlib
+    import pkgutil
+
+    import deqbench
+
+    for info_ in sorted(pkgutil.iter_modules(deqbench.__path__), key=lambda m: m.name):
+        if info_.name.startswith("cli_"):
+            importlib.import_module(f"deqbench.{info_.name}").register(app)
+
+
+_register_subcommands()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,155 @@
+"""Terminal output of the CLI: consoles, the run summary, compare tables, ``ls`` and ``info``.
+
+Results go to stdout, diagnostics to stderr. Importing this module imports nothing heavy
+(rich and the library are imported inside the functions).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+KINDS = ("models", "solvers", "inits", "analyses", "datasets", "plots")
+
+
+def err_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def out_console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def esc(text: Any) -> str:
+    """Escape rich markup in user-provided text (``matrix.backward[1]``, lists in notes)."""
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+def print_summary(df: Any) -> None:
+    """One table row per cell: tasks ok, last-epoch test accuracy (or MSE), forward/backward
+    f-evaluations per training batch, median wall time."""
+    from rich.table import Table
+
+    from .results import RUNNER
+
+    if df.empty:
+        return
+    t = Table(title="deqbench results (median over seeds)")
+    for col in ("cell", "ok", "test acc/mse", "fwd f-evals", "bwd f-evals", "time [s]"):
+        t.add_column(col, overflow="fold")
+
+    def last(g: Any, analysis: str, metric: str, variant: str) -> str:
+        sel = (g.analysis == analysis) & (g.metric == metric) & (g.variant == variant)
+        d = g[sel & g.step.notna()]
+        if d.empty:
+            return ""
+        return f"{d[d.step == d.step.max()].value.median():.4g}"
+
+    for cell, g in df.groupby("cell_id", sort=False):
+        r = g[g.analysis == RUNNER]
+        ok = f"{int((r.status == 'ok').sum())}/{len(r)}"
+        if (r.status != "ok").any():
+            ok += " " + ",".join(sorted(set(r.status) - {"ok"}))
+        acc = last(g, "metrics", "accuracy", "test") or last(g, "metrics", "mse", "test")
+        fwd = last(g, "solver_stats", "forward_nstep", "train")
+        bwd = last(g, "solver_stats", "backward_nstep", "train")
+        t.add_row(esc(cell), ok, acc, fwd, bwd, f"{r.value.median():.2f}")
+    out_console().print(t)
+
+
+def compare_table(summary: Any, title: str) -> Any:
+    """A rich Table of :func:`deqbench.results.compare`'s summary; flagged rows say CHANGED."""
+    from rich.table import Table
+
+    t = Table(title=esc(title))
+    for col in ("analysis", "metric", "variant", "n", "median A", "median B", "ratio", ""):
+        t.add_column(col, overflow="fold")
+    for r in summary.itertuples():
+        t.add_row(
+            esc(r.analysis), esc(r.metric), esc(r.variant), str(r.n), f"{r.median_a:.4g}",
+            f"{r.median_b:.4g}", f"{r.ratio:.4g}", "[red]CHANGED[/red]" if r.changed else "",
+        )  # fmt: skip
+    return t
+
+
+def list_names(kind: str | None, pattern: str | None) -> list[str]:
+    """``deqbench ls`` lines: ``KIND  NAME  ORIGIN`` (origin: built-in or plugin distribution
+    and version). Plugin import problems are printed on stderr."""
+    import fnmatch
+
+    from .errors import UnknownNameError
+    from .registry import REGISTRIES
+    from .yamlio import did_you_mean
+
+    kinds = list(KINDS)
+    if kind is not None:
+        k = {"analysis": "analyses"}.get(kind, kind)
+        k = k if k in KINDS else f"{k}s"
+        if k not in KINDS:
+            hint = did_you_mean(kind, KINDS)
+            raise UnknownNameError(f"unknown kind '{kind}'{hint}; kinds: {', '.join(KINDS)}")
+        kinds = [k]
+    rows: list[tuple[str, str, str]] = []
+    for k in kinds:
+        if k in REGISTRIES:
+            reg = REGISTRIES[k]
+            rows += [(k, n, reg.origin(n)) for n in reg.names(pattern)]
+            for e in reg.plugin_errors:
+                err_console().print(f"[yellow]warning:[/yellow] {esc(e)}", markup=True)
+            continue
+        if k == "datasets":
+            from .data import DATASETS
+
+            names: list[str] = list(DATASETS)
+        else:
+            from .plots import names as plot_names
+
+            names = plot_names()
+        rows += [
+            (k, n, "built-in")
+            for n in sorted(names)
+            if not pattern or fnmatch.fnmatchcase(n, pattern) or pattern in n
+        ]
+    w1 = max((len(r[0]) for r in rows), default=0)
+    w2 = max((len(r[1]) for r in rows), default=0)
+    return [f"{k:<{w1}}  {n:<{w2}}  {o}" for k, n, o in rows]
+
+
+def info_lines(device: str | None, as_json: bool = False) -> list[str]:
+    """``deqbench info``: versions, device, flags, git commit, plugins (and broken plugins)."""
+    import json
+
+    from .env import check_device, collect
+    from .errors import DeviceError
+    from .registry import REGISTRIES
+
+    if device and (msg := check_device(device)):
+        raise DeviceError(f"--device {device}: {msg}")
+    meta = collect(device or "auto", command=[])
+    meta.pop("command", None)
+    errors = []
+    for reg in REGISTRIES.values():
+        reg.names()
+        errors += reg.plugin_errors
+    meta["plugin_errors"] = errors
+    if as_json:
+        return [json.dumps(meta, indent=2, default=str)]
+    v = meta["versions"]
+    lines = [f"{k + ':':<12}{v[k] if v.get(k) is not None else '-'}" for k in v]
+    git = meta["git"]
+    lines += [
+        f"{'device:':<12}{meta['device']} ({meta['device_name']})",
+        f"{'gpus:':<12}{', '.join(meta['gpus']) or '-'}",
+        f"{'flags:':<12}" + " ".join(f"{k}={x}" for k, x in meta["flags"].items()),
+        f"{'git:':<12}{git['commit'] or '-'}{' (dirty)' if git.get('dirty') else ''}",
+        f"{'plugins:':<12}" + ("" if meta["plugins"] else "none"),
+    ]
+    lines += [f"  {p['name']} {p['version']}: {', '.join(p['provides'])}" for p in meta["plugins"]]
+    lines += [f"  broken: {e}" for e in errors]
+    return lines

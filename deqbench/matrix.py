@@ -1,0 +1,197 @@
+"""Matrix expansion: defaults x matrix axes -> cells, with readable, stable cell ids.
+
+A matrix axis is a section (``model``, ``init``, ``solver``, ``backward``, ``train``, ``data``)
+whose values are merged over the defaults, or a dotted key (``solver.tol``,
+``model.activation``) whose values set one field. A string value of a named section means
+``{name: value}``. When an axis changes a section's ``name``, the defaults' name-specific params
+of that section (a model factory's kwargs, a solver's options) are dropped; the generic fields
+(``max_iter``, ``tol``, ...) are kept.
+
+Cell ids are ``<model>-<solver>-<backward>`` plus, for every axis, the params that vary along it
+(``conv_deq_tiny-anderson-phantom-k=5``). They depend only on the suite, so they are stable
+across runs. Every key of a cell remembers the YAML path it came from (``src``), so later checks
+can point at the line that set it.
+
+Example:
+    >>> cells = expand({"model": {"name": "m"}, "solver": {"name": "fp"}, "backward": {"name": "ift"}},
+    ...                {"solver.tol": [0.1, 0.01]}, {})
+    >>> [c.id for c in cells]
+    ['m-fp-ift-tol=0.1', 'm-fp-ift-tol=0.01']
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+SECTIONS = ("model", "init", "solver", "backward", "train", "data")
+NAMED = ("model", "init", "solver", "backward", "data")
+ID_BASE = ("model", "solver", "backward")
+_MISSING = object()
+
+
+@dataclass
+class Draft:
+    """An expanded cell before validation: section dicts and where each key came from."""
+
+    id: str
+    sections: dict[str, dict[str, Any]]
+    src: dict[str, dict[str, tuple[Any, ...]]]  # section -> key -> YAML path
+    block: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # section -> YAML path
+
+
+def fmt_value(v: Any) -> str:
+    """Short text of a param value for cell ids."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, list | tuple):
+        return "_".join(fmt_value(x) for x in v)
+    if isinstance(v, dict):
+        return "_".join(f"{k}={fmt_value(x)}" for k, x in v.items())
+    if v is None:
+        return "none"
+    return str(v)
+
+
+def _clean(part: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=+-]", "_", part)
+
+
+def normalize_section(section: str, value: Any) -> Any:
+    """A string means ``{name: value}`` for named sections; None means ``{}``."""
+    if value is None:
+        return {}
+    if isinstance(value, str) and section in NAMED:
+        return {"name": value}
+    return value
+
+
+def check_matrix(matrix: dict[str, list[Any]] | None, loc: Any) -> list[str]:
+    """Error lines for unknown axes, empty lists and values that are not a name or a mapping
+    (``loc``: a :class:`~deqbench.yamlio.Locator`)."""
+    from .yamlio import did_you_mean
+
+    if matrix is None:
+        return []
+    if not matrix:
+        msg = "empty matrix: no cells (give an axis, or remove `matrix` for a single cell)"
+        return [loc.error(("matrix",), msg)]
+    errors = []
+    for key, values in matrix.items():
+        section, dot, sub = key.partition(".")
+        if section not in SECTIONS or (dot and (not sub or "." in sub)):
+            hint = did_you_mean(section, SECTIONS)
+            msg = f"unknown matrix axis (use a section {', '.join(SECTIONS)} or SECTION.KEY){hint}"
+            errors.append(loc.error(("matrix", key), msg, True))
+        elif not values:
+            errors.append(loc.error(("matrix", key), "empty list: the matrix would have no cells"))
+        elif not dot:
+            for i, v in enumerate(values):
+                if not isinstance(normalize_section(section, v), dict):
+                    errors.append(loc.error(("matrix", key, i), "expected a name or a mapping"))
+    return errors
+
+
+def _axis_parts(section: str, sub: str | None, values: list[Any]) -> list[list[tuple[str, Any]]]:
+    """Per axis value, the (key, value) pairs that vary along the axis (for the cell id)."""
+    if sub is not None:
+        varies = len({repr(v) for v in values}) > 1
+        return [[(sub, v)] if varies else [] for v in values]
+    keys: list[str] = []
+    for v in values:
+        keys += [k for k in v if k not in keys]
+    varying = [k for k in keys if len({repr(v.get(k, _MISSING)) for v in values}) > 1]
+    out = []
+    for v in values:
+        parts = []
+        for k in varying:
+            if k not in v or (k == "name" and section in ID_BASE):
+                continue
+            parts.append(("", v[k]) if k == "name" else (k, v[k]))
+        out.append(parts)
+    return out
+
+
+def expand(
+    base: dict[str, dict[str, Any]],
+    matrix: dict[str, list[Any]] | None,
+    base_src: dict[str, tuple[Any, ...]],
+    generic: dict[str, set[str]] | None = None,
+    default_names: dict[str, str] | None = None,
+) -> list[Draft]:
+    """Cartesian product of the matrix axes over ``base`` (section -> dict).
+
+    Args:
+        base: the default sections (already normalized dicts).
+        matrix: axis key -> list of values (validated: known sections, non-empty lists).
+        base_src: section -> YAML path of its defaults block (``("defaults", "solver")``).
+        generic: section -> field names kept when an axis changes the section's name.
+        default_names: section -> the name a cell gets when no default or axis sets one.
+
+    Returns:
+        One :class:`Draft` per cell, in product order (first axis slowest).
+    """
+    generic = generic or {}
+    default_names = default_names or {}
+    axes = list((matrix or {}).items())
+    # Axis values, normalized; and the id parts each value contributes.
+    norm: list[tuple[str, str | None, list[Any]]] = []
+    for key, values in axes:
+        section, _, sub = key.partition(".")
+        vals = values if sub else [normalize_section(section, v) for v in values]
+        norm.append((section, sub or None, vals))
+    parts_by_axis = [_axis_parts(s, sub, vals) for s, sub, vals in norm]
+    short_count: dict[str, int] = {}
+    for parts in parts_by_axis:
+        for k in {k for p in parts for k, _ in p if k}:
+            short_count[k] = short_count.get(k, 0) + 1
+
+    drafts: list[Draft] = []
+    seen: dict[str, int] = {}
+    for combo in itertools.product(*[range(len(v)) for _, _, v in norm]):
+        sections = copy.deepcopy(base)
+        src: dict[str, dict[str, tuple[Any, ...]]] = {
+            s: {k: (*base_src.get(s, (s,)), k) for k in sections.get(s, {})} for s in SECTIONS
+        }
+        block = {s: base_src.get(s, (s,)) for s in SECTIONS}
+        id_parts: list[str] = []
+        for ax, idx in enumerate(combo):
+            key = axes[ax][0]
+            section, field_key, vals = norm[ax]
+            value = vals[idx]
+            cur = sections.setdefault(section, {})
+            if field_key is not None:
+                cur[field_key] = copy.deepcopy(value)
+                src[section][field_key] = ("matrix", key, idx)
+            else:
+                if "name" in value and value["name"] != cur.get("name"):
+                    keep = generic.get(section, set())
+                    for k in [k for k in cur if k not in keep and k != "name"]:
+                        del cur[k]
+                        src[section].pop(k, None)
+                cur.update(copy.deepcopy(value))
+                raw = axes[ax][1][idx]
+                for k in value:
+                    src[section][k] = (
+                        ("matrix", key, idx) if isinstance(raw, str) else ("matrix", key, idx, k)
+                    )
+                block[section] = ("matrix", key, idx)
+            for k, v in parts_by_axis[ax][idx]:
+                label = k if not k or short_count.get(k, 0) <= 1 else f"{section}.{k}"
+                id_parts.append(_clean(f"{label}={fmt_value(v)}" if label else fmt_value(v)))
+        head = [
+            _clean(fmt_value(sections.get(s, {}).get("name", default_names.get(s, "none"))))
+            for s in ID_BASE
+        ]
+        cid = "-".join(head + id_parts)
+        n = seen.get(cid, 0) + 1
+        seen[cid] = n
+        if n > 1:
+            cid = f"{cid}-{n}"
+        drafts.append(Draft(cid, sections, src, block))
+    return drafts

@@ -1,0 +1,662 @@
+"""Shared timing and memory helpers (DESIGN.md "Measuring", REFERENCE.md section 1.3).
+
+Timing:
+
+* :func:`time_fn` / :func:`time_phases` warm up, then time every repeat: CUDA events on a GPU,
+  ``perf_counter`` (plus thread CPU time) on the CPU, where the thread count must be set
+  explicitly (:func:`set_threads`) and is recorded. Every repeat is kept in a :class:`Timing`;
+  the summary is the median and the IQR, and a spread (IQR / median) above 10% is flagged.
+* :func:`solver_time_to_tol` times one solver to tolerance with the f-evaluations counted by
+  wrapping ``f`` (:class:`CountingMap`) in the same repeat, and :func:`f_time` the median time of
+  one no-grad ``f`` at the same batch: overhead = time / (f-evals x t_f).
+
+Memory, always in its own pass (never in a timed repeat):
+
+* GPU: ``empty_cache`` + ``reset_peak_memory_stats``, then ``max_memory_allocated`` minus the
+  ``memory_allocated`` baseline (:func:`gpu_peak_memory`);
+* CPU: peak RSS of a fresh worker process (``tracemalloc`` misses torch allocations): the worker
+  unpickles the step, warms up (the first re-entrant ``autograd.grad`` costs a one-time 35-50
+  MiB), reads ``VmRSS``, writes ``5`` to ``/proc/self/clear_refs`` (resets the high-water mark),
+  runs the step once and reads ``VmHWM`` (:func:`cpu_peak_rss`). The step must be a picklable
+  callable (an instance of a module-level class, holding the model and the batch).
+* :func:`saved_tensor_bytes`: the bytes autograd saves during a forward, device-independent
+  (O(1) in the iterations for IFT, O(K) for unrolled K).
+
+Example:
+    >>> import torch
+    >>> from deqbench.measure import set_threads, time_fn
+    >>> set_threads(1)
+    1
+    >>> t = time_fn(lambda: torch.randn(64, 64) @ torch.randn(64, 64), repeats=5, warmup=1)
+    >>> len(t.times), t.method
+    (5, 'perf_counter')
+    >>> rows = t.rows("matmul_ms")      # one row per repeat + median, IQR, spread
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .analyses.base import Row
+
+#: a repeat spread (IQR / median) above this is flagged as noisy
+SPREAD_FLAG = 0.10
+MIB = 2.0**20
+
+
+# -- environment -------------------------------------------------------------------------------
+
+
+def set_threads(n: int | None = None) -> int:
+    """Set torch's intra-op thread count (when ``n`` is given) and return the one in effect.
+
+    CPU timings without an explicit thread count are meaningless on a shared machine
+    (oversubscription made runs 10-100x slower, REFERENCE.md 1.3)."""
+    if n is not None:
+        torch.set_num_threads(int(n))
+    return torch.get_num_threads()
+
+
+def is_cuda(device: Any) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def sync(device: Any) -> None:
+    """Wait for the device (no-op on CPU)."""
+    if is_cuda(device):
+        torch.cuda.synchronize(torch.device(device))
+
+
+@contextlib.contextmanager
+def numeric_flags(
+    tf32: bool = False, cudnn_benchmark: bool | None = None
+) -> Iterator[dict[str, Any]]:
+    """Set TF32 (matmul and cuDNN) and optionally ``cudnn.benchmark`` for the block, then
+    restore them. Reference numbers keep TF32 off. Yields the flags in effect."""
+    old = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    if cudnn_benchmark is not None:
+        torch.backends.cudnn.benchmark = cudnn_benchmark
+    try:
+        yield flags()
+    finally:
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = old
+
+
+def flags() -> dict[str, Any]:
+    """The numeric flags that change timings (recorded with every measurement)."""
+    return {
+        "threads": torch.get_num_threads(),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+    }
+
+
+def flag_rows(device: Any, variant: str = "", step: int | None = None) -> list[Row]:
+    """Rows recording threads, TF32 and cudnn.benchmark (and the device type)."""
+    f = flags()
+    rows = [Row("threads", f["threads"], variant=variant, step=step, unit="threads")]
+    if is_cuda(device):
+        rows += [
+            Row(k, float(f[k]), variant=variant, step=step)
+            for k in ("tf32_matmul", "tf32_cudnn", "cudnn_benchmark")
+        ]
+    return rows
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default)."""
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass
+class Timing:
+    """Every timed repeat of one measurement (seconds) and its summary.
+
+    Attributes:
+        times: wall (or CUDA event) seconds per repeat.
+        cpu_times: thread CPU seconds per repeat (CPU timing only).
+        method: "cuda_events" or "perf_counter".
+        threads: torch intra-op threads during the measurement.
+        warmup: untimed calls made first.
+        results: what the timed callable returned in each repeat (e.g. the f-evaluations of the
+            same repeat).
+    """
+
+    times: list[float]
+    cpu_times: list[float] = field(default_factory=list)
+    method: str = "perf_counter"
+    threads: int = 1
+    warmup: int = 0
+    results: list[Any] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times) if self.times else math.nan
+
+    @property
+    def q1(self) -> float:
+        return _quantile(self.times, 0.25)
+
+    @property
+    def q3(self) -> float:
+        return _quantile(self.times, 0.75)
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    @property
+    def spread(self) -> float:
+        """IQR / median (0 for a single repeat)."""
+        m = self.median
+        return self.iqr / m if m and m > 0 else math.nan
+
+    @property
+    def noisy(self) -> bool:
+        return bool(self.spread > SPREAD_FLAG)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "median": self.median,
+            "q1": self.q1,
+            "q3": self.q3,
+            "iqr": self.iqr,
+            "spread": self.spread,
+            "repeats": float(len(self.times)),
+        }
+
+    def rows(
+        self,
+        metric: str,
+        *,
+        variant: str = "",
+        step: int | None = None,
+        unit: str = "ms",
+        scale: float = 1e3,
+    ) -> list[Row]:
+        """One row per repeat (``repeat`` = index), then ``<metric>_median``, ``_iqr`` and
+        ``_spread`` (IQR / median); the median row's note says when the spread exceeds 10%."""
+        out = [
+            Row(metric, t * scale, variant=variant, step=step, repeat=i, unit=unit)
+            for i, t in enumerate(self.times)
+        ]
+        note = (
+            f"noisy: IQR/median {self.spread:.0%} > {SPREAD_FLAG:.0%} over {len(self.times)} "
+            "repeats"
+            if self.noisy
+            else ""
+        )
+        out.append(
+            Row(
+                f"{metric}_median",
+                self.median * scale,
+                variant=variant,
+                step=step,
+                unit=unit,
+                note=note,
+            )
+        )
+        out.append(Row(f"{metric}_iqr", self.iqr * scale, variant=variant, step=step, unit=unit))
+        out.append(
+            Row(
+                f"{metric}_spread",
+                self.spread,
+                variant=variant,
+                step=step,
+                unit="fraction",
+                note=note,
+            )
+        )
+        return out
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    device: Any = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    setup: Callable[[], Any] | None = None,
+) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones.
+
+    On CUDA each repeat is bracketed by CUDA events (the device is synchronised before the first
+    and after each repeat); on the CPU by ``perf_counter`` and ``thread_time``. ``setup()`` runs
+    before each call, untimed. ``fn``'s return values are kept in ``Timing.results``.
+    """
+    phases = time_phases(
+        lambda mark: fn(), ("total",), device=device, repeats=repeats, warmup=warmup, setup=setup
+    )
+    return phases["total"]
+
+
+def time_phases(
+    step: Callable[[Callable[[str], None]], Any],
+    phases: Sequence[str],
+    *,
+    device: Any = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    setup: Callable[[], Any] | None = None,
+) -> dict[str, Timing]:
+    """Time consecutive phases of one step, e.g. forward and backward of a training step.
+
+    ``step(mark)`` calls ``mark(name)`` at the end of each phase except the last, in the order of
+    ``phases`` (the last phase ends when ``step`` returns). Returns one :class:`Timing` per phase
+    plus ``"total"``; the step's return values are in every Timing's ``results``.
+
+    Example:
+        >>> def step(mark):
+        ...     y = torch.randn(32, 32) @ torch.randn(32, 32)
+        ...     mark("forward")
+        ...     return float(y.sum())
+        >>> t = time_phases(step, ("forward", "rest"), repeats=3, warmup=1)
+        >>> sorted(t)
+        ['forward', 'rest', 'total']
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    names = list(phases)
+    cuda = is_cuda(device)
+    threads = torch.get_num_threads()
+    for _ in range(max(0, warmup)):
+        if setup is not None:
+            setup()
+        step(lambda name: None)
+    sync(device)
+    per: dict[str, list[float]] = {n: [] for n in [*names, "total"]}
+    cpu_per: dict[str, list[float]] = {n: [] for n in [*names, "total"]}
+    results: list[Any] = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+            sync(device)
+        marks: list[tuple[str, Any, float]] = []
+
+        def now() -> tuple[Any, float]:
+            if cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                return ev, time.thread_time()
+            return time.perf_counter(), time.thread_time()
+
+        def mark(name: str) -> None:
+            t, c = now()
+            marks.append((name, t, c))
+
+        start, cstart = now()
+        out = step(mark)
+        end, cend = now()
+        if cuda:
+            end.synchronize()
+        results.append(out)
+        seen = [m[0] for m in marks]
+        expect = names[:-1]
+        if seen != expect:
+            raise ValueError(f"time_phases: step marked {seen}, expected {expect}")
+        points = [(start, cstart)] + [(t, c) for _, t, c in marks] + [(end, cend)]
+        for i, n in enumerate(names):
+            per[n].append(_elapsed(points[i][0], points[i + 1][0], cuda))
+            cpu_per[n].append(points[i + 1][1] - points[i][1])
+        per["total"].append(_elapsed(start, end, cuda))
+        cpu_per["total"].append(cend - cstart)
+    method = "cuda_events" if cuda else "perf_counter"
+    return {
+        n: Timing(per[n], [] if cuda else cpu_per[n], method, threads, warmup, results) for n in per
+    }
+
+
+def _elapsed(a: Any, b: Any, cuda: bool) -> float:
+    return a.elapsed_time(b) / 1e3 if cuda else b - a
+
+
+# -- f-evaluations and solver time to tolerance ------------------------------------------------
+
+
+class CountingMap:
+    """``f`` with a call counter (``n``): how deqbench counts f-evaluations for every solver,
+    its own and third-party ones alike. Attribute access falls through to ``f`` (solvers that
+    need a family's structure reach ``cell``/``u`` through it)."""
+
+    def __init__(self, f: Callable[[Tensor], Tensor]) -> None:
+        self.f = f
+        self.n = 0
+
+    def __call__(self, z: Tensor) -> Tensor:
+        self.n += 1
+        return self.f(z)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["f"], name)
+
+
+def f_time(
+    f: Callable[[Tensor], Tensor], z: Tensor, *, repeats: int = 20, warmup: int = 3
+) -> Timing:
+    """Median-ready timing of one no-grad ``f(z)`` at the batch of ``z`` (t_f)."""
+    with torch.no_grad():
+        return time_fn(lambda: f(z), device=z.device, repeats=repeats, warmup=warmup)
+
+
+def solver_options_declared(solve: Any) -> set[str] | None:
+    """The options a solver declares (``OPTIONS`` on the function or its module), else None."""
+    import sys
+
+    opts = getattr(solve, "OPTIONS", None)
+    if opts is None:
+        opts = getattr(sys.modules.get(getattr(solve, "__module__", ""), None), "OPTIONS", None)
+    return set(opts) if opts is not None else None
+
+
+@dataclass
+class SolverTiming:
+    """Time to tolerance of one solver on one (f, z0, tol), every repeat kept.
+
+    ``nfe`` holds the f-evaluations counted in each timed repeat; ``stats`` is the SolverStats of
+    the last repeat; ``rel_residual``/``abs_residual`` are the batch max of the canonical residual
+    of the returned iterate, recomputed by deqbench with one uncounted, untimed evaluation (the
+    same check for every solver, whatever it reports itself).
+    """
+
+    timing: Timing
+    nfe: list[int]
+    stats: Any
+    rel_residual: float
+    abs_residual: float
+    rel_residual_mean: float
+    t_f: float = math.nan
+
+    @property
+    def overheads(self) -> list[float]:
+        """time / (f-evals x t_f) per repeat."""
+        return [
+            t / (n * self.t_f) if n and self.t_f > 0 else math.nan
+            for t, n in zip(self.timing.times, self.nfe)
+        ]
+
+    @property
+    def overhead(self) -> float:
+        ov = [o for o in self.overheads if not math.isnan(o)]
+        return statistics.median(ov) if ov else math.nan
+
+
+def solver_time_to_tol(
+    solve: Callable[..., Any],
+    f: Callable[[Tensor], Tensor],
+    z0: Tensor,
+    *,
+    max_iter: int,
+    tol: float,
+    stop_mode: str = "rel",
+    options: dict[str, Any] | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    t_f: float | None = None,
+) -> SolverTiming:
+    """Time ``solve(f, z0, max_iter=, tol=, stop_mode=, **options)`` to tolerance.
+
+    f-evaluations are counted by wrapping ``f`` in every repeat (the count of the same repeat is
+    stored next to its time). A solver that declares the option ``check_returned`` (the
+    TorchDEQ adapters) is timed with it off, so no solver pays for an extra check evaluation;
+    the residual of the returned iterate is then recomputed here, untimed, for every solver.
+    ``t_f`` (seconds) defaults to :func:`f_time` at ``z0``.
+
+    Example:
+        >>> import deqbench
+        >>> st = solver_time_to_tol(deqbench.solvers.get("fixed_point"), lambda z: 0.5 * z + 1,
+        ...                         torch.zeros(4, 8), max_iter=100, tol=1e-6, repeats=3)
+        >>> st.nfe[0], st.rel_residual < 1e-6
+        (22, True)
+    """
+    from .solvers.base import residuals
+
+    opts = dict(options or {})
+    declared = solver_options_declared(solve)
+    if declared is not None and "check_returned" in declared:
+        opts.setdefault("check_returned", False)
+    counters: list[CountingMap] = []
+    out: dict[str, Any] = {}
+
+    def setup() -> None:
+        counters.append(CountingMap(f))
+
+    def run() -> int:
+        fc = counters[-1]
+        with torch.no_grad():
+            z, stats = solve(fc, z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, **opts)
+        out["z"], out["stats"] = z, stats
+        return fc.n
+
+    timing = time_fn(run, device=z0.device, repeats=repeats, warmup=warmup, setup=setup)
+    with torch.no_grad():
+        z = out["z"]
+        a, r = residuals(f(z), z)
+    if t_f is None:
+        t_f = f_time(f, z0).median
+    return SolverTiming(
+        timing,
+        [int(n) for n in timing.results],
+        out["stats"],
+        float(r.max()),
+        float(a.max()),
+        float(r.mean()),
+        float(t_f),
+    )
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Memory:
+    """Peak extra memory of one step above the baseline before it.
+
+    ``method``: "cuda_max_memory_allocated", "rss_fresh_worker" or "unavailable" (then
+    ``peak_bytes`` is NaN and ``note`` says why).
+    """
+
+    peak_bytes: float
+    baseline_bytes: float = math.nan
+    method: str = "unavailable"
+    note: str = ""
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / MIB
+
+    def row(self, metric: str, *, variant: str = "", step: int | None = None) -> Row:
+        status = "ok" if math.isfinite(self.peak_bytes) else "skipped"
+        note = "; ".join(x for x in (self.method, self.note) if x)
+        return Row(
+            metric, self.peak_mib, variant=variant, step=step, unit="MiB", status=status, note=note
+        )
+
+
+def gpu_peak_memory(step: Callable[[], Any], device: Any = "cuda", warmup: int = 1) -> Memory:
+    """Peak ``max_memory_allocated`` above the ``memory_allocated`` baseline during one call of
+    ``step()``, after ``warmup`` calls, in its own pass."""
+    dev = torch.device(device)
+    for _ in range(max(0, warmup)):
+        step()
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    out = step()
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    del out
+    return Memory(float(peak - base), float(base), "cuda_max_memory_allocated")
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def _rss_worker_main() -> None:
+    """Body of the fresh worker process of :func:`cpu_peak_rss` (``python -c``): reads
+    ``{"warmup", "threads"}`` as a JSON first line and the pickled step from stdin, prints one
+    JSON line ``{"status", "peak", "baseline", "note"}``."""
+    import json
+    import sys
+
+    out: dict[str, Any] = {"status": "error", "peak": 0, "baseline": 0, "note": ""}
+    try:
+        header = json.loads(sys.stdin.buffer.readline())
+        blob = sys.stdin.buffer.read()
+        torch.set_num_threads(int(header["threads"]))
+        step = torch.load(io.BytesIO(blob), weights_only=False)
+        del blob
+        for _ in range(max(0, int(header["warmup"]))):
+            step()
+        gc.collect()
+        before = _status_kib("VmRSS")
+        note = ""
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+                fh.write("5")
+        except OSError as exc:
+            note = f"clear_refs not writable ({exc.strerror}): the high-water mark includes warm-up"
+        res = step()
+        hwm = _status_kib("VmHWM")
+        del res
+        out = {"status": "ok", "peak": hwm - before, "baseline": before, "note": note}
+    except BaseException as exc:  # report anything to the parent
+        out["note"] = f"{type(exc).__name__}: {exc}"
+    sys.stdout.write("\n" + json.dumps(out) + "\n")
+    sys.stdout.flush()
+
+
+def cpu_peak_rss(
+    step: Callable[[], Any], *, warmup: int = 1, threads: int | None = None, timeout: float = 600.0
+) -> Memory:
+    """Peak extra RSS of one call of ``step()`` in a fresh worker process (Linux).
+
+    ``step`` is pickled with ``torch.save`` (an instance of a module-level class holding the
+    model and the batch; the worker has its own copy) and sent to a new ``python -c`` process
+    (not multiprocessing: nothing of the caller's ``__main__`` is re-imported). The worker warms
+    up, reads ``VmRSS``, resets the high-water mark through ``/proc/self/clear_refs``, calls
+    ``step()`` once and reports ``VmHWM - VmRSS``. glibc's mmap threshold is fixed at 64 KiB in
+    the worker, so freed tensors leave the RSS instead of being recycled unseen. ``threads`` defaults to this process's torch
+    thread count.
+    """
+    import json
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/status"):
+        return Memory(math.nan, note="no /proc (peak RSS needs Linux)")
+    buf = io.BytesIO()
+    torch.save(step, buf)
+    header = json.dumps({"warmup": int(warmup), "threads": int(threads or torch.get_num_threads())})
+    code = "from deqbench.measure import _rss_worker_main; _rss_worker_main()"
+    env = dict(os.environ)
+    # the worker must import what the parent imported (plugins, tests' sys.path entries)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    # A fixed mmap threshold turns glibc's dynamic one off: tensors >= 64 KiB are mapped and
+    # unmapped on free, so memory freed during warm-up is not silently reused from the heap
+    # (which would hide the step's allocations from the high-water mark).
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            input=header.encode() + b"\n" + buf.getvalue(),
+            capture_output=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return Memory(
+            math.nan, method="rss_fresh_worker", note=f"worker timed out after {timeout:g} s"
+        )
+    lines = [ln for ln in proc.stdout.decode(errors="replace").splitlines() if ln.startswith("{")]
+    if not lines:
+        err = " ".join(proc.stderr.decode(errors="replace").strip().splitlines()[-1:])
+        return Memory(
+            math.nan,
+            method="rss_fresh_worker",
+            note=f"worker failed (exit code {proc.returncode}): {err}",
+        )
+    res = json.loads(lines[-1])
+    if res["status"] != "ok":
+        return Memory(math.nan, method="rss_fresh_worker", note=res["note"])
+    return Memory(float(res["peak"]), float(res["baseline"]), "rss_fresh_worker", res["note"])
+
+
+def peak_memory(
+    step: Callable[[], Any],
+    device: Any,
+    *,
+    warmup: int = 1,
+    cpu: bool = True,
+    threads: int | None = None,
+) -> Memory:
+    """Peak extra memory of ``step()``: :func:`gpu_peak_memory` on CUDA, else (``cpu=True``)
+    :func:`cpu_peak_rss` in a fresh worker; ``cpu=False`` skips the CPU measurement."""
+    if is_cuda(device):
+        return gpu_peak_memory(step, device, warmup)
+    if not cpu:
+        return Memory(math.nan, note="CPU peak RSS off (memory_cpu: false)")
+    return cpu_peak_rss(step, warmup=warmup, threads=threads)
+
+
+def saved_tensor_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """(bytes, fn()): total size of the distinct storages autograd saves while ``fn`` runs.
+
+    Device-independent activation memory: a storage saved several times (a weight used by
+    every unrolled step) counts once."""
+    seen: dict[tuple[Any, int], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        try:
+            st = t.untyped_storage()
+            seen[(t.device, st.data_ptr())] = st.nbytes()
+        except Exception:  # pragma: no cover - exotic tensors
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return int(sum(seen.values())), out
+
+
+def param_count(model: torch.nn.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,328 @@
+"""Operator-splitting solvers of monotone DEQs (Winston & Kolter 2020): ``forward_backward`` and
+``peaceman_rachford``.
+
+They need the model's monotone structure, so they only work on cells implementing
+:class:`MonotoneCell`: ``f(z, u) = prox(W z + u)`` with ``sym(I - W) >= m I`` and ``prox`` the
+projection onto a closed convex set (ReLU: the nonnegative orthant). The solver reaches the cell
+through the map it is given: :class:`deqbench.deq.CellMap` (forward) and
+:class:`deqbench.backward.AdjointMap` (IFT adjoint) expose ``.cell``. Given any other callable,
+they raise a ConfigError.
+
+Forward (REFERENCE.md section 2.4), with c = u:
+
+* FB: ``z <- prox((1 - alpha) z + alpha (W z + c))``; guaranteed only for alpha < 2m/||I - W||^2.
+* PR: with ``V = (I + alpha (I - W))^-1``: ``u' = 2z - u; z' = V(u' + alpha c); u = 2z' - u';
+  z = prox(u)``; converges for every alpha > 0.
+
+Backward (the matching splitting of the linear IFT system): with D = prox'(W z* + c) (0/1) and
+g = dl/dz*, ``delta = D (W^T delta + g)`` is the same kind of problem with W^T for W, the linear
+projection D for prox and g for c, so FB/PR apply unchanged (with V^T). The adjoint returned to
+the IFT is ``w = W^T delta + g`` (then ``(df/dtheta)^T w`` are the parameter gradients).
+
+Residual: by default the canonical one, ``||f(z) - z|| / ||f(z)||`` per sample with
+``f(z) = prox(W z + c)`` (for the adjoint: the delta problem's map); ``residual="splitting"``
+uses the successive difference ``||z_{k+1} - z_k|| / ||z_{k+1}||`` of monotone_op_net instead.
+``nstep`` counts splitting iterations (each one W product, plus one resolvent for PR).
+
+Example:
+    >>> import torch, deqbench
+    >>> from deqbench.deq import CellMap
+    >>> model = deqbench.models.create("mondeq_fc_tiny")                  # doctest: +SKIP
+    >>> u = model.inject(torch.randn(4, 64))                              # doctest: +SKIP
+    >>> pr = deqbench.solvers.get("peaceman_rachford")                    # doctest: +SKIP
+    >>> z, st = pr(CellMap(model.deq.cell, u), torch.zeros_like(u), max_iter=100, tol=1e-6,
+    ...            alpha=0.5)                                             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from ..registry import solvers
+from .base import SolverStats, check_options, check_stop_mode, make_stats, residuals
+
+OPTIONS = {"alpha", "returns", "check_every", "residual", "tune_every", "protect_thres"}
+TUNE_ALPHAS = tuple(2.0**-k for k in range(7))  # 1 ... 1/64
+
+
+@dataclass
+class SplittingOps:
+    """Linear operators of a monotone cell, prepared once per solve (weights fixed).
+
+    Attributes:
+        W, WT: x -> W x and x -> W^T x.
+        V, VT: x -> (I + alpha (I - W))^-1 x and its transpose (None when alpha is None).
+    """
+
+    W: Callable[[Tensor], Tensor]
+    WT: Callable[[Tensor], Tensor]
+    V: Callable[[Tensor], Tensor] | None = None
+    VT: Callable[[Tensor], Tensor] | None = None
+
+
+@runtime_checkable
+class MonotoneCell(Protocol):
+    """A cell ``f(z, u) = prox(W z + u)`` with ``sym(I - W) >= m I``.
+
+    ``prox`` is the projection onto a closed convex set whose derivative ``prox_mask`` is 0/1
+    (ReLU; ReLU with a zeroed border frame for circular convolutions).
+    """
+
+    m: float
+
+    def prox(self, x: Tensor) -> Tensor: ...
+
+    def prox_mask(self, x: Tensor) -> Tensor: ...
+
+    def splitting_ops(self, alpha: float | None = None) -> SplittingOps: ...
+
+    def lipschitz(self) -> float:
+        """||I - W||_2."""
+        ...
+
+    def monotonicity(self) -> float:
+        """lambda_max((W + W^T) / 2); at most 1 - m."""
+        ...
+
+
+def monotone_cell(f: Any, solver: str) -> MonotoneCell:
+    """The MonotoneCell behind solver map ``f``, or a ConfigError saying why there is none."""
+    from ..errors import ConfigError
+
+    cell = getattr(f, "cell", None)
+    if cell is None or not isinstance(cell, MonotoneCell):
+        what = "a plain callable" if cell is None else f"cell {type(cell).__name__}"
+        raise ConfigError(
+            f"solver '{solver}' needs a model with a monotone-operator cell (mondeq_fc, "
+            f"mondeq_conv, or a cell implementing deqbench.solvers.splitting.MonotoneCell); "
+            f"got {what}. Use fixed_point, anderson or broyden for this model."
+        )
+    return cell
+
+
+def fb_step_bound(cell: MonotoneCell) -> float:
+    """2m / ||I - W||^2: forward-backward is guaranteed to converge for alpha below it."""
+    L = cell.lipschitz()
+    return 2.0 * float(cell.m) / (L * L) if L > 0 else math.inf
+
+
+def _run(
+    method: str,
+    W: Callable[[Tensor], Tensor],
+    V: Callable[[Tensor], Tensor] | None,
+    prox: Callable[[Tensor], Tensor],
+    c: Tensor,
+    z0: Tensor,
+    alpha: float,
+    max_iter: int,
+    tol: float,
+    stop_mode: str,
+    returns: str,
+    check_every: int,
+    residual: str,
+    protect: float,
+) -> tuple[Tensor, SolverStats]:
+    """The splitting loop, shared by forward solves and adjoint solves."""
+    z = z0
+    u = z0.clone() if method == "pr" else None  # PR's reflected variable (z = prox(u))
+    abs_tr: list[Tensor] = []
+    rel_tr: list[Tensor] = []
+    best_z = z0
+    best_abs = best_rel = best_res = None
+    lowest = -1
+    diverged = False
+    first = None
+    nstep = 0
+    for k in range(max_iter):
+        nstep += 1
+        if residual == "canonical":
+            Wz = W(z)
+            a, r = residuals(prox(Wz + c), z)
+            cand = z
+        if method == "fb":
+            if residual != "canonical":
+                Wz = W(z)
+            z_new = prox((1 - alpha) * z + alpha * (Wz + c))
+        else:
+            assert V is not None and u is not None
+            u_half = 2 * z - u
+            z_half = V(u_half + alpha * c)
+            u = 2 * z_half - u_half
+            z_new = prox(u)
+        if residual != "canonical":
+            a, r = residuals(z_new, z)
+            cand = z_new
+        abs_tr.append(a)
+        rel_tr.append(r)
+        res = r if stop_mode == "rel" else a
+        if returns == "last" or best_abs is None:
+            best_z, best_abs, best_rel, best_res, lowest = cand, a, r, res, k
+        else:
+            better = res < best_res
+            mask = better.view(-1, *([1] * (z.dim() - 1)))
+            best_z = torch.where(mask, cand, best_z)
+            best_abs = torch.where(better, a, best_abs)
+            best_rel = torch.where(better, r, best_rel)
+            best_res = torch.where(better, res, best_res)
+            lowest = k
+        if first is None:
+            first = res.max()
+        z = z_new
+        if (k + 1) % check_every == 0 or k == max_iter - 1:
+            mv = float(res.max())
+            if not math.isfinite(mv) or mv > protect * max(float(first), 1e-30):
+                diverged = True
+                break
+            if mv < tol:
+                break
+    assert best_abs is not None and best_rel is not None
+    extra = {
+        "alpha": float(alpha),
+        "iterations": nstep,
+        "residual": residual,
+        "resolvents": nstep if method == "pr" else 0,
+    }
+    name = "forward_backward" if method == "fb" else "peaceman_rachford"
+    return best_z, make_stats(
+        name,
+        nstep,
+        abs_tr,
+        rel_tr,
+        best_abs,
+        best_rel,
+        tol,
+        stop_mode,
+        diverged,
+        lowest,
+        extra=extra,
+    )
+
+
+def _solve(
+    method: str,
+    f: Any,
+    z0: Tensor,
+    max_iter: int,
+    tol: float,
+    stop_mode: str,
+    options: dict[str, Any],
+) -> tuple[Tensor, SolverStats]:
+    name = "forward_backward" if method == "fb" else "peaceman_rachford"
+    check_options(name, options, OPTIONS)
+    check_stop_mode(stop_mode)
+    cell = monotone_cell(f, name)
+    returns = options.get("returns", "lowest")
+    residual = options.get("residual", "canonical")
+    if residual not in ("canonical", "splitting"):
+        raise ValueError(f"{name}: residual must be 'canonical' or 'splitting', got {residual!r}")
+    if returns not in ("lowest", "last"):
+        raise ValueError(f"{name}: returns must be 'lowest' or 'last', got {returns!r}")
+    check_every = max(1, int(options.get("check_every", 1)))
+    protect = float(options.get("protect_thres", 1e6))
+    alpha_opt = options.get("alpha", 1.0)
+    adjoint = hasattr(f, "g") and hasattr(f, "z")
+    kw = dict(
+        max_iter=max_iter,
+        tol=tol,
+        stop_mode=stop_mode,
+        returns=returns,
+        check_every=check_every,
+        residual=residual,
+        protect=protect,
+    )
+
+    def run(alpha: float) -> tuple[Tensor, SolverStats]:
+        ops = cell.splitting_ops(alpha if method == "pr" else None)
+        if not adjoint:
+            return _run(method, ops.W, ops.V, cell.prox, f.u, z0, alpha, **kw)
+        # Adjoint: delta = D (W^T delta + g); return w = W^T delta + g.
+        D = cell.prox_mask(ops.W(f.z) + f.u).to(f.g.dtype)
+        delta0 = D * z0
+        delta, st = _run(method, ops.WT, ops.VT, lambda x: D * x, f.g, delta0, alpha, **kw)
+        return ops.WT(delta) + f.g, st
+
+    with torch.no_grad():
+        if alpha_opt == "auto":
+            alpha = _auto_alpha(cell, method, run, adjoint, int(options.get("tune_every", 0)))
+        else:
+            alpha = float(alpha_opt)
+            if not alpha > 0:
+                raise ValueError(f"{name}: alpha must be > 0, got {alpha}")
+        return run(alpha)
+
+
+def _auto_alpha(cell: Any, method: str, run, adjoint: bool, tune_every: int) -> float:
+    """Alpha tuning as in monotone_op_net: from alpha = 1 halve while the iteration count does
+    not increase; keep the last good alpha. Tuned on the first forward solve (and every
+    ``tune_every`` forward solves if > 0); stored on the cell and reused by the adjoint."""
+    state = cell.__dict__.setdefault("_splitting_alpha", {})
+    alpha, calls = state.get(method, (None, 0))
+    if adjoint:
+        return alpha if alpha is not None else 1.0
+    if alpha is None or (tune_every > 0 and calls % tune_every == 0):
+        best, best_n = TUNE_ALPHAS[0], None
+        for a in TUNE_ALPHAS:
+            _, st = run(a)
+            n = st.nstep if st.converged else math.inf
+            if best_n is not None and n > best_n:
+                break
+            best, best_n = a, n
+        alpha = best
+    state[method] = (alpha, calls + 1)
+    return alpha
+
+
+@solvers.register("forward_backward")
+def forward_backward(
+    f: Callable[[Tensor], Tensor],
+    z0: Tensor,
+    *,
+    max_iter: int = 50,
+    tol: float = 1e-4,
+    stop_mode: str = "rel",
+    **options: Any,
+) -> tuple[Tensor, SolverStats]:
+    """Forward-backward splitting ``z <- prox((1 - alpha) z + alpha (W z + c))`` on a monotone
+    cell (forward solve or, given an AdjointMap, the IFT adjoint system).
+
+    Args:
+        f: a CellMap/AdjointMap whose ``cell`` implements :class:`MonotoneCell`.
+        z0: initial iterate (adjoint: initial guess of w; it is projected with D).
+        max_iter, tol, stop_mode: budget and tolerance (canonical residual by default).
+        alpha: step (default 1.0) or "auto" (halving search, cached on the cell).
+        returns: "lowest" (default) or "last".
+        residual: "canonical" (default) or "splitting" (successive difference).
+        check_every: host convergence check every k iterations.
+        tune_every: with alpha "auto", retune every k forward solves (0: once).
+        protect_thres: diverged when the residual exceeds this factor times the first.
+
+    Returns:
+        (z, SolverStats); ``stats.extra`` holds alpha and the iteration count.
+    """
+    return _solve("fb", f, z0, max_iter, tol, stop_mode, options)
+
+
+@solvers.register("peaceman_rachford")
+def peaceman_rachford(
+    f: Callable[[Tensor], Tensor],
+    z0: Tensor,
+    *,
+    max_iter: int = 50,
+    tol: float = 1e-4,
+    stop_mode: str = "rel",
+    **options: Any,
+) -> tuple[Tensor, SolverStats]:
+    """Peaceman-Rachford splitting with ``V = (I + alpha (I - W))^-1`` on a monotone cell;
+    converges for every alpha > 0. Options as :func:`forward_backward`.
+
+    Example:
+        >>> z, st = peaceman_rachford(CellMap(cell, u), torch.zeros_like(u), tol=1e-6,
+        ...                           alpha=0.5)                           # doctest: +SKIP
+    """
+    return _solve("pr", f, z0, max_iter, tol, stop_mode, options)

@@ -1,0 +1,227 @@
+"""One (cell, seed) task: build, initialise, train with the analyses as callbacks, measure.
+
+:func:`run_task` is a plain top-level function of a picklable :class:`Task`, so any executor
+(inline, a process pool, Dask) can run it. It never writes ``results.csv``: it returns its rows
+and series in a :class:`TaskResult` and the coordinator (:mod:`deqbench.runner`) writes them.
+Failures never escape: NaN/inf and divergence (from :func:`deqbench.train.train`), CUDA
+out-of-memory and any exception become the task's status (``nan | diverged | oom | error``) with
+the reason in ``note``; rows measured before the failure are kept. Only KeyboardInterrupt
+propagates.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .analyses.base import CellContext, Row
+from .results import RUNNER
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .suite import Cell, Suite
+
+
+@dataclass
+class Task:
+    """Everything one (cell, seed) needs; picklable."""
+
+    suite: Suite
+    cell: Cell
+    seed: int
+    device: str  # resolved: cpu | cuda | cuda:1 ...
+    run_id: str = ""
+    run_dir: str | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.cell.id, self.seed)
+
+
+@dataclass
+class TaskResult:
+    cell_id: str
+    seed: int
+    rows: list[dict[str, Any]]
+    status: str = "ok"
+    note: str = ""
+    traceback: str | None = None
+    wall_time: float = 0.0
+    series: dict[str, str] = field(default_factory=dict)  # file name -> CSV text
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "ok"
+
+
+class Listener(Protocol):
+    """Progress callbacks an executor may call (all optional for distributed executors)."""
+
+    def task_started(self, task: Task) -> None: ...
+
+    def epoch(self, task: Task, epoch: int) -> None: ...
+
+
+class _TaskContext(CellContext):
+    """Collects series in memory; the coordinator writes them under ``series/``."""
+
+    def write_series(self, name: str, df: Any) -> Path | None:
+        fname = f"{name}__{self.cell_id}__seed{self.seed}.csv"
+        self.extra.setdefault("_series", {})[fname] = df.to_csv(index=False)
+        return Path(self.run_dir) / "series" / fname if self.run_dir is not None else None
+
+
+_DATA_CACHE: dict[str, Any] = {}
+
+
+def _load_data(cell: Cell) -> Any:
+    """Datasets are loaded once per process (on CPU, default dtype) and shared by its tasks."""
+    from .data import load_data
+
+    name, params = cell.data_params()
+    key = json.dumps([name, params], sort_keys=True, default=str)
+    if key not in _DATA_CACHE:
+        _DATA_CACHE[key] = load_data(name, **params)
+    return _DATA_CACHE[key]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
+    """Run one (cell, seed) and return its rows (with the runner status row last)."""
+    import torch
+
+    from . import deq
+    from .registry import analyses as analysis_registry
+    from .registry import inits, models
+    from .train import train
+
+    t0 = time.perf_counter()
+    cell, suite = task.cell, task.suite
+    rows: list[dict[str, Any]] = []
+    status, note, tb = "ok", "", None
+    ctx: CellContext | None = None
+    names: dict[int, str] = {}
+    base = {
+        "run_id": task.run_id,
+        "cell_id": cell.id,
+        "model": cell.model["name"],
+        "solver": cell.solver["name"],
+        "init": cell.init["name"],
+        "seed": task.seed,
+    }
+
+    def emit(analysis: Any, produced: Any) -> None:
+        for r in produced or ():
+            if not isinstance(r, Row):
+                r = Row(**r) if isinstance(r, dict) else Row(*r)
+            rows.append(
+                {
+                    **base,
+                    "analysis": names[id(analysis)],
+                    "variant": r.variant,
+                    "metric": r.metric,
+                    "step": r.step,
+                    "repeat": r.repeat,
+                    "value": r.value,
+                    "unit": r.unit,
+                    "status": r.status,
+                    "note": r.note,
+                }
+            )
+
+    if listener is not None:
+        listener.task_started(task)
+    try:
+        if suite.threads:
+            torch.set_num_threads(suite.threads)
+        seed_everything(task.seed)
+        dtype = getattr(torch, suite.dtype)
+        data = _load_data(cell).to(task.device, dtype)
+        mname, mparams = cell.model_params()
+        model = models.create(
+            mname, in_shape=data.in_shape, num_outputs=data.num_outputs, **mparams
+        )
+        model = model.to(device=task.device, dtype=dtype)
+        iname, iparams = cell.init_params()
+        inits.get(iname)(model, seed=task.seed, **iparams)
+        if deq.is_deq(model):
+            deq.configure(model, cell.solver_config(), cell.backward_config())
+        instances = []
+        for name, params in suite.analyses:
+            instances.append(analysis_registry.get(name)(params))
+            names[id(instances[-1])] = name  # rows carry the registered name
+        ctx = _TaskContext(
+            model,
+            data,
+            torch.device(task.device),
+            dtype,
+            task.seed,
+            cell.id,
+            cell.as_dict(),
+            Path(task.run_dir) if task.run_dir else None,
+        )
+        for a in instances:
+            emit(a, a.before_training(ctx))
+        cfg = cell.train_config()
+        if cfg.epochs > 0 or any(getattr(a, "needs_training", True) for a in instances):
+
+            def progress(epoch: int, step: int) -> None:
+                if listener is not None:
+                    listener.epoch(task, epoch)
+
+            res = train(
+                model,
+                data,
+                cfg,
+                ctx=ctx,
+                callbacks=instances,
+                emit=emit,
+                seed=task.seed,
+                progress=progress,
+            )
+            status, note = res.status, res.note
+        if status == "ok":
+            for a in instances:
+                emit(a, a.after_training(ctx))
+    except KeyboardInterrupt:
+        raise
+    except torch.cuda.OutOfMemoryError as exc:
+        status, note, tb = "oom", _one_line(exc), traceback.format_exc()
+        torch.cuda.empty_cache()
+    except Exception as exc:
+        status, note, tb = "error", _one_line(exc), traceback.format_exc()
+    wall = time.perf_counter() - t0
+    rows.append(
+        {
+            **base,
+            "analysis": RUNNER,
+            "variant": "",
+            "metric": "wall_time",
+            "step": None,
+            "repeat": 0,
+            "value": wall,
+            "unit": "s",
+            "status": status,
+            "note": note,
+        }
+    )
+    series = ctx.extra.get("_series", {}) if ctx is not None else {}
+    return TaskResult(cell.id, task.seed, rows, status, note, tb, wall, series)

@@ -1,0 +1,1 @@
+"""Example deqbench plugin: a model and a solver registered through entry points."""

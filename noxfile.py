@@ -1,0 +1,52 @@
+"""nox sessions: ``tests`` (default), ``lint``, ``typecheck``, ``smoke``.
+
+pip install nox && nox -s tests lint
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"
+TORCH = ("torch==2.14.1", "torchvision==0.29.1")
+
+
+def _install(session: nox.Session, extras: str = "test") -> None:
+    session.install(*TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite on CPU (GPU tests deselected). Extra args go to pytest."""
+    _install(session)
+    session.run("pytest", "-m", "not gpu", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy on the package."""
+    _install(session)
+    session.install("mypy", "types-PyYAML")
+    session.run("mypy", "deqbench/")
+
+
+@nox.session(python=PYTHON)
+def smoke(session: nox.Session) -> None:
+    """The smoke suite through the installed console script."""
+    _install(session)
+    out = Path(session.create_tmp()) / "results"
+    session.run("deqbench", "run", "suites/smoke.yaml", "--out", str(out))

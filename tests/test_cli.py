@@ -1,0 +1,205 @@
+"""The deqbench command line: help, exit codes, one-line errors, ls/info/validate/run/plot/compare."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import TINY_SUITE, write_suite
+from typer.testing import CliRunner
+
+from deqbench.cli import app
+
+COMMANDS = ["run", "validate", "ls", "info", "plot", "compare"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys; from typer.testing import CliRunner; from deqbench.cli import app; "
+        "r = CliRunner().invoke(app, ['--help']); assert r.exit_code == 0, r.output; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(r.output)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for cmd in COMMANDS:
+        assert re.search(rf"^\W*{cmd}\s", out.stdout, re.M), cmd
+    out = subprocess.run(
+        [sys.executable, "-m", "deqbench", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "Usage" in out.stdout and "Example" in out.stdout
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_every_command_help_has_an_example(cmd):
+    r = invoke(cmd, "--help")
+    assert r.exit_code == 0 and "Example: deqbench " + cmd in r.output
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "where"),
+    [
+        ("seeds: [0]", "seeds: [0]\nbogus: 1", ":6:1: bogus: unknown key"),
+        (
+            "epochs: 1",
+            "epochs: [1]",
+            ":11:19: defaults.train.epochs: Input should be a valid integer",
+        ),
+        (
+            "fc_deq_tiny, width",
+            "fc_dq_tiny, width",
+            ":8:17: defaults.model.name: unknown model 'fc_dq_tiny'",
+        ),
+        (
+            "{name: fixed_point, max",
+            "{name: fixd_point, max",
+            ":9:18: defaults.solver.name: unknown solver",
+        ),
+        ("  train:", "  init: nrmal\n  train:", ":11:9: defaults.init.name: unknown init 'nrmal'"),
+        (
+            "[metrics, solver_stats]",
+            "[metrics, solverstats]",
+            ":14:21: analyses[1]: unknown analysis",
+        ),
+        ("backward: [ift, unrolled]", "backward: []", ":13:13: matrix.backward: empty list"),
+        ("seeds: [0]", "seeds: [0", ": invalid YAML:"),
+    ],
+)
+def test_bad_suites_exit_2_with_one_line_and_no_run_dir(tmp_path, old, new, where):
+    p = write_suite(tmp_path, TINY_SUITE, replace={old: new})
+    for cmd in ("run", "validate"):
+        r = invoke(cmd, p)
+        assert r.exit_code == 2, r.output
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {p}:") and where in lines[0], (
+            r.output
+        )
+        assert "Traceback" not in r.output
+    assert not (tmp_path / "results").exists()
+
+
+def test_missing_file_and_unavailable_device_exit_2(tmp_path, monkeypatch):
+    import torch
+
+    r = invoke("run", tmp_path / "nope.yaml")
+    assert r.exit_code == 2 and r.output.strip() == f"error: {tmp_path / 'nope.yaml'}: no such file"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = write_suite(tmp_path, TINY_SUITE, replace={"device: cpu": "device: cuda"})
+    r = invoke("run", p)
+    assert r.exit_code == 2 and r.output.strip().startswith(
+        f"error: {p}:3:9: device: CUDA is not available"
+    )
+    r = invoke("run", write_suite(tmp_path, name="ok.yaml"), "--device", "cuda")
+    assert r.exit_code == 2 and "--device cuda: device: CUDA is not available" in r.output
+    assert not (tmp_path / "results").exists()
+    assert invoke("run", p, "--seeds", "a,b").exit_code == 2
+
+
+def test_ls_lists_names_with_origin():
+    r = invoke("ls", "models", "fc_*")
+    assert r.exit_code == 0
+    lines = [ln.split() for ln in r.output.strip().splitlines()]
+    assert ["models", "fc_deq_tiny", "built-in"] in lines and all(
+        ln[1].startswith("fc_") for ln in lines
+    )
+    r = invoke("ls")
+    kinds = {ln.split()[0] for ln in r.output.strip().splitlines()}
+    assert kinds == {"models", "solvers", "inits", "analyses", "datasets", "plots"}
+    assert "solver_stats" in invoke("ls", "analysis").output
+    r = invoke("ls", "modles")
+    assert r.exit_code == 2 and "did you mean 'models'" in r.output
+
+
+def test_info_and_validate(tiny_suite):
+    r = invoke("info")
+    assert r.exit_code == 0
+    keys = [ln.split(":")[0] for ln in r.output.splitlines() if not ln.startswith(" ")]
+    assert keys[:7] == ["deqbench", "python", "torch", "numpy", "cuda", "cudnn", "driver"]
+    assert "device" in keys and "flags" in keys and "plugins" in keys
+    meta = json.loads(invoke("info", "--json").output)
+    assert meta["versions"]["deqbench"] and "threads" in meta["flags"]
+    r = invoke("validate", tiny_suite, "--seeds", "0-2", "--set", "matrix.solver.tol=[1e-2, 1e-3]")
+    assert r.exit_code == 0
+    lines = r.output.strip().splitlines()
+    assert (
+        lines[0]
+        == f"{tiny_suite}: ok: 4 cells x 3 seeds = 12 tasks; device cpu; analyses: metrics, solver_stats"
+    )
+    assert lines[1].split("\t")[0] == "fc_deq_tiny-fixed_point-ift-tol=0.01" and len(lines) == 5
+
+
+def test_run_plot_compare(tmp_path, tiny_suite):
+    out = tmp_path / "out"
+    r = invoke("run", tiny_suite, "--out", out, "--no-progress", "--set", "matrix.backward=[ift]")
+    assert r.exit_code == 0, r.output
+    run_a = out / "tiny" / r.output.strip().splitlines()[-1].split("/tiny/")[1]
+    assert r.output.strip().splitlines()[-1] == f"run directory: {run_a}"
+    assert "fc_deq_tiny-fixed_point-ift" in r.output and "1/1" in r.output
+    assert (run_a / "results.csv").exists() and (run_a / "run.json").exists()
+    for png in (run_a / "plots").iterdir():
+        png.unlink()
+    r = invoke("plot", run_a)
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 3
+    assert {p.name for p in (run_a / "plots").iterdir()} == {
+        "solver_iterations.png",
+        "residual_traces.png",
+        "training_curves.png",
+    }
+    assert invoke("plot", tmp_path).exit_code == 2
+    # B: a copy of A whose forward iterations doubled
+    run_b = tmp_path / "b"
+    run_b.mkdir()
+    df = pd.read_csv(run_a / "results.csv", keep_default_na=False)
+    df.loc[df.metric == "forward_nstep", "value"] = (
+        df.loc[df.metric == "forward_nstep", "value"].astype(float) * 2
+    )
+    df.to_csv(run_b / "results.csv", index=False)
+    r = invoke("compare", run_a, run_b, "--csv", tmp_path / "cmp.csv")
+    assert r.exit_code == 0
+    changed = [ln for ln in r.output.splitlines() if "CHANGED" in ln]
+    assert len(changed) == 3 and all("forward_nstep " in ln and " 2 " in ln for ln in changed), (
+        r.output
+    )
+    cmp = pd.read_csv(tmp_path / "cmp.csv", keep_default_na=False)
+    fw = cmp[cmp.metric == "forward_nstep"]
+    assert (
+        list(fw.ratio) == [2.0] * 3
+        and fw.changed.all()
+        and not cmp[cmp.metric == "loss"].changed.any()
+    )
+    assert invoke("compare", run_a, run_b, "--fail-on-change").exit_code == 1
+    assert (run_b / f"compare-{run_a.name}.csv").exists()
+    assert invoke("compare", run_a, run_b, "--factor", "3", "--fail-on-change").exit_code == 0
+
+
+def test_failed_cell_exits_1_and_interrupt_exits_130(tmp_path, monkeypatch):
+    p = write_suite(
+        tmp_path,
+        TINY_SUITE,
+        replace={
+            "{name: fc_deq_tiny, width: 8}": "{name: fc_deq_tiny, width: 8, activation: relu}\n  init: {name: spectral, target: 50}",
+            "backward: [ift, unrolled]": "init: [default, {name: spectral, target: 50}]",
+            "[metrics, solver_stats]": "[metrics]",
+        },
+    )
+    r = invoke("run", p, "--no-plots")
+    assert r.exit_code == 1, r.output
+    assert re.search(
+        r"(diverged|nan) fc_deq_tiny-fixed_point-ift-spectral-target=50 seed=0", r.output
+    )
+
+    import deqbench.runner
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deqbench.runner, "run_task", interrupted)
+    r = invoke("run", write_suite(tmp_path, name="ok.yaml"), "--no-plots")
+    assert r.exit_code == 130 and "interrupted" in r.output and "--resume" in r.output

@@ -1,0 +1,324 @@
+"""Hessian: own autograd / FD / pyhessian backends against brute-force Hessians (float64) on a tiny
+MLP and a tiny tanh DEQ (differentiable IFT); estimators within their stated errors; a hook-based
+IFT gives a wrong Hessian that the gates flag; the analysis and the CLI through the runner."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import deqbench
+from deqbench import hessian as hs
+from deqbench.deq import BackwardConfig, SolverConfig, configure
+from deqbench.estimators import _rademacher
+
+torch.set_num_threads(1)
+LOSS = nn.functional.cross_entropy
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def _deq():
+    """fc_deq_tiny, tanh, ||W||_2 = 0.3, IFT backward with tight tolerances (38 parameters)."""
+    torch.manual_seed(0)
+    m = deqbench.models.create("fc_deq_tiny", in_shape=(3,), width=4, num_outputs=3).double()
+    configure(
+        m,
+        SolverConfig("fixed_point", max_iter=100, tol=1e-13),
+        BackwardConfig("ift", solver="fixed_point", max_iter=100, tol=1e-13, refine=30),
+    )
+    with torch.no_grad():
+        W = m.deq.cell.W.weight
+        W.mul_(0.3 / torch.linalg.matrix_norm(W, 2))
+    return m
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 3, generator=g, dtype=torch.float64), torch.randint(
+        0, 3, (8,), generator=g
+    )
+
+
+def brute_force_hessian(model, X, y):
+    """torch.autograd.functional.hessian on the flattened parameters through functional_call."""
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def loss(v):
+        parts, i = {}, 0
+        for n, s in zip(names, shapes):
+            parts[n] = v[i : i + s.numel()].view(s)
+            i += s.numel()
+        return LOSS(functional_call(model, parts, (X,)), y)
+
+    was = model.training
+    model.eval()
+    H = torch.autograd.functional.hessian(loss, flat)
+    model.train(was)
+    return H
+
+
+_H: dict[str, torch.Tensor] = {}
+
+
+def hessian_of(kind):
+    """Brute-force Hessian of the (deterministic) tiny model ``kind``, computed once."""
+    if kind not in _H:
+        _H[kind] = brute_force_hessian(_mlp() if kind == "mlp" else _deq(), *_data())
+    return _H[kind]
+
+
+@pytest.fixture(scope="module", params=["mlp", "deq"])
+def case(request):
+    model = _mlp() if request.param == "mlp" else _deq()
+    X, y = _data()
+    return request.param, model, X, y, hessian_of(request.param)
+
+
+@pytest.mark.parametrize("backend", ["autograd", "pyhessian"])
+def test_top_eigenvalue_and_trace_match_brute_force(case, backend):
+    name, model, X, y, H = case
+    assert float((H - H.T).abs().max()) < 1e-12
+    ev = torch.linalg.eigvalsh(H)
+    with hs.HVPOperator(model, LOSS, (X, y), backend=backend) as op:
+        assert op.dim == H.shape[0]
+        top = hs.lanczos(op, k=2, tol=1e-8, seed=0)
+        assert top.converged
+        assert abs(top.eigenvalues[0] - float(ev[-1])) <= 1e-6 * abs(float(ev[-1]))
+        assert abs(top.eigenvalues[1] - float(ev[-2])) <= 1e-6 * abs(float(ev[-1]))
+        assert top.lambda_min == pytest.approx(float(ev[0]), rel=1e-5)
+        tr = hs.hutchinson_trace(op, rel_target_se=0.05, min_samples=10, max_samples=40, seed=0)
+    exact = float(H.trace())
+    assert math.isfinite(tr.se) and tr.se > 0
+    assert abs(tr.trace - exact) <= 3 * tr.se, (tr.trace, exact, tr.se)  # the stated error
+    # The same probes through the dense Hessian give the same estimate (deterministic part).
+    g = torch.Generator().manual_seed(0)
+    probe_op = type("P", (), {"dim": H.shape[0], "device": H.device, "dtype": H.dtype})()
+    vs = [_rademacher(probe_op, g) for _ in range(tr.n)]
+    same = sum(float(v @ H @ v) for v in vs) / tr.n
+    assert tr.trace == pytest.approx(same, rel=1e-9)
+    if tr.converged:
+        assert tr.se <= tr.target_se
+
+
+class DenseOp:
+    """A symmetric matrix as an operator (for the estimators alone)."""
+
+    def __init__(self, A):
+        self.A, self.dim, self.dtype, self.device, self.n_hvp = A, A.shape[0], A.dtype, A.device, 0
+
+    def __call__(self, v):
+        self.n_hvp += 1
+        return self.A @ v
+
+
+def test_power_iteration_algebraic_top_with_negative_dominant():
+    g = torch.Generator().manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(30, 30, generator=g, dtype=torch.float64))
+    lam = torch.linspace(-0.5, 1.0, 30, dtype=torch.float64)
+    lam[0] = -3.0  # dominant in magnitude, negative
+    op = DenseOp(Q @ torch.diag(lam) @ Q.T)
+    p = hs.power_iteration(op, tol=1e-9, max_iter=5000, seed=0)
+    assert p.converged and p.eigenvalues[0] == pytest.approx(1.0, rel=1e-6)
+    assert p.lambda_min == pytest.approx(-3.0, rel=1e-6)
+    top = hs.lanczos(op, k=3, tol=1e-10, seed=0)
+    assert top.eigenvalues == pytest.approx(lam.sort(descending=True).values[:3].tolist(), rel=1e-9)
+    assert top.lambda_min == pytest.approx(-3.0, rel=1e-9)
+
+
+def test_power_iteration_on_mlp_and_fd_backend_on_deq():
+    model = _mlp()
+    X, y = _data()
+    ev = torch.linalg.eigvalsh(hessian_of("mlp"))
+    with hs.HVPOperator(model, LOSS, (X, y), backend="autograd") as op:
+        p = hs.power_iteration(op, tol=1e-6, max_iter=2000, seed=0)
+    assert p.converged and abs(p.eigenvalues[0] - float(ev[-1])) <= 1e-6 * float(ev[-1])
+    model, H = _deq(), hessian_of("deq")
+    with hs.HVPOperator(model, LOSS, (X, y), backend="fd") as fd:
+        Hfd = hs.dense_hessian(fd)
+        assert float((Hfd - H).norm() / H.norm()) < 1e-7
+        res = fd.residuals()
+        assert res["forward_rel_residual_max"] < 1e-12 and res["backward_rel_residual_max"] < 1e-12
+
+
+def test_slq_density_nodes_and_weights():
+    model = _mlp()
+    X, y = _data()
+    ev = torch.linalg.eigvalsh(hessian_of("mlp"))
+    with hs.HVPOperator(model, LOSS, (X, y)) as op:
+        dens = hs.slq(op, n_probes=2, steps=op.dim, seed=0)
+    for nodes, weights in zip(dens.nodes, dens.weights):
+        assert sum(weights) == pytest.approx(1.0, abs=1e-10)
+        for x, w in zip(nodes, weights):
+            if w > 1e-8:  # a node that carries weight is an eigenvalue
+                assert float((ev - x).abs().min()) < 1e-7
+    grid, d, sigma = dens.curve(sigma_rel=0.02)
+    area = float(torch.trapezoid(d, grid))
+    assert area == pytest.approx(1.0, abs=1e-3) and sigma > 0
+
+
+class HookIFT(nn.Module):
+    """IFT by a gradient hook, as locuslab/deq does: z* under no_grad, one tracked step from the
+    detached z*, and a hook that replaces the incoming gradient by the adjoint solution (solved
+    without create_graph). First-order exact; second order silently wrong."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.U, self.cell, self.head = base.U, base.deq.cell, base.head
+
+    def forward(self, x):
+        u = self.U(x)
+        with torch.no_grad():
+            z = torch.zeros_like(u)
+            for _ in range(100):
+                z = self.cell(z, u)
+        z0 = z.clone().requires_grad_()
+        f0 = self.cell(z0, u)
+        if f0.requires_grad:
+
+            def hook(g):
+                handle.remove()  # the hook removes itself before solving (locuslab)
+                w = g
+                for _ in range(100):
+                    w = torch.autograd.grad(f0, z0, w, retain_graph=True)[0] + g
+                return w
+
+            handle = f0.register_hook(hook)
+        return self.head(f0)
+
+
+def test_hook_ift_hessian_is_wrong_and_gates_flag_it():
+    base = _deq()
+    X, y = _data()
+    H = hessian_of("deq")
+    hook = HookIFT(base)
+    with hs.HVPOperator(hook, LOSS, (X, y)) as op, hs.HVPOperator(base, LOSS, (X, y)) as good:
+        g_hook, g_true = op.gradient(), good.gradient()
+        assert float((g_hook - g_true).norm() / g_true.norm()) < 1e-10  # first order is exact
+        Hh = hs.dense_hessian(op)
+        assert float((Hh - H).norm() / H.norm()) > 0.1  # second order is not
+        rep = hs.run_gates(op, n=2, seed=0)
+        assert rep.passed["grad_check"]
+        assert not rep.passed["hvp_vs_fd"] and rep.hvp_vs_fd > 1e-2
+        assert not rep.ok
+        ok = hs.run_gates(good, n=2, seed=0)
+        assert ok.ok, ok.as_dict()
+        assert ok.symmetry < 1e-10 and ok.loss_label == "fixed-point loss (IFT)"
+
+
+def test_pyhessian_backend_cleans_up():
+    model = _deq()
+    model.train()
+    X, y = _data()
+    rg = {n: p.requires_grad for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its create_graph warning must not escape
+        with hs.HVPOperator(
+            model, LOSS, (X, y), backend="pyhessian", params=["deq.cell.W.weight"]
+        ) as op:
+            assert op.dim == 16
+            hv = op(torch.ones(16, dtype=torch.float64))
+    assert torch.isfinite(hv).all()
+    assert all(p.grad is None for p in model.parameters())
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == rg
+    assert model.training
+    with hs.HVPOperator(model, LOSS, [(X[:4], y[:4]), (X[4:], y[4:])], backend="pyhessian") as a:
+        with hs.HVPOperator(model, LOSS, (X, y), backend="autograd") as b:
+            assert hs.hvp_agreement(a, b, n=1) < 1e-10  # dataloader path = weighted mean
+
+
+def test_hessian_analysis_hook():
+    from deqbench.analyses.base import CellContext
+    from deqbench.analyses.hessian import Hessian
+    from deqbench.data import DataBundle
+
+    model = _deq()
+    X, y = _data()
+    data = DataBundle("toy", (X, y), (X, y), (3,), 3)
+    ctx = CellContext(model, data, torch.device("cpu"), torch.float64, 0, "cell", {}, None)
+    params = {
+        "samples": 8,
+        "top_k": 2,
+        "eig_tol": 1e-8,
+        "trace_max_samples": 12,
+        "slq_steps": 8,
+        "slq_probes": 1,
+        "compare": ["pyhessian"],
+        "gate_vectors": 1,
+    }
+    rows = list(Hessian(params).after_training(ctx))
+    got = {(r.metric, r.variant, r.repeat): r for r in rows}
+    ev = torch.linalg.eigvalsh(hessian_of("deq"))
+    assert got[("top_eigenvalue", "autograd", 0)].value == pytest.approx(float(ev[-1]), rel=1e-6)
+    assert got[("gate_ok", "autograd", 0)].value == 1.0
+    assert got[("agreement_top_eigenvalue", "autograd:pyhessian", 0)].value < 1e-8
+    assert got[("agreement_trace", "autograd:pyhessian", 0)].value < 1e-10
+    assert model.deq.solver_cfg.tol == 1e-13  # the analysis restored the solver settings
+
+
+def test_hessian_command_through_runner(tmp_path):
+    from typer.testing import CliRunner
+
+    from deqbench.cli import app
+
+    res = CliRunner().invoke(app, ["hessian", "--help"])
+    assert res.exit_code == 0 and "deqbench hessian" in res.output
+    args = [
+        "hessian",
+        "--model",
+        "fc_deq_tiny",
+        "--data",
+        "synthetic",
+        "--set",
+        "data.dim=3",
+        "--set",
+        "data.n_train=32",
+        "--set",
+        "defaults.model.width=4",
+        "--epochs",
+        "1",
+        "--samples",
+        "16",
+        "--top-k",
+        "1",
+        "--max-probes",
+        "10",
+        "--slq-steps",
+        "6",
+        "--slq-probes",
+        "1",
+        "--compare",
+        "pyhessian",
+        "--dtype",
+        "float64",
+        "--device",
+        "cpu",
+        "--solver",
+        "fixed_point",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--set",
+        "threads=1",
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    run = next((tmp_path / "hessian").iterdir())
+    df = deqbench.load_results(run)
+    h = df[df.analysis == "hessian"]
+    assert {"top_eigenvalue", "trace", "trace_se", "gate_ok", "agreement_top_eigenvalue"} <= set(
+        h.metric
+    )
+    assert float(h[h.metric == "gate_ok"].value.iloc[0]) == 1.0
+    assert list((run / "series").glob("hessian_density__*.csv"))
+    assert (run / "plots" / "hessian_density.png").exists()

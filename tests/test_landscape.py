@@ -1,0 +1,270 @@
+"""Loss landscape: filter normalisation, name-keyed reusable directions, exact centre, bit-exact
+restoration, unconverged points marked, the analysis and the CLI through the runner."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import deqbench
+from deqbench import landscape as ls
+from deqbench.deq import SolverConfig, configure
+from deqbench.errors import ConfigError
+
+torch.set_num_threads(1)
+
+
+def _fc_deq(max_iter=100, tol=1e-10, scale=0.5):
+    torch.manual_seed(0)
+    m = deqbench.models.create("fc_deq_tiny", in_shape=(4,), width=8, num_outputs=3).double()
+    configure(m, SolverConfig("fixed_point", max_iter=max_iter, tol=tol))
+    with torch.no_grad():
+        W = m.deq.cell.W.weight
+        W.mul_(scale / torch.linalg.matrix_norm(W, 2))
+    return m
+
+
+def _data(n=32, d=4, k=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=torch.float64), torch.randint(
+        0, k, (n,), generator=g
+    )
+
+
+def _snapshot(m):
+    return {k: v.detach().clone() for k, v in m.state_dict(keep_vars=True).items()}
+
+
+def test_filter_normalisation_and_zero_biases():
+    torch.manual_seed(0)
+    m = deqbench.models.create("conv_deq_tiny").double()
+    dirs = ls.random_directions(m, 2, seed=3)
+    weights = dict(m.named_parameters())
+    seen_conv = seen_1d = 0
+    for d in dirs.normalized:
+        for name, w in weights.items():
+            if w.dim() <= 1:
+                assert torch.count_nonzero(d[name]) == 0, name  # biases / norm layers: zero
+                seen_1d += 1
+            else:
+                dn = d[name].reshape(w.shape[0], -1).norm(dim=1)
+                wn = w.detach().reshape(w.shape[0], -1).norm(dim=1)
+                torch.testing.assert_close(dn, wn, rtol=1e-8, atol=1e-12)
+                seen_conv += w.dim() == 4
+    assert seen_conv > 0 and seen_1d > 0
+    inc = ls.random_directions(m, 1, seed=3, include_1d=True).normalized[0]
+    for name, w in weights.items():
+        if w.dim() <= 1:
+            assert torch.equal(inc[name], w.detach())  # Li et al. without biasbn: d = w
+    with pytest.raises(ConfigError, match="unknown normalisation"):
+        ls.random_directions(m, 1, norm="filters")
+
+
+class _Reordered(nn.Module):
+    """Same parameter names and shapes as a 2-layer MLP, registered in the opposite order."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Linear(6, 3)
+        self.a = nn.Linear(4, 6)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _Ordered(_Reordered):
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+
+
+def test_directions_keyed_by_name_and_reusable(tmp_path):
+    torch.manual_seed(0)
+    m1, m2 = _Ordered().double(), _Reordered().double()
+    m2.load_state_dict(m1.state_dict())
+    assert [n for n, _ in m1.named_parameters()] != [n for n, _ in m2.named_parameters()]
+    d1, d2 = ls.random_directions(m1, 2, seed=7), ls.random_directions(m2, 2, seed=7)
+    for a, b in zip(d1.raw, d2.raw):
+        assert all(torch.equal(a[k], b[k]) for k in a)  # the draw depends on the name only
+    path = ls.save_directions(d1, tmp_path / "plane.pt")
+    loaded = ls.load_directions(path)
+    assert loaded.meta["seed"] == 7 and loaded.meta["norm"] == "filter"
+    r1, r2 = ls.resolve_directions(m1, d1), ls.resolve_directions(m2, loaded)
+    for a, b in zip(r1, r2):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    X, y = _data()
+    ax = ls.axis(3)
+    g1 = ls.evaluate_grid(m1, r1, X, y, alphas=ax, betas=ax)
+    g2 = ls.evaluate_grid(m2, r2, X, y, alphas=ax, betas=ax)
+    pd.testing.assert_frame_equal(g1, g2)
+    # A different model: names must match.
+    other = nn.Sequential(nn.Linear(4, 3)).double()
+    with pytest.raises(ConfigError, match="keyed by name"):
+        ls.resolve_directions(other, loaded)
+    with pytest.raises(ConfigError, match="not found"):
+        ls.load_directions(tmp_path / "missing.pt")
+
+
+def test_centre_is_unperturbed_loss_and_parameters_restored():
+    m = _fc_deq()
+    m.train()
+    X, y = _data()
+    before = _snapshot(m)
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=0))
+    ax = ls.axis(5)
+    assert ax[2] == 0.0 and len(ax) == 5
+    df = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, batch_size=16)
+    after = _snapshot(m)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bit-exact
+    assert m.training  # mode restored
+    centre = df[(df.alpha == 0.0) & (df.beta == 0.0)].iloc[0]
+    m.eval()
+    with torch.no_grad():
+        direct = (
+            sum(
+                float(nn.functional.cross_entropy(m(X[i : i + 16]), y[i : i + 16]).double()) * 16
+                for i in (0, 16)
+            )
+            / 32
+        )
+    assert centre["loss"] == direct
+    from deqbench.train import evaluate
+
+    assert math.isclose(centre["loss"], evaluate(m, X, y, "classification")["loss"], rel_tol=1e-12)
+    assert len(df) == 25 and df["converged"].all()
+    assert (df["f_nstep"] > 0).all() and (df["f_residual"] < 1e-10).all()
+    assert df["w_spec_norm"].notna().all()
+    assert df.loc[(df.alpha == 0) & (df.beta == 0), "w_spec_norm"].iloc[0] == pytest.approx(
+        0.5, rel=1e-9
+    )
+    s = ls.summarize(df)
+    assert s["loss_center"] == direct and s["nonconverged_points"] == 0
+
+
+def test_vmap_path_matches_loop_for_explicit_model():
+    torch.manual_seed(0)
+    m = deqbench.models.create(
+        "tied_repeat_tiny", cell="fc", in_shape=(4,), num_outputs=3, repeats=3
+    ).double()
+    X, y = _data()
+    before = _snapshot(m)
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=1))
+    ax = ls.axis(3, -0.5, 0.5)
+    loop = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, points_per_batch=1)
+    vm = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, points_per_batch=4)
+    assert vm.attrs["vmap"] and not loop.attrs["vmap"]
+    torch.testing.assert_close(
+        torch.tensor(vm["loss"].values), torch.tensor(loop["loss"].values), rtol=1e-12, atol=0
+    )
+    assert (vm["accuracy"] == loop["accuracy"]).all()
+    assert all(torch.equal(before[k], v) for k, v in _snapshot(m).items())
+    assert vm["f_nstep"].isna().all() and (vm["status"] == "ok").all()
+
+
+def test_nonconverged_points_are_marked_not_averaged():
+    m = _fc_deq(max_iter=4, tol=1e-12, scale=0.9)
+    X, y = _data()
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 1, seed=0))
+    df = ls.evaluate_grid(m, dirs, X, y, alphas=ls.axis(3))
+    assert "beta" not in df
+    assert (~df["converged"]).all() and (df["status"] == "max_iter").all()
+    assert df["loss"].isna().all() and df["loss_raw"].notna().all()
+    s = ls.summarize(df)
+    assert s["nonconverged_points"] == 3 and "loss_max" not in s and "mean_loss_increase" not in s
+    from deqbench import plots_analysis as pa
+
+    fig = pa.landscape_curves(df)
+    assert any(len(c.get_offsets()) == 3 for ax in fig.axes for c in ax.collections)  # red crosses
+
+
+def test_landscape_analysis_hook_and_directions_file(tmp_path):
+    from deqbench.analyses.base import CellContext
+    from deqbench.analyses.landscape import Landscape
+    from deqbench.data import DataBundle
+
+    m = _fc_deq()
+    X, y = _data(48)
+    data = DataBundle("toy", (X, y), (X[:8], y[:8]), (4,), 3)
+    ctx = CellContext(m, data, torch.device("cpu"), torch.float64, 0, "cell", {}, tmp_path)
+    rows = list(Landscape({"grid": 3, "max_samples": 32, "progress": False}).after_training(ctx))
+    got = {r.metric: r.value for r in rows}
+    assert got["points"] == 9 and got["nonconverged_points"] == 0 and "loss_center" in got
+    series = tmp_path / "series" / "landscape__cell__seed0.csv"
+    dfile = tmp_path / "artifacts" / "landscape_directions__cell__seed0.pt"
+    assert series.exists() and dfile.exists()
+    first = pd.read_csv(series)
+    list(
+        Landscape(
+            {"grid": 3, "max_samples": 32, "directions": str(dfile), "seed": 99, "progress": False}
+        ).after_training(ctx)
+    )
+    pd.testing.assert_frame_equal(first, pd.read_csv(series))
+    with pytest.raises(ValueError, match="odd"):
+        Landscape({"grid": 4})
+
+
+def test_landscape_command_through_runner(tmp_path):
+    from typer.testing import CliRunner
+
+    from deqbench.cli import app
+
+    res = CliRunner().invoke(app, ["landscape", "--help"])
+    assert res.exit_code == 0 and "deqbench landscape" in res.output
+    ckpt = tmp_path / "ckpt.pt"
+    torch.manual_seed(0)
+    net = deqbench.models.create("fc_deq_tiny", in_shape=(1, 8, 8), num_outputs=10, width=8)
+    torch.save(net.state_dict(), ckpt)
+    args = [
+        "landscape",
+        "--model",
+        "fc_deq_tiny",
+        "--set",
+        "defaults.model.width=8",
+        "--checkpoint",
+        str(ckpt),
+        "--grid",
+        "3",
+        "--max-samples",
+        "32",
+        "--train-subset",
+        "64",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--solver",
+        "fixed_point",
+        "--max-iter",
+        "30",
+        "--tol",
+        "1e-4",
+        "--set",
+        "threads=1",
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    run = next((tmp_path / "landscape").iterdir())
+    df = deqbench.load_results(run)
+    lrows = df[df.analysis == "landscape"]
+    assert set(lrows.metric) >= {"loss_center", "points", "nonconverged_points", "seconds"}
+    assert list((run / "series").glob("landscape__*.csv"))
+    assert (run / "plots" / "landscape_contours.png").exists() and (
+        run / "plots" / "landscape_curves.png"
+    ).exists()
+    # the loaded checkpoint is the centre
+    from deqbench.data import load_data
+
+    centre = float(lrows[lrows.metric == "loss_center"].value.iloc[0])
+    configure(net, SolverConfig("fixed_point", max_iter=30, tol=1e-4))
+    X, y = load_data("digits", train_subset=64).train
+    net.eval()
+    with torch.no_grad():
+        expect = float(nn.functional.cross_entropy(net(X[:32]), y[:32]))
+    assert centre == pytest.approx(expect, rel=1e-5)

@@ -1,0 +1,127 @@
+"""Plot functions build Figures from results DataFrames; the registry; no pyplot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from deqbench import plots
+from deqbench.results import ResultsWriter
+
+
+def _results() -> pd.DataFrame:
+    rows = []
+    for cell in ("fc-anderson-ift", "fc-broyden-ift"):
+        for seed in (0, 1):
+            for epoch in (0, 1, 2):
+                for analysis, variant, metric, value in (
+                    ("solver_stats", "train", "forward_nstep", 10 + epoch + seed),
+                    ("solver_stats", "train", "backward_nstep", 20 - epoch),
+                    ("metrics", "train", "loss", 2.0 / (epoch + 1)),
+                    ("metrics", "test", "loss", 2.1 / (epoch + 1)),
+                    ("metrics", "test", "accuracy", 0.3 * epoch),
+                ):
+                    rows.append(
+                        {
+                            "run_id": "r",
+                            "cell_id": cell,
+                            "model": "fc",
+                            "solver": cell.split("-")[1],
+                            "init": "default",
+                            "seed": seed,
+                            "analysis": analysis,
+                            "variant": variant,
+                            "metric": metric,
+                            "step": epoch,
+                            "repeat": 0,
+                            "value": float(value),
+                            "unit": "",
+                            "status": "ok",
+                            "note": "",
+                        }
+                    )
+    return pd.DataFrame(rows)
+
+
+def test_plot_functions_return_figures_with_the_data():
+    df = _results()
+    fig = plots.iterations_per_epoch(df)
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    ax = fig.axes[0]
+    assert len(ax.lines) == 2
+    # median over seeds 0 and 1 of 10 + epoch + seed
+    assert list(ax.lines[0].get_ydata()) == [10.5, 11.5, 12.5]
+    assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == ["anderson", "broyden"]
+    fig = plots.training_curves(df)
+    assert isinstance(fig, Figure) and [a.get_title() for a in fig.axes] == [
+        "train loss",
+        "test loss",
+        "test accuracy",
+    ]
+    assert plots.iterations_per_epoch(df[df.analysis == "metrics"]) is None
+    assert plots.training_curves(df.iloc[0:0]) is None
+    traces = pd.DataFrame(
+        {
+            "cell_id": "c",
+            "seed": 0,
+            "phase": ["init", "init", "final", "final"],
+            "layer": 0,
+            "iteration": [1, 2, 1, 2],
+            "rel_max": [1.0, 0.1, 1.0, 0.01],
+        }
+    )
+    fig = plots.residual_traces(traces)
+    assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 2
+
+
+def test_short_labels_drop_shared_parts():
+    ids = [
+        "conv-anderson-ift-tol=1e-06",
+        "conv-anderson-ift-tol=1e-04",
+        "conv-broyden-ift-tol=1e-06",
+    ]
+    assert plots.short_labels(ids) == {
+        "conv-anderson-ift-tol=1e-06": "anderson-tol=1e-06",
+        "conv-anderson-ift-tol=1e-04": "anderson-tol=1e-04",
+        "conv-broyden-ift-tol=1e-06": "broyden-tol=1e-06",
+    }
+
+
+def test_registry_and_write_plots_survive_a_failing_plot(tmp_path):
+    ResultsWriter(tmp_path).append(_results().to_dict("records"))
+
+    @plots.register("test_broken")
+    def broken(df, run_dir):
+        raise RuntimeError("boom")
+
+    @plots.register("test_extra")
+    def extra(df, run_dir):
+        fig = plots.new_figure()
+        fig.axes[0].plot([0, 1], [len(df), len(df)])
+        return {"extra": fig}
+
+    try:
+        assert {"solver_stats", "metrics", "test_broken", "test_extra"} <= set(plots.names())
+        paths, errors = plots.write_plots(tmp_path)
+    finally:
+        plots._REGISTRY.pop("test_broken")
+        plots._REGISTRY.pop("test_extra")
+    names = sorted(p.name for p in paths)
+    assert names == ["extra.png", "solver_iterations.png", "training_curves.png"]
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    assert errors == ["plot 'test_broken' failed: RuntimeError: boom"]
+
+
+def test_library_plots_do_not_import_pyplot(tmp_path):
+    ResultsWriter(tmp_path).append(_results().to_dict("records"))
+    code = (
+        "import sys; from deqbench.plots import write_plots; p, e = write_plots(sys.argv[1]); "
+        "assert p and not e, e; assert 'matplotlib.pyplot' not in sys.modules; print('ok')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert out.stdout.strip() == "ok", out.stderr

@@ -1,0 +1,258 @@
+"""Tests of the built-in solvers fixed_point, anderson and broyden (CPU, small, float64 unless
+stated), against dense references: (I - A)^-1 b for linear maps, recomputed residuals, counted
+f-evaluations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deqbench
+from deqbench.errors import ConfigError
+from deqbench.solvers.base import residuals
+
+SOLVERS = ["fixed_point", "anderson", "broyden"]
+N, B = 32, 4
+
+
+def get(name):
+    return deqbench.solvers.get(name)
+
+
+def symmetric(n=N, norm=0.9, seed=0, dtype=torch.float64):
+    """A = Q diag(linspace(-norm, norm)) Q^T: ||A||_2 = norm, spectrum spread over [-norm, norm]."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    lam = torch.linspace(-norm, norm, n, dtype=torch.float64)
+    a = (q * lam) @ q.T
+    b = torch.randn(B, n, generator=g, dtype=torch.float64)
+    return a.to(dtype), b.to(dtype)
+
+
+class Counted:
+    """Wraps f and counts calls."""
+
+    def __init__(self, f):
+        self.f = f
+        self.calls = 0
+
+    def __call__(self, z):
+        self.calls += 1
+        return self.f(z)
+
+
+def tanh_cell(dtype=torch.float64):
+    a, b = symmetric(dtype=dtype)
+    return lambda z: torch.tanh(z @ a.T + b), torch.zeros_like(b)
+
+
+# -- convergence and accuracy -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_tanh_all_reach_tol_and_accelerated_beat_fixed_point(dtype):
+    f, z0 = tanh_cell(dtype)
+    counts = {}
+    for name in SOLVERS:
+        z, st = get(name)(f, z0, max_iter=300, tol=1e-6)
+        assert st.converged and st.status == "converged", (name, st.status)
+        _, r = residuals(f(z), z)
+        assert float(r.max()) < 1e-6
+        counts[name] = st.nstep
+    assert counts["anderson"] < counts["fixed_point"], counts
+    assert counts["broyden"] < counts["fixed_point"], counts
+
+
+def test_linear_matches_dense_solve():
+    a, b = symmetric()
+    zstar = torch.linalg.solve(torch.eye(N, dtype=torch.float64) - a, b.T).T
+    for name in SOLVERS:
+        z, st = get(name)(lambda z: z @ a.T + b, torch.zeros_like(b), max_iter=1000, tol=1e-13)
+        assert st.converged, (name, st.status, st.rel_max)
+        assert torch.allclose(z, zstar, rtol=0, atol=1e-8), (name, float((z - zstar).abs().max()))
+
+
+def test_any_state_shape_and_batch_independence():
+    """(B, C, H, W) states; each sample's answer does not depend on the rest of the batch."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(2 * 3 * 3, 2 * 3 * 3, generator=g, dtype=torch.float64)
+    w *= 0.8 / torch.linalg.matrix_norm(w, 2)
+    x = torch.randn(5, 2, 3, 3, generator=g, dtype=torch.float64)
+
+    def f(z):
+        return torch.tanh((z.reshape(z.shape[0], -1) @ w.T).reshape(z.shape) + x[: z.shape[0]])
+
+    for name in SOLVERS:
+        z, st = get(name)(f, torch.zeros_like(x), max_iter=200, tol=1e-10)
+        assert z.shape == x.shape and st.converged
+        assert st.abs_trace.shape[1] == 5
+        z1, _ = get(name)(f, torch.zeros_like(x[:1]), max_iter=200, tol=1e-10)
+        assert torch.allclose(z[:1], z1, atol=1e-8)
+
+
+# -- counting, traces, returned residual ---------------------------------------------------------
+OPTION_SETS = [
+    ("fixed_point", {}),
+    ("fixed_point", {"tau": 0.7, "check_every": 3}),
+    ("fixed_point", {"returns": "last"}),
+    ("anderson", {}),
+    ("anderson", {"m": 3, "beta": 0.8, "check_every": 2}),
+    ("anderson", {"returns": "last", "lam": 0.0, "lam_abs": 1e-10}),
+    ("broyden", {}),
+    ("broyden", {"memory": 3}),
+    ("broyden", {"memory": 3, "on_full": "ring", "returns": "last"}),
+    ("broyden", {"line_search": True}),
+]
+
+
+@pytest.mark.parametrize("name,opts", OPTION_SETS)
+def test_counts_traces_and_returned_residual(name, opts):
+    f, z0 = tanh_cell()
+    fc = Counted(f)
+    z, st = get(name)(fc, z0, max_iter=60, tol=1e-8, **opts)
+    assert st.nstep == fc.calls
+    # one trace row per measured residual; without a line search every f-eval measures one
+    assert st.abs_trace.shape == st.rel_trace.shape
+    assert st.abs_trace.shape[1] == B
+    if not opts.get("line_search"):
+        assert st.abs_trace.shape[0] == st.nstep
+    else:
+        assert 1 <= st.abs_trace.shape[0] <= st.nstep
+    # the reported residual is that of the returned iterate
+    a, r = residuals(f(z), z)
+    torch.testing.assert_close(st.abs_residual, a, rtol=1e-12, atol=0)
+    torch.testing.assert_close(st.rel_residual, r, rtol=1e-12, atol=0)
+    if opts.get("returns") == "last":
+        torch.testing.assert_close(st.rel_residual, st.rel_trace[-1], rtol=0, atol=0)
+    else:  # lowest per sample
+        torch.testing.assert_close(st.rel_residual, st.rel_trace.min(0).values, rtol=0, atol=0)
+    assert st.converged == bool((st.rel_residual < 1e-8).all())
+    assert st.extra["returned"] == "x"
+    if "check_every" in opts and st.nstep < 60:
+        assert st.nstep % opts["check_every"] == 0
+
+
+def test_lowest_is_initialised_to_z0():
+    """||f(z) - z|| = ||1 + 0.1 |z - z0|||: no iterate can beat z0, so z0 itself is returned."""
+    z0 = torch.randn(B, N, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for name in SOLVERS:
+        z, st = get(name)(
+            lambda z: z + 1 + 0.1 * (z - z0).abs(), z0, max_iter=5, tol=1e-12, stop_mode="abs"
+        )
+        assert not st.converged
+        assert torch.equal(z, z0)
+        assert st.lowest_step == 0
+
+
+# -- failure modes: nothing raises ----------------------------------------------------------------
+@pytest.mark.parametrize("name", SOLVERS)
+@pytest.mark.parametrize("stop_mode", ["abs", "rel"])
+def test_no_fixed_point_stops_within_max_iter(name, stop_mode):
+    fc = Counted(lambda z: z + 1)
+    z, st = get(name)(fc, torch.zeros(B, N, dtype=torch.float64), max_iter=25, tol=1e-6, stop_mode=stop_mode)
+    assert fc.calls == st.nstep <= 25
+    assert not st.converged and st.status in ("max_iter", "stagnated", "diverged")
+    assert torch.isfinite(z).all()
+
+
+def test_fixed_point_divergence_detected():
+    b = torch.ones(B, N, dtype=torch.float64)
+    for stop_mode in ("rel", "abs"):
+        fc = Counted(lambda z: 3 * z + b)
+        z, st = get("fixed_point")(fc, torch.zeros_like(b), max_iter=200, tol=1e-6, stop_mode=stop_mode)
+        assert st.status == "diverged" and not st.converged
+        assert fc.calls == st.nstep < 40  # the abs residual passed protect_thres (1e6) x the first
+        if stop_mode == "abs":  # (the rel residual ||2z+b||/||3z+b|| decreases towards 2/3)
+            assert torch.equal(z, torch.zeros_like(b))  # the lowest iterate is z0
+
+
+def test_non_finite_stops_as_diverged():
+    def f(z):  # no fixed point; NaN once |z| > 0.5
+        return torch.where(z.abs() > 0.5, torch.full_like(z, float("nan")), z + 0.1)
+
+    for name in SOLVERS:
+        z, st = get(name)(f, torch.zeros(B, N, dtype=torch.float64), max_iter=50, tol=1e-6)
+        assert st.status == "diverged" and st.nstep < 50
+        assert torch.isfinite(z).all()
+
+
+def test_anderson_singular_solve_falls_back():
+    """G G^T is rank one for f(z) = z + 1; without regularisation every solve is singular."""
+    z, st = get("anderson")(lambda z: z + 1, torch.zeros(B, N, dtype=torch.float64), max_iter=10, tol=1e-6, lam=0.0)
+    assert int(st.extra["fallbacks"].sum()) > 0
+    assert torch.isfinite(z).all() and st.nstep == 10
+
+
+def test_fixed_point_damping():
+    """f(z) = -0.9 z + b oscillates; tau = 0.5 contracts by 0.05 per step instead of 0.9."""
+    b = torch.ones(B, N, dtype=torch.float64)
+    _, plain = get("fixed_point")(lambda z: -0.9 * z + b, torch.zeros_like(b), max_iter=500, tol=1e-10)
+    z, damped = get("fixed_point")(lambda z: -0.9 * z + b, torch.zeros_like(b), max_iter=500, tol=1e-10, tau=0.5)
+    assert plain.converged and damped.converged
+    assert damped.nstep < plain.nstep / 5
+    torch.testing.assert_close(z, b / 1.9)
+
+
+def test_broyden_stagnation():
+    """A residual stuck just above tol (below 3 tol, flat over 30 steps) stops as stagnated."""
+    c = torch.full((B, N), 0.01, dtype=torch.float64)  # ||f(z) - z|| = 0.0566 for every z
+    fc = Counted(lambda z: z + c)
+    z, st = get("broyden")(fc, torch.zeros_like(c), max_iter=200, tol=0.04, stop_mode="abs")
+    assert st.status == "stagnated" and fc.calls == st.nstep <= 32
+    _, st2 = get("broyden")(fc, torch.zeros_like(c), max_iter=200, tol=0.04, stop_mode="abs", stagnation=False)
+    assert st2.status == "max_iter" and st2.nstep == 200
+
+
+# -- options ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", SOLVERS)
+def test_unknown_option_is_a_config_error(name):
+    f, z0 = tanh_cell()
+    with pytest.raises(ConfigError, match="unknown option 'retruns'.*did you mean 'returns'"):
+        get(name)(f, z0, max_iter=5, tol=1e-3, retruns="last")
+
+
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("fixed_point", {"tau": 0.0}),
+        ("fixed_point", {"returns": "best"}),
+        ("anderson", {"m": 0}),
+        ("anderson", {"check_every": 0}),
+        ("broyden", {"memory": 0}),
+        ("broyden", {"on_full": "drop"}),
+        ("broyden", {"stop_mode": "relative"}),
+    ],
+)
+def test_bad_option_values(name, opts):
+    f, z0 = tanh_cell()
+    with pytest.raises(ConfigError):
+        get(name)(f, z0, max_iter=5, tol=1e-3, **opts)
+
+
+def test_reference_counts_small_conv_like():
+    """REFERENCE.md 2.2: a relative lambda keeps Anderson well below fixed point at tight tol."""
+    f, z0 = tanh_cell()
+    _, fp = get("fixed_point")(f, z0, max_iter=300, tol=1e-10)
+    _, an = get("anderson")(f, z0, max_iter=300, tol=1e-10)
+    _, an_abs = get("anderson")(f, z0, max_iter=300, tol=1e-10, lam=0.0, lam_abs=1e-4)
+    assert an.converged and an.nstep < 0.7 * fp.nstep
+    # an absolute lambda of 1e-4 degrades Anderson once ||g||^2 falls below it
+    assert an_abs.nstep > an.nstep
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_matches_cpu(dtype):
+    f, z0 = tanh_cell(dtype)
+    a, b = symmetric(dtype=dtype)
+    ac, bc = a.cuda(), b.cuda()
+
+    def fc(z):
+        return torch.tanh(z @ ac.T + bc)
+
+    for name in SOLVERS:
+        z, st = get(name)(f, z0, max_iter=300, tol=1e-6)
+        zc, stc = get(name)(fc, z0.cuda(), max_iter=300, tol=1e-6)
+        assert stc.converged and abs(stc.nstep - st.nstep) <= 1
+        assert torch.allclose(zc.cpu(), z, atol=1e-4)
+        _, r = residuals(fc(zc), zc)
+        torch.testing.assert_close(stc.rel_residual, r)
