@@ -11,6 +11,13 @@ on an H100.
     python benchmarks/landscape.py --device cuda                       # 51 x 51, 1024, conv_deq
     python benchmarks/landscape.py --device cpu --model conv_deq_tiny --grid 5 --examples 64
 
+A 51 x 51 conv_deq grid takes about 9 minutes per pass on an H100 (about 0.2 s a point), so the
+grid can be split into shards of interleaved rows, each timed the same way (landscape and floor
+on the same points), and merged:
+
+    for k in 0 1 2; do python benchmarks/landscape.py --shard $k/3 --json shard$k.json; done
+    python benchmarks/landscape.py --merge shard0.json shard1.json shard2.json
+
 Prints a markdown table row and writes JSON (``--json``). Synthetic images (seeded N(0, 1), random
 labels) are used: only the cost is measured, which depends on the solver's iteration counts
 (reported for both passes so one can check they did the same work).
@@ -97,8 +104,17 @@ def main() -> None:
     )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--shard", default=None, help="K/N: only grid rows (beta values) with index = K mod N"
+    )
+    ap.add_argument(
+        "--merge", nargs="+", default=None, help="merge shard JSON files and print the table"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.json)
+        return
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,7 +139,11 @@ def main() -> None:
         configure(model, SolverConfig(args.solver, max_iter=args.max_iter, tol=args.tol))
     dirs = ls.resolve_directions(model, ls.random_directions(model, 2, seed=0))
     ax = ls.axis(args.grid, *ls.parse_range(args.range))
-    coords = [(a, b) for b in ax for a in ax]
+    betas = ax
+    if args.shard:
+        k, n = (int(v) for v in args.shard.split("/"))
+        betas = [b for i, b in enumerate(ax) if i % n == k]
+    coords = [(a, b) for b in betas for a in ax]
     bs = args.batch_size or args.examples
 
     def eval_pass() -> None:
@@ -142,7 +162,7 @@ def main() -> None:
         X,
         y,
         alphas=ax,
-        betas=ax,
+        betas=betas,
         batch_size=args.batch_size,
         points_per_batch=args.points_per_batch,
     )
@@ -174,6 +194,8 @@ def main() -> None:
         "model": args.model,
         "dtype": args.dtype,
         "grid": f"{args.grid}x{args.grid}",
+        "shard": args.shard,
+        "points": len(coords),
         "examples": args.examples,
         "solver": f"{args.solver} tol={args.tol} max_iter={args.max_iter}",
         "tf32": False if device.type == "cuda" else None,
@@ -189,19 +211,51 @@ def main() -> None:
         "floor_points_timed": len(sample),
         "vmap": bool(df.attrs.get("vmap")),
         "nonconverged_points": int((~df["converged"]).sum()),
-        "loss_center": float(df.loc[(df.alpha == 0) & (df.beta == 0), "loss_raw"].iloc[0]),
     }
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    table(out)
+
+
+def table(out: dict) -> None:
     print(
         "| card | model | grid | examples | landscape s | floor s | ratio | ms/point | f-evals landscape / floor |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| {out['device']} | {args.model} | {out['grid']} | {args.examples} | {land_s:.2f} | {floor_s:.2f} | "
-        f"{out['ratio']:.3f} | {out['ms_per_point']:.2f} | {land_steps:.0f} / {floor_steps_total:.0f} |"
+        f"| {out['device']} | {out['model']} | {out['grid']} | {out['examples']} | {out['landscape_s']:.2f} | "
+        f"{out['floor_s']:.2f} | {out['ratio']:.3f} | {out['ms_per_point']:.2f} | "
+        f"{out['f_evals_landscape']:.0f} / {out['f_evals_floor']:.0f} |"
     )
     print(json.dumps(out, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+def merge(paths: list[str], dest: str | None) -> None:
+    """Sum the shards' times, points and f-evaluations (same card, model and grid)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    out = dict(parts[0])
+    for key in ("device", "model", "grid", "examples", "dtype", "solver"):
+        if any(p[key] != out[key] for p in parts):
+            raise SystemExit(f"cannot merge: shards differ in {key}")
+    for key in (
+        "landscape_s",
+        "floor_s",
+        "points",
+        "f_evals_landscape",
+        "f_evals_floor",
+        "floor_points_timed",
+        "nonconverged_points",
+    ):
+        out[key] = sum(p[key] for p in parts)
+    out["shard"] = f"merged {len(parts)}"
+    out["ratio"] = out["landscape_s"] / out["floor_s"]
+    out["ms_per_point"] = 1e3 * out["landscape_s"] / out["points"]
+    out["floor_ms_per_point_median"] = statistics.median(
+        p["floor_ms_per_point_median"] for p in parts
+    )
+    if dest:
+        Path(dest).write_text(json.dumps(out, indent=1))
+    table(out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ float64, TF32 off. Times: median over repeats after warm-ups (CUDA events on GPU
 Measured side by side in one run:
 
 * the parts: forward solve; forward + adjoint solve (``deqbench.ntk.prepare``; the adjoint is
-  the difference); per-sample Jacobian (all blocks); contraction K = sum_b G_b G_b^T; eigvalsh;
+  the difference; by default solved directly: per-sample H x H Jacobians and one batched LU
+  solve, ``adjoint="auto"``); per-sample Jacobian of the surrogate (all blocks); contraction
+  K = sum_b G_b G_b^T; eigvalsh;
+* the whole evaluation with the adjoint iterated by the layer's solver instead (60 steps);
 * the whole evaluation: ``empirical_ntk`` + ``ntk_summary`` (eigvalsh);
 * the naive loop (N separate IFT backward passes through the model) and its agreement with the
   batched K; the gram fast path;
@@ -53,8 +56,11 @@ def build(width: int, n_in: int, device: str, iters: int, seed: int = 0) -> Any:
     m = m.to(device)
     # 60 plain iterations each: no early stop (tol 0), no lowest-iterate tracking
     opts = {"returns": "last"}
-    configure(m, SolverConfig("fixed_point", max_iter=iters, tol=0.0, options=opts),
-              BackwardConfig("ift", solver="fixed_point", max_iter=iters, tol=0.0, options=opts))
+    configure(
+        m,
+        SolverConfig("fixed_point", max_iter=iters, tol=0.0, options=opts),
+        BackwardConfig("ift", solver="fixed_point", max_iter=iters, tol=0.0, options=opts),
+    )
     return m.eval()
 
 
@@ -67,7 +73,9 @@ class Timer:
         self.cuda = device.startswith("cuda")
         self.repeats, self.warmup = repeats, warmup
 
-    def __call__(self, fn: Callable[[], Any], repeats: int | None = None) -> tuple[float, list[float]]:
+    def __call__(
+        self, fn: Callable[[], Any], repeats: int | None = None
+    ) -> tuple[float, list[float]]:
         """Median seconds of fn() and all repeats."""
         reps = self.repeats if repeats is None else repeats
         for _ in range(self.warmup):
@@ -94,7 +102,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(width: int, n: int, args: Any, timer: Timer, parts: bool, naive: bool) -> dict[str, Any]:
+def measure(
+    width: int, n: int, args: Any, timer: Timer, parts: bool, naive: bool
+) -> dict[str, Any]:
     dev = args.device
     m = build(width, args.n_in, dev, args.iters)
     X = torch.randn(n, args.n_in, device=dev)
@@ -107,9 +117,14 @@ def measure(width: int, n: int, args: Any, timer: Timer, parts: bool, naive: boo
 
     row["whole_s"], row["whole_all_s"] = timer(whole)
     s = whole()
-    row.update(lambda_min=s["lambda_min"], lambda_max=s["lambda_max"], condition=s["condition"],
-               resolved=s["resolved"])
+    row.update(
+        lambda_min=s["lambda_min"],
+        lambda_max=s["lambda_max"],
+        condition=s["condition"],
+        resolved=s["resolved"],
+    )
     if parts:
+
         def fwd() -> None:
             with torch.no_grad():
                 u = m.inject(X)
@@ -117,7 +132,7 @@ def measure(width: int, n: int, args: Any, timer: Timer, parts: bool, naive: boo
                 sync(dev)
 
         row["forward_s"], _ = timer(fwd)
-        row["solves_s"], _ = timer(lambda: prepare(m, X))
+        row["solves_s"], _ = timer(lambda: (prepare(m, X), sync(dev)))
         row["adjoint_s"] = row["solves_s"] - row["forward_s"]
         st = prepare(m, X)
         row["blocks"] = sum(1 for _ in jacobian_blocks(st, block_bytes=bb))
@@ -139,9 +154,19 @@ def measure(width: int, n: int, args: Any, timer: Timer, parts: bool, naive: boo
             K = contract(jacobian_blocks(st, block_bytes=bb), st.rows)
         Ks = 0.5 * (K + K.T)
         row["eigvalsh_s"], _ = timer(lambda: (torch.linalg.eigvalsh(Ks), sync(dev)))
-        row["parts_sum_s"] = sum(row[k] for k in ("solves_s", "jacobian_s", "contraction_s", "eigvalsh_s"))
+        row["parts_sum_s"] = sum(
+            row[k] for k in ("solves_s", "jacobian_s", "contraction_s", "eigvalsh_s")
+        )
         row["whole_over_parts"] = row["whole_s"] / row["parts_sum_s"]
     if naive:
+        # the same evaluation with the adjoint iterated by the layer's backward solver
+        row["whole_adjoint_solver_s"], _ = timer(
+            lambda: ntk_summary(
+                empirical_ntk(m, X, block_bytes=bb, adjoint="solver"),
+                eps=torch.finfo(torch.float32).eps,
+            )
+        )
+
         def nv() -> Any:
             K = empirical_ntk(m, X, method="naive")
             sync(dev)
@@ -154,16 +179,20 @@ def measure(width: int, n: int, args: Any, timer: Timer, parts: bool, naive: boo
         row["naive_rel_err"] = float((Kb - Kn).norm() / Kn.norm())
         row["gram_s"], _ = timer(lambda: (empirical_ntk(m, X, method="gram"), sync(dev)))
         row["gram_rel_err"] = float((empirical_ntk(m, X, method="gram") - Kb).norm() / Kb.norm())
-    del m, X
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
     return row
 
 
 def env(device: str) -> dict[str, Any]:
-    e = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-         "threads": torch.get_num_threads(), "tf32": "off inside the NTK (forced)",
-         "deqbench": deqbench.__version__}
+    e = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "tf32": "off inside the NTK (forced)",
+        "deqbench": deqbench.__version__,
+    }
     if device.startswith("cuda"):
         e["gpu"] = torch.cuda.get_device_name(device)
         e["cuda"] = torch.version.cuda
@@ -178,12 +207,26 @@ def fmt_ms(v: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = [("N", "N"), ("P", "P"), ("blocks", "blocks"), ("forward_s", "fwd ms"),
-            ("adjoint_s", "adj ms"), ("jacobian_s", "J ms"), ("contraction_s", "JJ^T ms"),
-            ("eigvalsh_s", "eig ms"), ("parts_sum_s", "parts ms"), ("whole_s", "whole ms"),
-            ("whole_over_parts", "whole/parts"), ("naive_s", "naive ms"),
-            ("naive_speedup", "naive/whole"), ("naive_rel_err", "naive err"),
-            ("gram_s", "gram ms"), ("lambda_min", "lambda_min"), ("condition", "cond")]
+    cols = [
+        ("N", "N"),
+        ("P", "P"),
+        ("blocks", "blocks"),
+        ("forward_s", "fwd ms"),
+        ("adjoint_s", "adj ms"),
+        ("jacobian_s", "J ms"),
+        ("contraction_s", "JJ^T ms"),
+        ("eigvalsh_s", "eig ms"),
+        ("parts_sum_s", "parts ms"),
+        ("whole_s", "whole ms"),
+        ("whole_over_parts", "whole/parts"),
+        ("naive_s", "naive ms"),
+        ("naive_speedup", "naive/whole"),
+        ("naive_rel_err", "naive err"),
+        ("gram_s", "gram ms"),
+        ("whole_adjoint_solver_s", "whole, iterated adjoint ms"),
+        ("lambda_min", "lambda_min"),
+        ("condition", "cond"),
+    ]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
@@ -202,7 +245,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--n-in", type=int, default=32)
     ap.add_argument("--iters", type=int, default=60, help="plain iterations per solve")
@@ -210,10 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--naive-repeats", type=int, default=3)
     ap.add_argument("--block-mib", type=int, default=0, help="block budget (0: default)")
-    ap.add_argument("--hold-gib", type=float, default=4.0, help="hold J for the contraction timing up to this size")
+    ap.add_argument(
+        "--hold-gib",
+        type=float,
+        default=4.0,
+        help="hold J for the contraction timing up to this size",
+    )
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=None, help="write JSON (and a .md table next to it)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="write JSON (and a .md table next to it)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -225,20 +277,33 @@ def main(argv: list[str] | None = None) -> int:
     else:
         main_cfg, n_scan = (300, 512), [128, 512, 2048]
         p_scan = [(88, 512), (300, 512), (990, 512)]  # P ~ 10.7k, 100k, 1.01M
-    out: dict[str, Any] = {"env": env(args.device), "args": {k: str(v) for k, v in vars(args).items()}}
+    out: dict[str, Any] = {
+        "env": env(args.device),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     print(f"# NTK benchmark on {out['env'].get('gpu', out['env'].get('cpu'))}", file=sys.stderr)
     headline = measure(main_cfg[0], main_cfg[1], args, timer, parts=True, naive=True)
     out["headline"] = headline
     print(table([headline]), flush=True)
-    out["scaling_N"] = [measure(main_cfg[0], n, args, timer, parts=True, naive=False) for n in n_scan]
+    out["scaling_N"] = [
+        measure(main_cfg[0], n, args, timer, parts=True, naive=False) for n in n_scan
+    ]
     print(table(out["scaling_N"]), flush=True)
     out["scaling_P"] = [measure(h, n, args, timer, parts=True, naive=False) for h, n in p_scan]
     print(table(out["scaling_P"]), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=2, default=str))
-        md = ["## headline (N=512, P~100k)", table([headline]), "", "## scaling in N",
-              table(out["scaling_N"]), "", "## scaling in P", table(out["scaling_P"])]
+        md = [
+            "## headline (N=512, P~100k)",
+            table([headline]),
+            "",
+            "## scaling in N",
+            table(out["scaling_N"]),
+            "",
+            "## scaling in P",
+            table(out["scaling_P"]),
+        ]
         args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
     return 0
 

@@ -68,12 +68,34 @@ class _ImplicitFunction(torch.autograd.Function):
         cell = layer.cell
         cfg = layer.backward_cfg
 
-        def fz(z_, u_, *p_):
-            return functional_call(cell, dict(zip(names, p_)), (z_, u_))
-
         create_graph = torch.is_grad_enabled()
-        _, vjp_fn = vjp(fz, z, u, *params)
         nvjp = 0
+        if create_graph:
+            # Double backward requested: partials by torch.func at (z*, u, theta) as independent
+            # primals, so z*'s dependence on theta routes back through this Function.
+            def fz(z_, u_, *p_):
+                return functional_call(cell, dict(zip(names, p_)), (z_, u_))
+
+            _, vjp_fn = vjp(fz, z, u, *params)
+        else:
+            # First order: one retained graph of f at (z*, u) with plain autograd (cheaper per
+            # VJP than torch.func and avoids importing torch._dynamo on the first backward).
+            with torch.enable_grad():
+                z_ = z.detach().requires_grad_()
+                u_ = u.detach().requires_grad_(u.requires_grad)
+                # f at the saved parameters, not the cell's attributes: under
+                # torch.func.functional_call the forward ran with substituted tensors that the
+                # module no longer holds when this backward runs.
+                p_ = [p.detach().requires_grad_() for p in params]
+                fz_out = functional_call(cell, dict(zip(names, p_)), (z_, u_))
+            inputs = [z_] + ([u_] if u.requires_grad else []) + p_
+
+            def vjp_fn(w: Tensor) -> tuple[Tensor | None, ...]:
+                gs = torch.autograd.grad(fz_out, inputs, w, retain_graph=True, allow_unused=True)
+                gz, rest = gs[0], list(gs[1:])
+                gu = rest.pop(0) if u.requires_grad else None
+                gz = torch.zeros_like(w) if gz is None else gz
+                return (gz, gu, *rest)
 
         def adj(w: Tensor) -> Tensor:
             return vjp_fn(w)[0] + g

@@ -107,12 +107,21 @@ def execute(
     progress: bool | None = None,
     plots: bool = True,
     out: Path | None = None,
+    executor: Any = None,
 ) -> int:
     """Run ``suite`` through the runner, print the summary; return the exit code."""
     from .console import print_summary
     from .runner import run_suite
 
-    summary = run_suite(suite, out, resume=resume, progress=progress, plots=plots, command=sys.argv)
+    summary = run_suite(
+        suite,
+        out,
+        resume=resume,
+        progress=progress,
+        plots=plots,
+        command=sys.argv,
+        executor=executor,
+    )
     from .results import load_results
 
     print_summary(load_results(summary.run_dir))
@@ -177,6 +186,30 @@ def run(
     plots: Annotated[
         bool, typer.Option("--plots/--no-plots", help="Write plots/ at the end.")
     ] = True,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help="inline: cells one by one in this process; dask: each cell x seed is one Dask "
+            "task (needs deqbench[dask]).",
+        ),
+    ] = "inline",
+    scheduler: Annotated[
+        str | None,
+        typer.Option(
+            "--scheduler",
+            help="With --executor dask: join this running Dask scheduler (tcp://HOST:8786) "
+            "instead of starting a local cluster.",
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            help="With --executor dask: local worker processes (default: one per visible GPU, "
+            "or cpu_count/threads on CPU).",
+        ),
+    ] = None,
 ) -> None:
     """Run a suite: every cell x seed; writes results/<suite>/<run_id>/."""
     with handle_errors():
@@ -189,7 +222,10 @@ def run(
             seeds=parse_seeds(seeds),
             output=str(out) if out else None,
         )
-        code = execute(s, resume=resume, progress=progress, plots=plots)
+        from .executors import open_executor
+
+        with open_executor(executor, scheduler=scheduler, workers=workers, suite=s) as ex:
+            code = execute(s, resume=resume, progress=progress, plots=plots, executor=ex)
     raise typer.Exit(code)
 
 

@@ -275,6 +275,14 @@ def hessian_command(
             help="DEQ solver tolerance during the analysis (default 1e-6 float32, 1e-12 float64).",
         ),
     ] = None,
+    refine: Annotated[
+        int | None,
+        typer.Option(
+            "--refine",
+            min=0,
+            help="Least differentiable adjoint steps of the IFT double backward (default 300).",
+        ),
+    ] = None,
     dir_seed: Annotated[
         int, typer.Option("--probe-seed", help="Seed of the probes and the data subset.")
     ] = 0,
@@ -318,6 +326,8 @@ def hessian_command(
         params["batch_size"] = batch_size
     if hessian_tol is not None:
         params["tol"] = hessian_tol
+    if refine is not None:
+        params["refine"] = refine
     if checkpoint is not None:
         params["checkpoint"] = str(checkpoint)
     sections = _sections(

@@ -49,7 +49,10 @@ def ntk(
     method: Annotated[str, typer.Option("--method", help="batched | naive | gram.")] = "batched",
     tol: Annotated[
         float | None,
-        typer.Option("--tol", help="Solver tolerance of the NTK solves (default: the model's)."),
+        typer.Option(
+            "--tol",
+            help="Tolerance of the NTK forward and adjoint solves (default 1e-10 in float64, 1e-6 in float32).",
+        ),
     ] = None,
     epochs: Annotated[
         int, typer.Option("--epochs", min=0, help="Training epochs (full batch: one step each).")

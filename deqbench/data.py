@@ -210,7 +210,8 @@ def gp_sequence(
     """The smooth sequence-to-sequence task of papers/001 section 4 (REFERENCE.md 9.2).
 
     Inputs: ``length`` points on linspace(-2 pi, 2 pi); targets on the same grid shifted by
-    ``shift`` (papers/001: targets on [-2 pi - 2, 2 pi - 2], so shift = -2). Signal s(t) = exp(-0.1 t^2) sin t + exp(-(t + 9)^2); each sample adds one GP draw
+    ``shift`` (papers/001: targets on [-2 pi - 2, 2 pi - 2], so shift = -2). Signal
+    s(t) = exp(-0.1 t^2) sin t + exp(-(t + 9)^2); each sample adds one GP draw
     over the 2*length joint locations with kernel 0.1 exp(-d^2/2) exp(-sin(d)^2). Inputs and
     targets are normalised by the train inputs' mean and std.
     """

@@ -221,7 +221,7 @@ class HVPOperator:
         nv = float(v.norm())
         if nv == 0.0:
             return torch.zeros_like(v)
-        h = float(self.fd_eps) / nv
+        h = float(self.fd_eps or 0.0) / nv
         gp = self.gradient(self.theta + h * v)
         gm = self.gradient(self.theta - h * v)
         return (gp - gm) / (2 * h)

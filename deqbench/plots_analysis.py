@@ -2,8 +2,9 @@
 
 Inputs are the analyses' series (``plots.read_series(run_dir, "landscape")`` and
 ``"hessian_density"``), with ``cell_id`` and ``seed`` columns when several are concatenated.
-Points where a DEQ's forward solver did not converge are drawn as red crosses and left out of
-contours and surfaces (their ``loss`` is NaN).
+Surfaces and curves show the measured loss (``loss_raw``) everywhere, and points where a DEQ's
+forward solver did not converge (``converged`` false; their ``loss`` is NaN in the CSV and in the
+summaries) are marked with red crosses on top, so they are visible but never silently mixed in.
 
 Example:
     >>> from deqbench.plots import read_series, save_figure
@@ -48,7 +49,7 @@ def _grid(g: Any, col: str) -> tuple[Any, Any, Any]:
 
 
 def _levels(series: Any) -> Any:
-    vals = series["loss"].to_numpy(float)
+    vals = series["loss_raw"].to_numpy(float)
     vals = vals[np.isfinite(vals)]
     if vals.size == 0:
         return None
@@ -72,7 +73,7 @@ def _mark_unconverged(ax: Any, g: Any) -> bool:
 
 def landscape_contour(g: Any, ax: Any, levels: Any = None, title: str = "") -> Any:
     """Filled contour of one 2-D grid on ``ax``; unconverged points marked. Returns the mappable."""
-    x, y, z = _grid(g, "loss")
+    x, y, z = _grid(g, "loss_raw")
     zm = np.ma.masked_invalid(z)
     cs = None
     if zm.count() >= 4:
@@ -119,7 +120,7 @@ def landscape_surfaces(series: Any) -> Any:
     fig = _new(3.8 * ncols, 3.4 * nrows)
     for i, (label, g) in enumerate(groups):
         ax = fig.add_subplot(nrows, ncols, i + 1, projection="3d")
-        x, y, z = _grid(g, "loss")
+        x, y, z = _grid(g, "loss_raw")
         X, Y = np.meshgrid(x, y)
         ax.plot_surface(
             X, Y, np.ma.masked_invalid(z), cmap="viridis", linewidth=0, antialiased=True
@@ -146,7 +147,7 @@ def landscape_curves(series: Any) -> Any:
             cuts.append(("beta", g[g["alpha"] == 0.0]))
         for ax, (coord, c) in zip(axes, cuts):
             c = c.sort_values(coord)
-            ax.plot(c[coord], c["loss"], marker="o", ms=2, label=label or None)
+            ax.plot(c[coord], c["loss_raw"], marker="o", ms=2, label=label or None)
             bad = c[~c["converged"].astype(bool)]
             if not bad.empty:
                 ax.scatter(bad[coord], bad["loss_raw"], marker="x", color="red", s=16, zorder=3)

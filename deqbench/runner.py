@@ -63,9 +63,8 @@ class RunSummary:
     run_id: str
     tasks: int  # tasks run now (excluding those a resume skipped)
     skipped: int = 0  # finished tasks a resume skipped
-    failed: list[tuple[str, int, str, str]] = field(
-        default_factory=list
-    )  # cell, seed, status, note
+    #: (cell_id, seed, status, note) of every failed task in the run directory
+    failed: list[tuple[str, int, str, str]] = field(default_factory=list)
     interrupted: bool = False
     plots: list[Path] = field(default_factory=list)
 
@@ -225,6 +224,9 @@ def run_suite(
 
         torch.set_num_threads(suite.threads)  # before collect(): run.json records it
     run_dir, meta, done = _prepare(suite, out, resume, command)
+    describe = getattr(executor, "describe", None)
+    if callable(describe):  # e.g. the Dask cluster's layout
+        meta["executor"] = describe()
     device = suite.resolved_device()
     res.write_json(run_dir / "run.json", meta)
     writer = res.ResultsWriter(run_dir)

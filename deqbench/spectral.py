@@ -65,7 +65,7 @@ def _lanczos_max(op: Callable[[Tensor], Tensor], v: Tensor, m: int) -> Tensor:
     shape1 = (-1, *([1] * (v.dim() - 1)))
     B = v.shape[0]
     T = torch.zeros(B, m, m, dtype=v.dtype, device=v.device)
-    Q = [v / _bnorm(v).clamp_min(1e-300).view(shape1)]
+    Q = [v / _tiny(_bnorm(v)).view(shape1)]
     k = m
     for j in range(m):
         w = op(Q[j])
@@ -78,13 +78,13 @@ def _lanczos_max(op: Callable[[Tensor], Tensor], v: Tensor, m: int) -> Tensor:
         if j + 1 == m:
             break
         hn = _bnorm(w)
-        scale = T[:, j, j].abs().clamp_min(1e-300)
+        scale = _tiny(T[:, j, j].abs())
         if bool((hn <= 1e-12 * scale).all()):
             k = j + 1
             break
         T[:, j + 1, j] = hn
         T[:, j, j + 1] = hn
-        Q.append(w / hn.clamp_min(1e-300).view(shape1))
+        Q.append(w / _tiny(hn).view(shape1))
     Tk = T[:, :k, :k]
     Tk = 0.5 * (Tk + Tk.transpose(1, 2))
     return torch.linalg.eigvalsh(Tk)[:, -1].clamp_min(0)
@@ -199,9 +199,11 @@ def conv_spectral_norm(weight: Tensor, input_hw: int | tuple[int, int]) -> float
             for b in range(k2):
                 f[..., a % n1, b % n2] += w[..., a, b]
         w = f
-    spec = torch.fft.fft2(w, s=(n1, n2))  # (C_out, C_in, n1, n2)
+    # real taps: K(-u, -v) = conj(K(u, v)) has the same singular values, so the half spectrum
+    # of rfft2 covers every frequency
+    spec = torch.fft.rfft2(w, s=(n1, n2))  # (C_out, C_in, n1, n2 // 2 + 1)
     mats = spec.permute(2, 3, 0, 1)
-    return float(torch.linalg.matrix_norm(mats, ord=2).max())
+    return float(torch.linalg.svdvals(mats)[..., 0].max())
 
 
 def conv_norm_fft(weight: Tensor, input_size: int | tuple[int, int]) -> float:
@@ -382,6 +384,11 @@ def _bdot(a: Tensor, b: Tensor) -> Tensor:
     return (a.reshape(a.shape[0], -1) * b.reshape(b.shape[0], -1)).sum(1)
 
 
+def _tiny(x: Tensor) -> Tensor:
+    """``x`` clamped away from 0 by the dtype's smallest normal number (1e-300 is 0 in float32)."""
+    return x.clamp_min(torch.finfo(x.dtype).tiny)
+
+
 def _bnorm(a: Tensor) -> Tensor:
     return torch.linalg.vector_norm(a.reshape(a.shape[0], -1), dim=1)
 
@@ -464,7 +471,7 @@ def jacobian_spectral_radius(
     for _ in range(iters):
         w = op(v)
         power = _bnorm(w)
-        v = w / power.clamp_min(1e-300).view(shape1)
+        v = w / _tiny(power).view(shape1)
     if arnoldi <= 0:
         return power
     m = arnoldi
@@ -474,18 +481,22 @@ def jacobian_spectral_radius(
     k_used = m
     for j in range(m):
         w = op(Q[j])
-        for _rep in range(2):  # re-orthogonalise (classical Gram-Schmidt twice)
+        for _rep in range(2):  # re-orthogonalise (Gram-Schmidt twice)
             for i in range(j + 1):
                 h = _bdot(Q[i], w)
                 H[:, i, j] += h
                 w = w - h.view(shape1) * Q[i]
         hn = _bnorm(w)
-        H[:, j + 1, j] = hn
-        if bool((hn <= 1e-12 * H[:, : j + 1, j].abs().amax(1).clamp_min(1e-300)).all()):
+        # per-sample breakdown (invariant subspace found): stop that sample's Krylov space by
+        # continuing with q = 0, so its later Hessenberg columns stay zero
+        done = hn <= 1e-12 * _tiny(H[:, : j + 1, j].abs().amax(1))
+        H[:, j + 1, j] = torch.where(done, torch.zeros_like(hn), hn)
+        if bool(done.all()):
             k_used = j + 1
             break
-        Q.append(w / hn.clamp_min(1e-300).view(shape1))
-    Hm = H[:, :k_used, :k_used]
+        q = w / _tiny(hn).view(shape1)
+        Q.append(torch.where(done.view(shape1), torch.zeros_like(q), q))
+    Hm = torch.nan_to_num(H[:, :k_used, :k_used])  # LAPACK rejects non-finite input
     ritz = torch.linalg.eigvals(Hm).abs().amax(1)
     return ritz.to(v.dtype)
 
@@ -512,8 +523,8 @@ def jacobian_spectral_norm(
     for _ in range(iters):
         w = vjp(jvp(v))
         new = _bdot(w, v).clamp_min(0).sqrt()
-        v = w / _bnorm(w).clamp_min(1e-300).view(shape1)
-        done = bool(((new - est).abs() <= tol * new.clamp_min(1e-300)).all())
+        v = w / _tiny(_bnorm(w)).view(shape1)
+        done = bool(((new - est).abs() <= tol * _tiny(new)).all())
         est = new
         if done:
             break

@@ -128,24 +128,14 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         "seed": task.seed,
     }
 
+    def add(analysis: str, r: Row) -> None:
+        rows.append({**base, "analysis": analysis, "variant": r.variant, "metric": r.metric,
+                     "step": r.step, "repeat": r.repeat, "value": r.value, "unit": r.unit,
+                     "status": r.status, "note": r.note})  # fmt: skip
+
     def emit(analysis: Any, produced: Any) -> None:
         for r in produced or ():
-            if not isinstance(r, Row):
-                r = Row(**r) if isinstance(r, dict) else Row(*r)
-            rows.append(
-                {
-                    **base,
-                    "analysis": names[id(analysis)],
-                    "variant": r.variant,
-                    "metric": r.metric,
-                    "step": r.step,
-                    "repeat": r.repeat,
-                    "value": r.value,
-                    "unit": r.unit,
-                    "status": r.status,
-                    "note": r.note,
-                }
-            )
+            add(names[id(analysis)], r if isinstance(r, Row) else Row(**r))
 
     if listener is not None:
         listener.task_started(task)
@@ -209,19 +199,6 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     except Exception as exc:
         status, note, tb = "error", _one_line(exc), traceback.format_exc()
     wall = time.perf_counter() - t0
-    rows.append(
-        {
-            **base,
-            "analysis": RUNNER,
-            "variant": "",
-            "metric": "wall_time",
-            "step": None,
-            "repeat": 0,
-            "value": wall,
-            "unit": "s",
-            "status": status,
-            "note": note,
-        }
-    )
+    add(RUNNER, Row("wall_time", wall, unit="s", status=status, note=note))
     series = ctx.extra.get("_series", {}) if ctx is not None else {}
     return TaskResult(cell.id, task.seed, rows, status, note, tb, wall, series)

@@ -45,16 +45,34 @@ def test_conv_cell_matches_its_equation():
     z = torch.randn(2, 16, 8, 8, dtype=torch.float64)
     x = torch.randn(2, 16, 8, 8, dtype=torch.float64)
     gn = torch.nn.functional.group_norm
-    y = gn(torch.relu(torch.nn.functional.conv2d(z, cell.conv1.weight, padding=1)), 4,
-           cell.norm1.weight, cell.norm1.bias)
-    ref = gn(torch.relu(z + gn(x + torch.nn.functional.conv2d(y, cell.conv2.weight, padding=1), 4,
-                               cell.norm2.weight, cell.norm2.bias)), 4, cell.norm3.weight, cell.norm3.bias)
+    y = gn(
+        torch.relu(torch.nn.functional.conv2d(z, cell.conv1.weight, padding=1)),
+        4,
+        cell.norm1.weight,
+        cell.norm1.bias,
+    )
+    ref = gn(
+        torch.relu(
+            z
+            + gn(
+                x + torch.nn.functional.conv2d(y, cell.conv2.weight, padding=1),
+                4,
+                cell.norm2.weight,
+                cell.norm2.bias,
+            )
+        ),
+        4,
+        cell.norm3.weight,
+        cell.norm3.bias,
+    )
     assert torch.allclose(cell(z, x), ref, atol=1e-12)
 
 
 def test_tied_repeat_applies_cell_n_times():
     torch.manual_seed(3)
-    m = deqbench.models.create("tied_repeat_tiny", cell="fc", repeats=4, in_shape=(6,), num_outputs=2)
+    m = deqbench.models.create(
+        "tied_repeat_tiny", cell="fc", repeats=4, in_shape=(6,), num_outputs=2
+    )
     x = torch.randn(2, 6)
     u = m.base.inject(x)
     z = torch.zeros_like(u)

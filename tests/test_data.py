@@ -40,12 +40,17 @@ def test_synthetic_and_bad_options():
 
 def test_gp_sequence_definition():
     d = load_data("gp_sequence", n_train=64, n_test=16, seed=0)
-    assert d.task == "regression" and d.train[0].shape == (64, 100) and d.train[1].shape == (64, 100)
+    assert (
+        d.task == "regression" and d.train[0].shape == (64, 100) and d.train[1].shape == (64, 100)
+    )
     t_in = np.array(d.meta["t_in"])
     assert np.allclose(t_in, np.linspace(-2 * np.pi, 2 * np.pi, 100))
     assert np.allclose(np.array(d.meta["t_out"]), t_in - 2.0)  # papers/001: [-2pi-2, 2pi-2]
     # normalised by the train inputs' statistics
-    assert abs(float(d.train[0].mean())) < 1e-5 and abs(float(d.train[0].std(unbiased=False)) - 1) < 1e-4
+    assert (
+        abs(float(d.train[0].mean())) < 1e-5
+        and abs(float(d.train[0].std(unbiased=False)) - 1) < 1e-4
+    )
     # the mean over draws approaches the signal (noise is a zero-mean GP draw)
     big = load_data("gp_sequence", n_train=4000, n_test=1, seed=1)
     mu, sd = big.meta["mean"], big.meta["std"]
@@ -83,8 +88,13 @@ def test_cifar10_real_format(tmp_path, monkeypatch):
     rng = np.random.default_rng(1)
     for name, n in [(f"data_batch_{i}", 3) for i in range(1, 6)] + [("test_batch", 4)]:
         with open(base / name, "wb") as fh:
-            pickle.dump({"data": rng.integers(0, 256, (n, 3072)).astype(np.uint8),
-                         "labels": rng.integers(0, 10, n).tolist()}, fh)
+            pickle.dump(
+                {
+                    "data": rng.integers(0, 256, (n, 3072)).astype(np.uint8),
+                    "labels": rng.integers(0, 10, n).tolist(),
+                },
+                fh,
+            )
     with open(base / "batches.meta", "wb") as fh:
         pickle.dump({"label_names": [f"c{i}" for i in range(10)]}, fh)
     # the tiny files cannot match the official md5 sums; everything else is the real reader
@@ -100,9 +110,13 @@ def test_svhn_real_format(tmp_path, monkeypatch):
 
     rng = np.random.default_rng(2)
     for split, n in (("train", 6), ("test", 3)):
-        scipy.io.savemat(tmp_path / f"{split}_32x32.mat",
-                         {"X": rng.integers(0, 256, (32, 32, 3, n)).astype(np.uint8),
-                          "y": rng.integers(1, 11, (n, 1)).astype(np.uint8)})
+        scipy.io.savemat(
+            tmp_path / f"{split}_32x32.mat",
+            {
+                "X": rng.integers(0, 256, (32, 32, 3, n)).astype(np.uint8),
+                "y": rng.integers(1, 11, (n, 1)).astype(np.uint8),
+            },
+        )
     monkeypatch.setattr(torchvision.datasets.SVHN, "_check_integrity", lambda self: True)
     d = load_data("svhn", root=str(tmp_path))
     assert d.train[0].shape == (6, 3, 32, 32) and d.test[0].shape == (3, 3, 32, 32)

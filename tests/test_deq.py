@@ -13,7 +13,9 @@ TIGHT = SolverConfig("fixed_point", max_iter=600, tol=1e-14)
 
 def tiny_tanh_deq(seed: int = 0, width: int = 12, in_dim: int = 6, norm: float = 0.8):
     torch.manual_seed(seed)
-    m = deqbench.models.create("fc_deq_tiny", in_shape=(in_dim,), num_outputs=3, width=width).double()
+    m = deqbench.models.create(
+        "fc_deq_tiny", in_shape=(in_dim,), num_outputs=3, width=width
+    ).double()
     with torch.no_grad():
         W = m.deq.cell.W.weight
         W.mul_(norm / torch.linalg.matrix_norm(W, ord=2))
@@ -70,7 +72,9 @@ def test_ift_hessian_vector_product_matches_unrolled():
         configure(m, TIGHT, bw)
         g, params = flat_grad(m, loss, create_graph=True)
         if v is None:
-            v = torch.randn(g.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+            v = torch.randn(
+                g.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64
+            )
         h = torch.autograd.grad(g @ v, params)
         hv[name] = torch.cat([t.reshape(-1) for t in h])
     err = (hv["ift"] - hv["unrolled"]).norm() / hv["unrolled"].norm()
@@ -106,7 +110,9 @@ def test_inexact_gradients_run_and_are_reported(mode):
 
 def test_layer_exposes_stats():
     m = tiny_tanh_deq()
-    configure(m, SolverConfig("fixed_point", max_iter=100, tol=1e-8), BackwardConfig("ift", tol=1e-8))
+    configure(
+        m, SolverConfig("fixed_point", max_iter=100, tol=1e-8), BackwardConfig("ift", tol=1e-8)
+    )
     x = torch.randn(3, 6, dtype=torch.float64)
     m(x).sum().backward()
     st = last_stats(m)

@@ -79,6 +79,35 @@ def test_blockwise_contraction_and_chunking_give_the_same_kernel():
     assert rel(K_small, K) < 1e-13
 
 
+def test_direct_and_iterated_adjoints_agree():
+    m = tiny_tanh_deq(width=10)
+    X = torch.randn(5, 6, dtype=torch.float64)
+    Kd, info_d = empirical_ntk(m, X, adjoint="direct", return_info=True)
+    Ks, info_s = empirical_ntk(m, X, adjoint="solver", return_info=True)
+    assert info_d["adjoint_nstep"] == 0 and info_s["adjoint_nstep"] > 0
+    assert info_d["adjoint_rel_residual"] < 1e-13 and rel(Kd, Ks) < 1e-12
+
+
+def test_untraceable_forward_falls_back_to_naive():
+    from deqbench.models.fc import FCDEQ
+
+    class Untraceable(FCDEQ):
+        """A custom forward with a side effect torch.func cannot trace (reads data_ptr())."""
+
+        def forward(self, x):
+            self.seen = self.U.weight.data_ptr()
+            return super().forward(x)
+
+    torch.manual_seed(5)
+    m = Untraceable(6, 8, 2).double()
+    configure(m, TIGHT, TIGHT_B)
+    X = torch.randn(3, 6, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="naive"):
+        K, info = empirical_ntk(m, X, return_info=True)
+    assert "fallback" in info
+    assert rel(K, empirical_ntk(m, X, method="naive")) < 1e-12
+
+
 def test_mlp_matches_torch_func_jacobian_contraction():
     torch.manual_seed(1)
     mlp = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
@@ -115,8 +144,11 @@ def test_custom_forward_and_multi_layer_deqs_match_naive(name):
     go through the generic per-layer surrogate: one batched solve and adjoint per layer call."""
     torch.manual_seed(4)
     m = deqbench.models.create(name, in_shape=(1, 8, 8), num_outputs=2).double()
-    configure(m, SolverConfig("anderson", max_iter=300, tol=1e-13),
-              BackwardConfig("ift", solver="anderson", max_iter=300, tol=1e-13))
+    configure(
+        m,
+        SolverConfig("anderson", max_iter=300, tol=1e-13),
+        BackwardConfig("ift", solver="anderson", max_iter=300, tol=1e-13),
+    )
     X = torch.rand(4, 1, 8, 8, dtype=torch.float64)
     K, info = empirical_ntk(m, X, output="full", return_info=True)
     assert info["forward_converged"] == 1.0 and info["adjoint_converged"] == 1.0
@@ -156,8 +188,11 @@ def test_mondeq_batched_matches_naive_ift_and_unrolled():
         m.deq.cell.B.copy_(torch.randn(H, H) * 0.4 / H**0.5)
     X = torch.randn(6, 6, dtype=torch.float64)
     pr = {"alpha": 1.0}
-    configure(m, SolverConfig("peaceman_rachford", max_iter=1000, tol=1e-14, options=pr),
-              BackwardConfig("ift", solver="peaceman_rachford", max_iter=1000, tol=1e-14, options=pr))
+    configure(
+        m,
+        SolverConfig("peaceman_rachford", max_iter=1000, tol=1e-14, options=pr),
+        BackwardConfig("ift", solver="peaceman_rachford", max_iter=1000, tol=1e-14, options=pr),
+    )
     K, info = empirical_ntk(m, X, return_info=True)
     assert info["forward_converged"] == 1.0 and info["adjoint_converged"] == 1.0
     assert rel(empirical_ntk(m, X, method="naive"), K) < 1e-8
@@ -180,8 +215,11 @@ def test_summary_noise_floor_and_unresolved():
     assert not s["resolved"] and math.isnan(s["lambda_min"]) and s["condition"] == math.inf
     # float32 gradients of near-duplicate probes: below the float32 floor
     m = tiny_tanh_deq().float()
-    configure(m, SolverConfig("fixed_point", max_iter=400, tol=1e-7),
-              BackwardConfig("ift", max_iter=400, tol=1e-7))
+    configure(
+        m,
+        SolverConfig("fixed_point", max_iter=400, tol=1e-7),
+        BackwardConfig("ift", max_iter=400, tol=1e-7),
+    )
     X = torch.randn(4, 6)
     X = torch.cat([X, X + 1e-6 * torch.randn(4, 6)])
     K, info = empirical_ntk(m, X, return_info=True)
@@ -233,11 +271,22 @@ def test_analysis_hooks_write_series_rows_and_plot(tmp_path):
     data = data.to(dtype=torch.float64)
     torch.manual_seed(0)
     m = deqbench.models.create("fc_deq_tiny", in_shape=data.in_shape, num_outputs=1).double()
-    configure(m, SolverConfig("fixed_point", max_iter=200, tol=1e-10),
-              BackwardConfig("ift", max_iter=200, tol=1e-10))
+    configure(
+        m,
+        SolverConfig("fixed_point", max_iter=200, tol=1e-10),
+        BackwardConfig("ift", max_iter=200, tol=1e-10),
+    )
     a = deqbench.analyses.get("ntk")({"n": 16, "every": 2, "output": "scalar"})
-    ctx = CellContext(model=m, data=data, device="cpu", dtype=torch.float64, seed=0,
-                      cell_id="c0", cell={"train": {"full_batch": True}}, run_dir=tmp_path)
+    ctx = CellContext(
+        model=m,
+        data=data,
+        device="cpu",
+        dtype=torch.float64,
+        seed=0,
+        cell_id="c0",
+        cell={"train": {"full_batch": True}},
+        run_dir=tmp_path,
+    )
     rows = list(a.before_training(ctx))
     cfg = TrainConfig(epochs=4, optimizer="sgd", momentum=0.0, lr=0.05, full_batch=True)
     res = train(m, data, cfg, ctx=ctx, callbacks=[a], emit=lambda an, rs: rows.extend(rs))
@@ -251,7 +300,14 @@ def test_analysis_hooks_write_series_rows_and_plot(tmp_path):
     probes = pd.read_csv(tmp_path / "series" / "ntk_probes__c0__seed0.csv")
     assert len(probes) == 16 and probes["index"].nunique() == 16 and "x63" in probes
     metrics = {r.metric for r in rows}
-    assert {"lambda_min", "lambda_max", "condition", "trace", "noise_floor", "train_loss"} <= metrics
+    assert {
+        "lambda_min",
+        "lambda_max",
+        "condition",
+        "trace",
+        "noise_floor",
+        "train_loss",
+    } <= metrics
     from deqbench.analyses.ntk import ntk_plots
 
     figs = ntk_plots(None, tmp_path)
@@ -266,9 +322,28 @@ def test_cli_ntk_runs_a_one_cell_suite(tmp_path):
 
     r = CliRunner().invoke(app, ["ntk", "--help"])
     assert r.exit_code == 0 and "Example: deqbench ntk" in r.output
-    args = ["ntk", "--model", "fc_deq_tiny", "--train-subset", "12", "--n", "12", "--epochs", "2",
-            "--every", "1", "--lr", "0.02", "--device", "cpu", "--out", str(tmp_path),
-            "--no-progress", "--set", "data.test_subset=8"]
+    args = [
+        "ntk",
+        "--model",
+        "fc_deq_tiny",
+        "--train-subset",
+        "12",
+        "--n",
+        "12",
+        "--epochs",
+        "2",
+        "--every",
+        "1",
+        "--lr",
+        "0.02",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--set",
+        "data.test_subset=8",
+    ]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     run_dir = next((tmp_path / "ntk").iterdir())

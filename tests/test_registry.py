@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -136,7 +135,9 @@ def test_broken_plugin_reported_others_work(plugin_path):
 
 def test_autoload_can_be_disabled(plugin_path, monkeypatch):
     (plugin_path / "fakeplug_f.py").write_text("def f(**kw):\n    return 1\n")
-    _dist_info(plugin_path, "fakeplug-f", "1.0", {"deqbench.models": {"hidden_model": "fakeplug_f:f"}})
+    _dist_info(
+        plugin_path, "fakeplug-f", "1.0", {"deqbench.models": {"hidden_model": "fakeplug_f:f"}}
+    )
     monkeypatch.setenv("DEQBENCH_DISABLE_PLUGIN_AUTOLOAD", "1")
     for r in REGISTRIES.values():
         r.reset_plugins()

@@ -53,6 +53,7 @@ class _Probe(Analysis):
         if ctx.seed == 1 and os.environ.get("TEST_PROBE_INTERRUPT"):
             raise KeyboardInterrupt
         yield Row("before", 1.0)
+        yield Row("param_bits", torch.finfo(next(ctx.model.parameters()).dtype).bits)
 
     def on_epoch(self, ctx, info):
         yield Row("epoch", float(info.epoch), step=info.epoch)
@@ -194,21 +195,23 @@ def test_non_deq_model_and_skipped_training(tmp_path):
     sk = df[df.analysis == "solver_stats"]
     assert len(sk) == 1 and sk.status.iloc[0] == "skipped" and "not a DEQ" in sk.note.iloc[0]
     # solver_stats needs training -> train() runs with 0 epochs: only the epoch-0 evaluation
-    assert sorted(df[df.analysis == "test_probe"].metric) == ["after", "before", "epoch"]
+    probe = df[df.analysis == "test_probe"]
+    assert sorted(probe.metric) == ["after", "before", "epoch", "param_bits"]
+    assert probe[probe.metric == "param_bits"].value.iloc[0] == 32
     p = write_suite(
         tmp_path,
         TINY_SUITE,
         name="b.yaml",
-        replace={"epochs: 1": "epochs: 0", "[metrics, solver_stats]": "[test_probe]"},
+        replace={
+            "epochs: 1": "epochs: 0",
+            "[metrics, solver_stats]": "[test_probe]",
+            "threads: 1": "threads: 1\ndtype: float64",
+        },
     )
     df = load_results(run_suite(load_suite(p), progress=False, plots=False).run_dir)
-    probe = df[df.analysis == "test_probe"]
-    assert sorted(probe.metric) == [
-        "after",
-        "after",
-        "before",
-        "before",
-    ]  # no epoch: training skipped
+    probe = df[(df.analysis == "test_probe") & (df.metric != "param_bits")]
+    assert sorted(probe.metric) == ["after", "after", "before", "before"]  # training skipped
+    assert set(df[df.metric == "param_bits"].value) == {64.0}
 
 
 def test_interrupt_keeps_finished_tasks_then_resume(tmp_path, monkeypatch):
@@ -324,3 +327,43 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
     pd.testing.assert_frame_equal(_key_rows(resumed), _key_rows(full))
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["status"] == "complete" and meta["resumed"][0]["skipped_tasks"] == done
+
+
+def test_shipped_suites_validate():
+    smoke = load_suite("suites/smoke.yaml")
+    assert len(smoke.cells) == 12 and smoke.seeds == [0, 1] and smoke.device == "cpu"
+    assert {c.solver["name"] for c in smoke.cells} == {"fixed_point", "anderson", "broyden"}
+    assert {c.backward["name"] for c in smoke.cells} == {"ift", "unrolled"}
+    assert len(load_suite("suites/solvers.yaml").cells) == 12
+
+
+@pytest.mark.slow
+def test_smoke_suite_writes_every_declared_row(tmp_path):
+    """The whole smoke suite (about 30 s on 2 cores): every (cell, seed) ok, and every cell has
+    the rows its analyses declare for every seed."""
+    summary = run_suite(load_suite("suites/smoke.yaml"), out=tmp_path, progress=False)
+    assert summary.exit_code == 0 and summary.tasks == 24
+    df = load_results(summary.run_dir)
+    assert (df[df.analysis == RUNNER].status == "ok").sum() == 24
+    per_epoch = {("metrics", v, m) for v in ("train", "test") for m in ("loss", "accuracy")}
+    per_epoch |= {
+        ("solver_stats", v, m)
+        for v in ("train", "test")
+        for m in (
+            "forward_nstep",
+            "forward_rel_residual",
+            "forward_converged",
+        )
+    }
+    final = {
+        ("solver_stats", "final_test", m)
+        for m in ("forward_nstep", "forward_nstep_max", "forward_rel_residual")
+    }
+    for (cell, seed), g in df.groupby(["cell_id", "seed"]):
+        got = set(zip(g.analysis, g.variant, g.metric, g.step.fillna(-1)))
+        for epoch in (0, 1, 2):
+            assert {(*k, epoch) for k in per_epoch} <= got, (cell, seed, epoch)
+        assert {(*k, -1) for k in final} <= got, (cell, seed)
+        assert {("solver_stats", "train", "forward_abs_residual", e) for e in (1, 2)} <= got
+        if cell.endswith("-ift"):
+            assert {("solver_stats", "train", "backward_nstep", e) for e in (1, 2)} <= got

@@ -199,3 +199,20 @@ def test_spectral_analysis_conv_model_scope_model():
     assert vals[("deq.cell.conv1", "sigma_max_power")] <= 0.7 + 1e-9
     dense = float(torch.linalg.matrix_norm(sp.conv_matrix(m.conv1.weight, 6), 2))
     assert vals[("deq.cell.conv1", "sigma_max_power")] == pytest.approx(dense, rel=1e-6)
+
+
+def test_jacobian_tools_with_a_zero_jacobian_sample_in_float32():
+    # one sample's Jacobian is exactly 0 (saturated activation): no NaN from 0/0 in float32
+    A = torch.randn(5, 5, generator=torch.Generator().manual_seed(0)) * 0.3
+
+    class Per(nn.Module):
+        def forward(self, z, u):
+            out = z @ A.T
+            return torch.stack([0 * out[0], out[1]]) + u
+
+    z = torch.zeros(2, 5)
+    rho = sp.jacobian_spectral_radius(Per(), z, z, iters=20)
+    sn = sp.jacobian_spectral_norm(Per(), z, z)
+    assert float(rho[0]) == 0.0 and float(sn[0]) == 0.0
+    assert float(rho[1]) == pytest.approx(float(torch.linalg.eigvals(A).abs().max()), rel=1e-4)
+    assert float(sn[1]) == pytest.approx(float(torch.linalg.matrix_norm(A, 2)), rel=1e-4)

@@ -18,8 +18,11 @@ def test_conv_deq_tiny_learns_digits_with_ift():
     torch.set_num_threads(2)
     data = load_data("digits", split=0.8, seed=0)
     model = deqbench.models.create("conv_deq_tiny", in_shape=data.in_shape, num_outputs=10)
-    configure(model, SolverConfig("anderson", max_iter=25, tol=1e-3),
-              BackwardConfig("ift", solver="anderson", max_iter=25, tol=1e-4))
+    configure(
+        model,
+        SolverConfig("anderson", max_iter=25, tol=1e-3),
+        BackwardConfig("ift", solver="anderson", max_iter=25, tol=1e-4),
+    )
     t0 = time.perf_counter()
     res = train(model, data, TrainConfig(epochs=4, batch_size=64, lr=3e-3), seed=0)
     elapsed = time.perf_counter() - t0
@@ -56,7 +59,9 @@ def test_callbacks_schedule_and_rows():
     configure(model, SolverConfig("fixed_point", max_iter=30, tol=1e-5))
     cb = _Counter()
     rows = []
-    cfg = TrainConfig(epochs=3, batch_size=16, optimizer="sgd", lr=0.1, schedule="cosine", grad_clip=1.0)
+    cfg = TrainConfig(
+        epochs=3, batch_size=16, optimizer="sgd", lr=0.1, schedule="cosine", grad_clip=1.0
+    )
     res = train(model, data, cfg, callbacks=[cb], emit=lambda a, r: rows.extend(r))
     assert res.status == "ok" and cb.steps == 12 and cb.epochs == [0, 1, 2, 3]
     assert [r.step for r in rows] == [0, 1, 2, 3]

@@ -136,7 +136,11 @@ def backward_nstep(model: nn.Module) -> int:
     )
 
 
-def loss_for(task: str) -> Any:
+def loss_for(task: Any) -> Any:
+    """The loss of a task name ("classification", "regression"), or ``task`` itself when it is
+    a callable ``loss(output, target)`` (e.g. :class:`deqbench.gradients.InnerProductLoss`)."""
+    if callable(task):
+        return task
     from ..train import loss_function
 
     return loss_function(task)
@@ -162,7 +166,7 @@ class GradStep:
     """Forward with grad, loss, and the parameter gradients (``autograd.grad``; ``.grad`` is not
     touched); returns (forward f-evals, backward f-evals)."""
 
-    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, task: str) -> None:
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, task: Any) -> None:
         self.model, self.x, self.y, self.task = model, x, y, task
 
     def params(self) -> list[nn.Parameter]:
@@ -182,7 +186,7 @@ class TrainStep:
     f-evaluations."""
 
     def __init__(
-        self, model: nn.Module, x: Tensor, y: Tensor, task: str, train: dict[str, Any] | None = None
+        self, model: nn.Module, x: Tensor, y: Tensor, task: Any, train: dict[str, Any] | None = None
     ) -> None:
         self.model, self.x, self.y, self.task = model, x, y, task
         self.train = dict(train or {})

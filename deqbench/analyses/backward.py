@@ -22,24 +22,27 @@ plot ``backward_memory`` (IFT flat, unrolled linear).
 
 Rows have ``step`` 0 (before training) or the number of epochs (after training).
 
+The gradient functions (reference, accuracy) are in :mod:`deqbench.gradients`.
+
 Example (plain functions):
     >>> import deqbench, torch
-    >>> from deqbench.analyses.backward import reference_gradient, grad_vector, gradient_accuracy
+    >>> from deqbench.deq import BackwardConfig
+    >>> from deqbench.analyses.backward import measure_mode
+    >>> from deqbench.gradients import reference_gradient
     >>> model = deqbench.models.create("fc_deq_tiny")
     >>> x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
-    >>> g_ref, info = reference_gradient(model, x, y)
-    >>> cos, err = gradient_accuracy(grad_vector(model, x, y, names=g_ref.names), g_ref)
-    >>> cos > 0.99, err < 1e-3
-    (True, True)
+    >>> g_ref, _ = reference_gradient(model, x, y)
+    >>> res = measure_mode(model, x, y, "classification", BackwardConfig("jfb"), g_ref=g_ref,
+    ...                    repeats=2, warmup=1, memory=False)
+    >>> 0 < res["cosine"] < 1, res["f_evals_grad"]
+    (True, 1)
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -47,6 +50,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from ..deq import BackwardConfig, DEQLayer, SolverConfig, configure, deq_layers, last_stats
+from ..gradients import (  # noqa: F401  (re-exported: the plain functions of this analysis)
+    GradVector,
+    _param_dict,
+    grad_vector,
+    gradient_accuracy,
+    native_copy,
+    reference_gradient,
+)
 from ..measure import MIB, Memory, flag_rows, peak_memory, saved_tensor_bytes, time_phases
 from ..registry import analyses
 from ._perf import (
@@ -63,105 +74,6 @@ from ._perf import (
     preserved,
 )
 from .base import Analysis, CellContext, Row
-
-# -- gradients and their accuracy ----------------------------------------------------------------
-
-
-@dataclass
-class GradVector:
-    """Flattened parameter gradients, in the order of ``names`` (float64, on the CPU)."""
-
-    vec: Tensor
-    names: list[str]
-
-
-def _param_dict(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def grad_vector(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    task: str = "classification",
-    names: Sequence[str] | None = None,
-) -> GradVector:
-    """Gradients of the training loss on (x, y) w.r.t. the trainable parameters (train mode,
-    buffers restored), flattened in the order of ``names`` (default: the model's own); a
-    parameter without gradient contributes zeros."""
-    params = _param_dict(model)
-    names = list(names) if names is not None else list(params)
-    missing = [n for n in names if n not in params]
-    if missing:
-        raise ValueError(f"grad_vector: the model has no parameter {missing[0]!r}")
-    with preserved(model):
-        model.train()
-        with torch.enable_grad():
-            loss = loss_for(task)(model(x), y)
-            plist = [params[n] for n in names]
-            grads = torch.autograd.grad(loss, plist, allow_unused=True)
-    parts = [
-        (g if g is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu()
-        for g, p in zip(grads, plist)
-    ]
-    return GradVector(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64), names)
-
-
-def gradient_accuracy(g: GradVector | Tensor, g_ref: GradVector | Tensor) -> tuple[float, float]:
-    """(cosine, relative error ||g - g_ref|| / ||g_ref||) of two gradient vectors."""
-    a = (g.vec if isinstance(g, GradVector) else g).double().reshape(-1)
-    b = (g_ref.vec if isinstance(g_ref, GradVector) else g_ref).double().reshape(-1)
-    nb = float(torch.linalg.vector_norm(b))
-    na = float(torch.linalg.vector_norm(a))
-    cos = float(a @ b) / (na * nb) if na > 0 and nb > 0 else math.nan
-    err = float(torch.linalg.vector_norm(a - b)) / nb if nb > 0 else math.nan
-    return cos, err
-
-
-def native_copy(model: nn.Module, solver: SolverConfig, backward: BackwardConfig) -> nn.Module:
-    """A deep copy of ``model`` whose DEQ layers (any DEQLayer subclass, e.g. a plugin's) are
-    plain deqbench DEQLayers around the copied cells, configured with ``solver``/``backward``."""
-    ref = copy.deepcopy(model)
-    targets = [
-        (parent, name, child)
-        for parent in ref.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, DEQLayer)
-    ]
-    for parent, name, child in targets:
-        setattr(parent, name, DEQLayer(child.cell, replace(solver), replace(backward)))
-    return ref
-
-
-def reference_gradient(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    task: str = "classification",
-    *,
-    solver: str = "anderson",
-    tol: float = 1e-12,
-    max_iter: int = 1000,
-    adjoint_solver: str = "fixed_point",
-    options: dict[str, Any] | None = None,
-) -> tuple[GradVector, dict[str, float]]:
-    """The reference gradient: the same training step in float64 with deqbench's IFT, forward
-    solved with ``solver`` and the adjoint with ``adjoint_solver``, both to ``tol`` (rel).
-
-    Returns (gradient, info) where info has the achieved ``forward_rel_residual``,
-    ``backward_rel_residual``, ``forward_nstep``, ``backward_nstep`` and ``time_s``."""
-    scfg = SolverConfig(
-        solver, max_iter=max_iter, tol=tol, stop_mode="rel", options=dict(options or {})
-    )
-    bcfg = BackwardConfig("ift", solver=adjoint_solver, max_iter=max_iter, tol=tol, stop_mode="rel")
-    ref = native_copy(model, scfg, bcfg).double()
-    x64 = x.double() if x.is_floating_point() else x
-    y64 = y.double() if y.is_floating_point() else y
-    t0 = time.perf_counter()
-    g = grad_vector(ref, x64, y64, task)
-    info = {"time_s": time.perf_counter() - t0, **last_stats(ref)}
-    return g, info
-
 
 # -- one backward mode ---------------------------------------------------------------------------
 
@@ -247,7 +159,7 @@ def measure_mode(
     model: nn.Module,
     x: Tensor,
     y: Tensor,
-    task: str,
+    task: Any,
     backward: BackwardConfig,
     forward: SolverConfig | None = None,
     *,
@@ -341,7 +253,7 @@ def memory_vs_iterations(
     model: nn.Module,
     x: Tensor,
     y: Tensor,
-    task: str = "classification",
+    task: Any = "classification",
     *,
     iterations: Sequence[int] = (5, 10, 20, 40),
     modes: Sequence[str] = ("ift", "unrolled"),
@@ -573,90 +485,4 @@ class Backward(Analysis):
             yield from self._measure(ctx, "trained")
 
 
-# -- plots ---------------------------------------------------------------------------------------
-
-
-def plot_memory_vs_iterations(series: Any) -> Any | None:
-    """Activation (and, where measured, peak) memory against forward iterations, per cell and
-    mode: IFT flat, unrolled linear."""
-    from .. import plots
-
-    if series is None or len(series) == 0:
-        return None
-    has_peak = "peak_mib" in series and series["peak_mib"].notna().any()
-    fig = plots.new_figure(5.0, 3.6, ncols=2 if has_peak else 1)
-    labels = plots.short_labels(sorted(set(series["cell_id"])))
-    cols = [("activation_mib", "activation memory (MiB)")]
-    if has_peak:
-        cols.append(("peak_mib", "peak memory (MiB)"))
-    for ax, (col, ylabel) in zip(fig.axes, cols):
-        for (cell, mode, step), g in series.groupby(["cell_id", "mode", "step"]):
-            g = g.sort_values("iterations")
-            ax.plot(
-                g["iterations"],
-                g[col],
-                marker="o",
-                ls="-" if mode == "unrolled" else "--",
-                label=f"{labels.get(cell, cell)} {mode} (step {step})",
-            )
-        ax.set_xlabel("forward iterations N (unrolled K = N)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    fig.axes[0].legend(fontsize=7)
-    return fig
-
-
-def plot_accuracy_vs_time(df: Any) -> Any | None:
-    """Gradient relative error against training-step time, one point per backward variant."""
-    from .. import plots
-
-    d = df[(df["analysis"] == "backward") & df["metric"].isin(["grad_rel_error", "step_ms_median"])]
-    d = d[d["variant"] != "reference"].dropna(subset=["value"])
-    if d.empty:
-        return None
-    w = (
-        d.pivot_table(
-            index=["cell_id", "step", "variant"], columns="metric", values="value", aggfunc="median"
-        )
-        .dropna()
-        .reset_index()
-    )
-    if w.empty or "grad_rel_error" not in w:
-        return None
-    fig = plots.new_figure(6.0, 4.0)
-    ax = fig.axes[0]
-    labels = plots.short_labels(sorted(set(w["cell_id"])))
-    for cell, g in w.groupby("cell_id"):
-        ax.scatter(
-            g["step_ms_median"], g["grad_rel_error"].clip(lower=1e-16), label=labels.get(cell, cell)
-        )
-        for r in g.itertuples():
-            ax.annotate(r.variant, (r.step_ms_median, max(r.grad_rel_error, 1e-16)), fontsize=6)
-    ax.set_xlabel("training step (ms, median)")
-    ax.set_ylabel("gradient relative error vs float64 IFT")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return fig
-
-
-def _plots(df: Any, run_dir: Any) -> dict[str, Any]:
-    from .. import plots
-
-    out = {}
-    fig = plot_memory_vs_iterations(plots.read_series(run_dir, "backward_memory"))
-    if fig is not None:
-        out["backward_memory"] = fig
-    fig = plot_accuracy_vs_time(df)
-    if fig is not None:
-        out["backward_accuracy"] = fig
-    return out
-
-
-def _register_plot() -> None:
-    from .. import plots
-
-    plots.register("backward")(_plots)
-
-
-_register_plot()
+from . import _perf_plots  # noqa: E402,F401  (registers the plots)

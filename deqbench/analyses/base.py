@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
     from ..data import DataBundle
 
 

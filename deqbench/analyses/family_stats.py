@@ -194,10 +194,8 @@ def sigma_plot(df: Any) -> Any | None:
     d = _family(df)
     s = d[(d.metric == "sigma_max") & (d.variant == "max")]
     if not s.empty:
-        fig = new_figure(5.5, 4.0)
-        _lines(
-            fig.axes[0], s, "epoch", "largest singular value of W (max over layers)", "sigma_max(W)"
-        )
+        fig = new_figure(7.5, 4.0)
+        _lines(fig.axes[0], s, "epoch", "sigma_max(W), max over layers", "sigma_max(W)")
         fig.axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
         _legend(fig, fig.axes[0])
         return fig

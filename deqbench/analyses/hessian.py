@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -44,8 +45,12 @@ RITZ = "hessian_ritz"
 
 
 @contextlib.contextmanager
-def tightened(model: Any, tol: float | None, max_iter: int | None) -> Iterator[None]:
-    """Temporarily set the forward and adjoint tolerance / budget of every DEQ layer."""
+def tightened(
+    model: Any, tol: float | None, max_iter: int | None, refine: int | None = None
+) -> Iterator[None]:
+    """Temporarily set the forward and adjoint tolerance / budget of every DEQ layer, and at
+    least ``refine`` differentiable adjoint steps for double backward (the IFT Hessian's error
+    decays as rho(J)**refine, so a trained DEQ with rho(J) near 1 needs hundreds)."""
     from ..deq import deq_layers
 
     layers = list(deq_layers(model))
@@ -61,6 +66,8 @@ def tightened(model: Any, tol: float | None, max_iter: int | None) -> Iterator[N
             layer.solver_cfg = replace(s, **kw)
             if max_iter is not None:
                 kw["max_iter"] = max(max_iter, b.max_iter)
+            if refine is not None:
+                kw["refine"] = max(refine, b.refine)
             layer.backward_cfg = replace(b, **kw)
         yield
     finally:
@@ -91,9 +98,7 @@ class Hessian(Analysis):
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
         backend: Literal["autograd", "fd", "pyhessian"] = "autograd"
-        compare: list[Literal["autograd", "fd", "pyhessian"]] = Field(
-            default_factory=lambda: ["pyhessian"]
-        )
+        compare: list[Literal["autograd", "fd", "pyhessian"]] = Field(default=["pyhessian"])
         split: Literal["train", "test"] = "train"
         samples: int = Field(512, ge=1)
         batch_size: int | None = Field(
@@ -112,6 +117,9 @@ class Hessian(Analysis):
         slq_probes: int = Field(3, ge=1)
         slq_steps: int = Field(64, ge=2)
         sigma_rel: float = Field(0.01, gt=0)
+        compare_probes: int = Field(
+            20, ge=2, description="Hutchinson probes for the compare backends"
+        )
         gates: bool = True
         gate_vectors: int = Field(3, ge=1)
         on_gate_fail: Literal["fd", "report"] = "fd"
@@ -119,8 +127,13 @@ class Hessian(Analysis):
             None, gt=0, description="DEQ solver tolerance during the analysis"
         )
         max_iter: int | None = Field(200, ge=1)
+        refine: int | None = Field(
+            300, ge=0, description="least differentiable adjoint steps (IFT double backward)"
+        )
         seed: int = 0
         checkpoint: str | None = None
+
+    params: Params  # narrowed for type checkers
 
     def before_training(self, ctx: CellContext) -> Iterable[Row]:
         if self.params.checkpoint:
@@ -158,8 +171,9 @@ class Hessian(Analysis):
                 raise ConfigError("hessian.params: cell — the model exposes no cell parameters")
         tol = p.tol if p.tol is not None else (1e-12 if ctx.dtype == torch.float64 else 1e-6)
         rows: list[Row] = []
+        deq = is_deq(model)
         with tightened(
-            model, tol if is_deq(model) else None, p.max_iter if is_deq(model) else None
+            model, tol if deq else None, p.max_iter if deq else None, p.refine if deq else None
         ):
             rows.extend(self._measure(ctx, hs, model, loss_fn, batches, names))
         return rows
@@ -181,6 +195,14 @@ class Hessian(Analysis):
                 ops[b] = hs.HVPOperator(model, loss_fn, batches, params=names, backend=b)
             return ops[b]
 
+        t0 = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal t0
+            t1 = time.perf_counter()
+            rows.append(Row("seconds", t1 - t0, variant=phase, unit="s"))
+            t0 = t1
+
         try:
             main = op_for(backend)
             rows.append(Row("hessian_dim", main.dim, note=label))
@@ -201,7 +223,14 @@ class Hessian(Analysis):
                 for k, v in rep.residuals.items():
                     rows.append(Row(f"gate_{k}", v, variant=backend))
                 rows.append(Row("gate_ok", float(rep.ok), variant=backend, note=label))
-                if not rep.passed["grad_check"]:
+                fwd_ok = rep.residuals.get("forward_all_converged", 1.0) >= 1.0
+                if not fwd_ok:
+                    res = rep.residuals.get("forward_rel_residual_max", math.nan)
+                    note = (
+                        f"forward solver did not converge (rel residual {res:.2e} > tol): the "
+                        "implicit loss is not defined to this tolerance; estimates unreliable"
+                    )
+                elif not rep.passed["grad_check"]:
                     note = f"gradient check failed: '{label}' is not the loss's gradient; estimates are of a surrogate"
                 elif not rep.ok and backend != "fd" and p.on_gate_fail == "fd":
                     note = f"{backend} failed the gates (hvp_vs_fd {rep.hvp_vs_fd:.2e}, symmetry {rep.symmetry:.2e}); estimates from fd"
@@ -209,7 +238,9 @@ class Hessian(Analysis):
                     main = fd
                 elif not rep.ok:
                     note = f"{backend} failed the gates; estimates reported anyway"
+                lap("gates")
             est = self._estimate(main, hs)
+            lap("estimates")
             status = "ok" if not note or note.endswith("from fd") else "error"
             rows.extend(self._rows(est, backend, note or label, status))
             if p.density:
@@ -232,6 +263,7 @@ class Hessian(Analysis):
                         "slq_trace", dens.trace_estimate, variant=backend, note=f"sigma={sigma:.3g}"
                     )
                 )
+                lap("density")
             for other in p.compare:
                 if other == backend:
                     continue
@@ -247,6 +279,8 @@ class Hessian(Analysis):
                             note=f"{type(exc).__name__}: {exc}"[:300],
                         )
                     )
+            if p.compare:
+                lap("compare")
             rows.append(
                 Row(
                     "hvp_seconds",
@@ -349,15 +383,18 @@ class Hessian(Analysis):
         )
         tr = est["trace"]
         if tr is not None:
+            # The same seed gives the same probes: compare the means over the first n of them.
+            n = min(tr.n, p.compare_probes)
             t2 = hs.hutchinson_trace(
-                other, rel_target_se=None, min_samples=tr.n, max_samples=tr.n, seed=p.seed
+                other, rel_target_se=None, min_samples=n, max_samples=n, seed=p.seed
             )
+            ref = math.fsum(tr.samples[:n]) / n
             rows.append(
                 Row(
                     "agreement_trace",
-                    _rel(t2.trace, tr.trace),
+                    _rel(t2.trace, ref),
                     variant=v,
-                    note=f"same {tr.n} probes; {o}: {t2.trace:.8g}",
+                    note=f"same {n} probes; {b}: {ref:.8g}, {o}: {t2.trace:.8g}",
                 )
             )
         return rows

@@ -668,13 +668,14 @@ def kglm_outcomes(df: Any) -> list[tuple[str, bool | None, str]]:
             )
         p = denoise_points(df)
         fin = p[p["epoch"] == last]
-        top = fin[fin["init_spectral_norm"] >= 0.99 * fin["init_spectral_norm"].max()]
+        smax = fin.groupby("scheme")["init_spectral_norm"].transform("max")
+        top = fin[fin["init_spectral_norm"] >= 0.99 * smax]
         best = float(a["best_mse"].min())
-        if not top.empty and math.isfinite(best):
+        if not top.empty and math.isfinite(best) and float(top["init_spectral_norm"].min()) >= 3:
             bad = top["failed"] | (top["test_mse"] > 10 * best)
             out.append(
                 (
-                    "Denoising: the largest scale is unstable for both schemes "
+                    "Denoising: the largest scale (>= 3) is unstable for both schemes "
                     "(failed, or test MSE > 10x the best)",
                     bool(bad.groupby(top["scheme"]).all().all()),
                     ", ".join(
@@ -690,6 +691,22 @@ def kglm_outcomes(df: Any) -> list[tuple[str, bool | None, str]]:
                 None,
                 ", ".join(
                     f"{s}: {int(a.loc[s, 'failed'])}/{int(a.loc[s, 'runs'])}" for s in a.index
+                ),
+            )
+        )
+    sm = _metric(df, "spectral", "sigma_max/max")
+    sm = sm[sm["model"].astype(str).str.startswith("pcdeq") & sm["step"].notna()]
+    if not sm.empty:
+        first = sm[sm["step"] == sm["step"].min()].groupby("cell_id")["value"].mean()
+        last = sm[sm["step"] == sm["step"].max()].groupby("cell_id")["value"].mean()
+        out.append(
+            (
+                "pcDEQ: sigma_max(W) grows over training and stays below 1 "
+                "(REFERENCE.md 9.4: 0.07 -> 0.5-0.73)",
+                bool(((last > first) & (last < 1)).all()),
+                ", ".join(
+                    f"{c.split('activation=')[-1]}: {first[c]:.3f} -> {last[c]:.3f}"
+                    for c in last.index
                 ),
             )
         )

@@ -173,6 +173,8 @@ class Landscape(Analysis):
                 )
             return v
 
+    params: Params  # narrowed for type checkers
+
     def before_training(self, ctx: CellContext) -> Iterable[Row]:
         if self.params.checkpoint:
             load_checkpoint(ctx.model, self.params.checkpoint, ctx.device)
@@ -195,9 +197,7 @@ class Landscape(Analysis):
             dirs = ls.random_directions(
                 ctx.model, p.dims, seed=p.seed, norm=p.norm, include_1d=p.include_1d
             )
-        resolved = ls.resolve_directions(
-            ctx.model, dirs, renormalize=p.renormalize or not p.directions
-        )[: p.dims]
+        resolved = ls.resolve_directions(ctx.model, dirs, renormalize=p.renormalize)[: p.dims]
         ax = ls.axis(p.grid, *p.range)
         total = len(ax) ** p.dims
         with _Bar(total, f"landscape {ctx.cell_id}", p.progress) as bar:

@@ -103,6 +103,9 @@ class NTK(Analysis):
         max_iter: int | None = Field(
             None, ge=1, description="NTK solve budget (default: max(1000, the model's))"
         )
+        adjoint: Literal["auto", "solver", "direct"] = Field(
+            "auto", description="adjoint solve: direct LU for small states (auto) or the solver"
+        )
         chunk_size: int | None = Field(None, ge=1)
         noise_c: float = Field(1.0, gt=0, description="constant of the noise floor c*eps*N*lmax")
 
@@ -157,8 +160,8 @@ class NTK(Analysis):
             yield Row("lambda_min_min", min(r["lambda_min"] for r in recs), variant="summary")
         if self._records:
             last = self._records[-1]
-            yield Row("lambda_min_final", last["lambda_min"], variant="summary", step=last["step"])
-            yield Row("lambda_min_init", self._records[0]["lambda_min"], variant="summary", step=0)
+            yield Row("lambda_min_final", last["lambda_min"], variant="summary")
+            yield Row("lambda_min_init", self._records[0]["lambda_min"], variant="summary")
             fit = _fit_slope(self._records)
             yield Row(
                 "log_loss_slope_fit",
@@ -192,6 +195,7 @@ class NTK(Analysis):
                 output=p.output,
                 method=p.method,
                 chunk_size=p.chunk_size,
+                adjoint=p.adjoint,
                 tol=tol,
                 max_iter=max_iter,
                 return_info=True,
@@ -267,16 +271,19 @@ class NTK(Analysis):
             notes.append(f"NTK solves not converged (rel residual {max(res):.3g})")
         elif s["resolved"] and rec["solver_floor"] > s["lambda_min"]:
             notes.append(f"solver-limited: residual * lambda_max = {rec['solver_floor']:.3g}")
+        if "fallback" in info:
+            notes.append(f"batched engine failed, {info['fallback']}")
         note = "; ".join(notes)
-        out = [Row("lambda_min", s["lambda_min"], step=step, note=note)]
+        at = epoch if p.per == "epoch" else step  # rows use epochs like `metrics`; series both
+        out = [Row("lambda_min", s["lambda_min"], step=at, note=note)]
         for k in ("lambda_max", "condition", "trace", "noise_floor", "resolved"):
-            out.append(Row(k, rec[k], step=step))
-        out.append(Row("train_loss", loss, step=step))
-        out.append(Row("pred_log_loss_slope", pred, step=step, note=why))
-        out.append(Row("time", elapsed, step=step, unit="s"))
+            out.append(Row(k, rec[k], step=at))
+        out.append(Row("train_loss", loss, step=at))
+        out.append(Row("pred_log_loss_slope", pred, step=at, note=why))
+        out.append(Row("time", elapsed, step=at, unit="s"))
         for k in ("forward_rel_residual", "adjoint_rel_residual"):
             if k in rec:
-                out.append(Row(k, rec[k], step=step))
+                out.append(Row(k, rec[k], step=at))
         return out
 
     def _budget(self, ctx: CellContext) -> tuple[float | None, int | None]:

@@ -8,8 +8,9 @@ Rows (variant ``<solver label>-tol=<tol>``; ``step`` 0 = before training, = epoc
 * ``time_ms`` per timed repeat + ``time_ms_median`` / ``_iqr`` / ``_spread`` (flagged > 10%);
 * ``f_evals`` per repeat, counted by wrapping f (the same count for every solver, deqbench's
   or a plugin's), in the same repeat as its time;
-* ``t_f_ms``: the median time of one no-grad f at this batch; ``overhead`` = time / (f-evals x
-  t_f), median over repeats (REFERENCE.md 1.3);
+* ``t_f_ms``: per-call time of f in a plain no-grad loop z <- f(z) at this batch (what a solver
+  with free bookkeeping pays per f-evaluation); ``overhead`` = time / (f-evals x t_f) per
+  repeat and ``overhead_median`` (REFERENCE.md 1.3); on the CPU also thread CPU times;
 * ``rel_residual`` / ``abs_residual`` (batch max) and ``rel_residual_mean`` of the returned
   iterate, recomputed here with one uncounted, untimed evaluation for every solver alike;
   ``converged`` (1 if ``rel_residual`` < tol) and the solver's own ``status`` in the note;
@@ -97,7 +98,8 @@ def solver_overhead_table(
     stop_mode: str = "rel",
     repeats: int = 5,
     warmup: int = 2,
-    f_repeats: int = 20,
+    f_repeats: int = 5,
+    f_loop: int = 10,
 ) -> Any:
     """Time to tolerance of every solver x tolerance on ``f`` from ``z0`` (no memory).
 
@@ -108,7 +110,7 @@ def solver_overhead_table(
 
     from .. import solvers as registry
 
-    t_f = f_time(f, z0, repeats=f_repeats).median
+    t_f = f_time(f, z0, repeats=f_repeats, loop=f_loop).median
     out = []
     for spec in solvers:
         label, name, opts = solver_entry(spec)
@@ -162,8 +164,9 @@ class SolverOverhead(Analysis):
         tols: list[float] = Field(default_factory=lambda: [1e-4, 1e-6], min_length=1)
         max_iter: int = Field(100, ge=1)
         stop_mode: str = Field("rel", pattern="^(rel|abs)$")
-        #: repeats of the t_f timing
-        f_repeats: int = Field(20, ge=1)
+        #: t_f: repeats of a plain no-grad loop of f_loop calls z <- f(z) (per-call median)
+        f_repeats: int = Field(5, ge=1)
+        f_loop: int = Field(10, ge=1)
         #: a worker process per solver x tol is slow on CPU: off by default there
         memory_cpu: bool = False
 
@@ -191,7 +194,7 @@ class SolverOverhead(Analysis):
                 u = ctx.model.inject(x)
                 z0 = ctx.model.z0(u) if hasattr(ctx.model, "z0") else torch.zeros_like(u)
             f = CellMap(layer.cell, u)
-            tf = f_time(f, z0, repeats=p.f_repeats, warmup=p.warmup)
+            tf = f_time(f, z0, repeats=p.f_repeats, warmup=p.warmup, loop=p.f_loop)
             yield from tf.rows("t_f_ms", step=step)
             for spec in p.solvers:
                 label, name, opts = solver_entry(spec)
@@ -280,37 +283,4 @@ class SolverOverhead(Analysis):
             yield from self._measure(ctx, "trained")
 
 
-def _plot(df: Any, run_dir: Any) -> dict[str, Any]:
-    """Bar chart: median time to tolerance per solver, one panel per (cell, tol)."""
-    from .. import plots
-
-    d = df[(df["analysis"] == "solver_overhead") & (df["metric"] == "time_ms_median")]
-    d = d.dropna(subset=["value"])
-    if d.empty:
-        return {}
-    d = d.assign(
-        tol=d["variant"].str.rpartition("-tol=")[2],
-        solver_label=d["variant"].str.rpartition("-tol=")[0],
-    )
-    panels = sorted(
-        {(c, t, s) for c, t, s in zip(d["cell_id"], d["tol"], d["step"].fillna(-1))}, key=str
-    )
-    fig = plots.new_figure(4.5, 3.5, ncols=len(panels))
-    labels = plots.short_labels(sorted(set(d["cell_id"])))
-    for ax, (cell, tol, step) in zip(fig.axes, panels):
-        g = d[(d["cell_id"] == cell) & (d["tol"] == tol) & (d["step"].fillna(-1) == step)]
-        g = g.groupby("solver_label")["value"].median()
-        ax.bar(range(len(g)), g.values, color="tab:blue")
-        ax.set_xticks(range(len(g)), g.index, rotation=45, ha="right", fontsize=8)
-        ax.set_ylabel("time to tolerance (ms)")
-        ax.set_title(f"{labels.get(cell, cell)} tol={tol} step={int(step)}", fontsize=9)
-    return {"solver_overhead": fig}
-
-
-def _register_plot() -> None:
-    from .. import plots
-
-    plots.register("solver_overhead")(_plot)
-
-
-_register_plot()
+from . import _perf_plots  # noqa: E402,F401  (registers the plots)

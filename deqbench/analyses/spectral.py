@@ -326,14 +326,15 @@ def spectral_plot(df: Any) -> Any | None:
         return None
     d = d.assign(epoch=d["step"].astype(int))
     s = d[(d.metric == "sigma_max") & (d.variant == "mean")]
+    title = "layer spectral norm (mean over layers)"
     fam = d[d.metric.str.startswith("sigma_max/max")]
-    if s.empty and not fam.empty:
-        s = fam
+    if s.empty and not fam.empty:  # e.g. pcDEQ: weights outside Linear/Conv2d modules
+        s, title = fam, "sigma_max of the DEQ weight (max over layers)"
     j = d[(d.metric == "jacobian_spectral_radius") & (d.variant == "mean")]
     if s.empty and j.empty:
         return None
     fig = new_figure(5.0, 4.0, ncols=2 if not j.empty else 1)
-    _lines(fig.axes[0], s, "epoch", "layer spectral norm (mean over layers)", "sigma_max")
+    _lines(fig.axes[0], s, "epoch", title, "sigma_max")
     if not j.empty:
         _lines(fig.axes[1], j, "epoch", "cell Jacobian at z*", "spectral radius (mean)")
     _legend(fig, fig.axes[0])

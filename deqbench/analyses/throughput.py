@@ -56,7 +56,7 @@ def measure_throughput(
     x: Tensor,
     y: Tensor | None = None,
     *,
-    task: str = "classification",
+    task: Any = "classification",
     train: dict[str, Any] | None = None,
     repeats: int = 10,
     warmup: int = 3,

@@ -131,6 +131,49 @@ def saved_tensor_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     return int(sum(seen.values())), out
 
 
+@torch.no_grad()
+def sam_selection(model: Any, x: Tensor, prior: str = "l2", iters: int = 400) -> list[Row]:
+    """R(z) of the equilibrium that SAM (papers/003 Eq. 11, ``prior``) selects vs plain
+    iteration from z0 (``iters`` steps each; SAM's iterate is then finished with plain steps to
+    the plain solution's residual): rows ``sam_prior_value`` / ``plain_prior_value`` (mean per
+    sample), ``sam_rel_residual`` / ``plain_rel_residual`` (batch max) and ``sam_gap``, the mean
+    distance between the two equilibria relative to ||z||. A gap at the residual level means
+    Fix(T) is (locally) a single point, where no selection happens."""
+    from .. import solvers
+    from ..regularizers import get_regularizer
+
+    layer = _layer(model)
+    refresh = getattr(layer.cell, "refresh", None)
+    if callable(refresh):
+        refresh()
+    u = model.inject(x)
+    z0 = model.z0(u)
+
+    def T(z: Tensor) -> Tensor:
+        return layer.cell(z, u)
+
+    zp, sp = solvers.get("fixed_point")(T, z0, max_iter=iters, tol=0)
+    zs, _ = solvers.get("sam")(T, z0, max_iter=iters, tol=0, prior=prior)
+    # SAM's iterate is O(beta_k) off Fix(T); finish with plain steps to the residual of the
+    # plain solution, so the gap measures selection and not SAM's bias.
+    zs, ss = solvers.get("fixed_point")(
+        T, zs, max_iter=iters, tol=max(2.0 * sp.rel_max, 1e-6), returns="last"
+    )
+    reg = get_regularizer(prior)
+    assert reg is not None
+    b = x.shape[0]
+    gap = torch.linalg.vector_norm((zs - zp).reshape(b, -1), dim=1) / (
+        torch.linalg.vector_norm(zp.reshape(b, -1), dim=1) + 1e-12
+    )
+    return [
+        Row("sam_prior_value", float(reg.value(zs)) / b, note=prior),
+        Row("plain_prior_value", float(reg.value(zp)) / b, note=prior),
+        Row("sam_rel_residual", ss.rel_max),
+        Row("plain_rel_residual", sp.rel_max),
+        Row("sam_gap", float(gap.mean())),
+    ]
+
+
 def _sync(device: Any) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -157,6 +200,10 @@ class UnrollCompare(Analysis):
         warmup: int = Field(1, ge=0)
         tie_ift_tol: bool = True
         memory: bool = True
+        sam_prior: str | None = Field(
+            None, description="also compare SAM with this prior (l2, l1) to plain iteration"
+        )
+        sam_iters: int = Field(400, ge=2)
 
     def before_training(self, ctx: CellContext) -> Iterable[Row]:
         layer = _layer(ctx.model)
@@ -267,6 +314,14 @@ class UnrollCompare(Analysis):
                 yield row("backprop_ms", 1e3 * _median(bwd), "ms", repeat=rep)
         if bnsteps:
             yield row("backward_nstep", _median(bnsteps))
+
+        if self.params.sam_prior:
+            yield from (
+                Row(r.metric, r.value, variant=variant, unit=r.unit)
+                for r in sam_selection(
+                    model, batches[0][0], self.params.sam_prior, self.params.sam_iters
+                )
+            )
 
         if self.params.memory:
             xb, yb = batches[0]

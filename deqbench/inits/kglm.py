@@ -132,7 +132,7 @@ def kernel_weights(
     if white_noise:
         K = K + white_noise * torch.eye(K.shape[0], dtype=K.dtype)
     K = 0.5 * (K + K.T)
-    lam = float(torch.linalg.matrix_norm(K, ord=2)) / float(scale)
+    lam = float(torch.linalg.eigvalsh(K).abs().max()) / float(scale)  # ||K||_2, K symmetric
     out: dict[str, Any] = {"K": K, "lam": lam, "W1": -K / lam, "W2": K / lam}
     if X_out is not None:
         Kx = k(X_out.double(), X)

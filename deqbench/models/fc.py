@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from torch import Tensor, nn
 
 from ..deq import DEQLayer, DEQModel

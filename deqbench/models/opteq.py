@@ -162,8 +162,9 @@ class _BoundedWeight(nn.Module):
         return (V._version, V.data_ptr(), V.dtype, V.device)
 
     def maybe_refresh(self) -> None:
-        """Refresh if V changed since the last refresh (in-place updates bump its version)."""
-        if self._seen_version != self._version_key():
+        """Refresh if V changed since the last refresh (in-place updates bump its version).
+        Skipped when V is not the module's own parameter (``torch.func.functional_call``)."""
+        if isinstance(self.V, nn.Parameter) and self._seen_version != self._version_key():
             self.refresh()
 
     def post_step(self) -> None:
@@ -180,7 +181,7 @@ class _BoundedWeight(nn.Module):
         with V instead of forming W, so autograd saves no per-step copy of W. Under no_grad
         (the solver's hot loop) the value is cached until V changes."""
         V = self.V
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or not isinstance(V, nn.Parameter):
             return self.gamma / torch.clamp(self.sigma(V), min=1.0)
         c = self._scale_cache
         key = (V._version, V.data_ptr())

@@ -15,9 +15,10 @@ lambda such as TorchDEQ's 1e-4 swamps G G^T once ||g||^2 falls below it, alpha t
 weights and Anderson degenerates into averaging the last iterates (REFERENCE.md 2.2).
 
 The first step (one residual) is a plain fixed-point step x_1 = f(x_0). G G^T is one batched
-matrix product over the buffer, the m x m systems are solved in batch on the device in float64
-with ``torch.linalg.solve_ex`` (no host sync), and a sample whose solve failed or produced a
-non-finite weight takes a plain step x = f(x_latest) instead.
+matrix product over the buffer (on CUDA over chunks of each sample's vector, see
+:func:`~deqbench.solvers.base.chunking`), the m x m systems are solved in batch on the device in
+float64 with ``torch.linalg.solve_ex`` (no host sync), and a sample whose solve failed or
+produced a non-finite weight takes a plain step x = f(x_latest) instead.
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ from .base import (
     Tracker,
     check_budget,
     check_options,
+    chunking,
     flat,
+    graph_loop,
+    graph_mode,
+    graph_state,
     option_error,
 )
 
-OPTIONS = COMMON_OPTIONS | {"m", "beta", "lam", "lam_abs"}
+OPTIONS = COMMON_OPTIONS | {"m", "beta", "lam", "lam_abs", "cuda_graph"}
 
 
 @solvers.register("anderson")
@@ -68,7 +73,9 @@ def anderson(
             sample (default 1e-8).
         lam_abs: absolute regulariser added to lam_eff (default 0; TorchDEQ's ``lam`` is
             ``lam=0, lam_abs=1e-4``).
-        returns, check_every, protect_thres: as for ``fixed_point``.
+        returns, check_every, protect_thres, cuda_graph: as for ``fixed_point``. With
+            ``cuda_graph`` every step works on all m slots (unused ones are masked out of the
+            least-squares problem), so one captured step serves the whole solve.
 
     Returns:
         (z, SolverStats); ``extra["fallbacks"]`` counts per-sample plain steps taken because a
@@ -102,38 +109,59 @@ def anderson(
     )
     shape = z0.shape
     bsz = int(shape[0])
-    x = z0
-    xf = flat(z0)
-    dim = xf.shape[1]
+    dim = flat(z0).shape[1]
+    nc, cd = chunking(bsz, dim, z0.device)  # each sample's vector as nc chunks of length cd
     m = min(m, max_iter)
     dev, dt = z0.device, z0.dtype
-    Fb = torch.empty(bsz, m, dim, dtype=dt, device=dev)
-    Gb = torch.empty(bsz, m, dim, dtype=dt, device=dev)
+    gmode = graph_mode("anderson", options)
+    if gmode is not None:
+        nstep, fallbacks = _static_steps(
+            f,
+            z0,
+            tracker,
+            gmode,
+            common.returns,
+            stop_mode,
+            m,
+            nc,
+            cd,
+            beta,
+            lam,
+            lam_abs,
+            max_iter,
+        )
+        return tracker.finish(
+            nstep,
+            {"m": m, "lam": lam, "lam_abs": lam_abs, "fallbacks": fallbacks, "cuda_graph": gmode},
+        )
+    Fb = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
+    Gb = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
     # float64 for the tiny systems: G G^T in float32 is only good to ~1e-7 relative, and the
     # relative lambda sits below that.
     sdt = torch.float64 if dt in (torch.float32, torch.float16, torch.bfloat16) else dt
     ones = torch.ones(bsz, m, 1, dtype=sdt, device=dev)
     eye_ids = torch.arange(m, device=dev)
     fallbacks = torch.zeros(bsz, dtype=torch.int64, device=dev)
+    x = z0
     nstep = 0
     while True:
         fx = f(x)
         nstep += 1
         slot = (nstep - 1) % m
         n = min(nstep, m)
-        Fs, Gs = Fb[:, slot], Gb[:, slot]
-        Fs.copy_(flat(fx))
-        torch.sub(Fs, xf, out=Gs)
+        Fs, Gs = Fb[:, :, slot], Gb[:, :, slot]  # (B, nc, cd) views
+        Fs.copy_(fx.reshape(bsz, nc, cd))
+        torch.sub(Fs, x.reshape(bsz, nc, cd), out=Gs)
         tracker.record(x, fx, Gs)
         if tracker.stop() or nstep >= max_iter:
             break
-        if n == 1:
-            # plain step; f's output is not modified anywhere, so no copy is needed
-            x = fx
-            xf = flat(x)
+        if n == 1:  # one residual: a plain (beta-damped) fixed-point step
+            # f's output itself (never modified, so no copy is needed)
+            x = fx if beta == 1.0 else torch.add(x.reshape(bsz, nc, cd), Gs, alpha=beta).view(shape)
             continue
-        Gn, Fn = Gb[:, :n], Fb[:, :n]
-        H = torch.bmm(Gn, Gn.transpose(1, 2)).to(sdt)  # (B, n, n)
+        Gn = Gb[:, :, :n].reshape(bsz * nc, n, cd)  # views: (B, nc) flatten without a copy
+        Fn = Fb[:, :, :n].reshape(bsz * nc, n, cd)
+        H = torch.bmm(Gn, Gn.transpose(1, 2)).view(bsz, nc, n, n).to(sdt).sum(1)  # (B, n, n)
         diag = H.diagonal(dim1=1, dim2=2)
         reg = diag.amax(dim=1, keepdim=True)
         reg = reg * lam + lam_abs if lam_abs else reg * lam
@@ -144,11 +172,86 @@ def anderson(
         bad = (info != 0) | ~torch.isfinite(alpha.sum(dim=(1, 2)))
         fallbacks += bad
         onehot = (eye_ids[:n] == slot).to(sdt).view(1, n, 1)
-        alpha = torch.where(bad.view(bsz, 1, 1), onehot, alpha).to(dt).transpose(1, 2)
-        if beta == 1.0:
-            xn = torch.bmm(alpha, Fn)  # (B, 1, D), a fresh tensor
-        else:
-            xn = torch.baddbmm(torch.bmm(alpha, Fn), alpha, Gn, alpha=-(1.0 - beta))
-        xf = xn.view(bsz, dim)
+        alpha = torch.where(bad.view(bsz, 1, 1), onehot, alpha).to(dt).view(bsz, 1, 1, n)
+        if nc > 1:
+            alpha = alpha.expand(bsz, nc, 1, n)
+        alpha = alpha.reshape(bsz * nc, 1, n)
+        xn = torch.bmm(alpha, Fn)  # (B * nc, 1, cd): a fresh contiguous tensor
+        if beta != 1.0:
+            xn = torch.baddbmm(xn, alpha, Gn, alpha=-(1.0 - beta))
         x = xn.view(shape)
     return tracker.finish(nstep, {"m": m, "lam": lam, "lam_abs": lam_abs, "fallbacks": fallbacks})
+
+
+def _static_steps(
+    f: Callable[[Tensor], Tensor],
+    z0: Tensor,
+    tracker: Tracker,
+    gmode: str,
+    returns: str,
+    stop_mode: str,
+    m: int,
+    nc: int,
+    cd: int,
+    beta: float,
+    lam: float,
+    lam_abs: float,
+    max_iter: int,
+) -> tuple[int, Tensor]:
+    """Anderson on static buffers (the ring slot and the number of used slots live on the
+    device), so that one step can be captured in a CUDA graph and replayed; unused slots get a
+    huge diagonal, so their weights vanish. Returns (nstep, fallbacks)."""
+    bsz, dev, dt = z0.shape[0], z0.device, z0.dtype
+    sdt = torch.float64 if dt in (torch.float32, torch.float16, torch.bfloat16) else dt
+    key = ("anderson", f, tuple(z0.shape), dt, dev, max_iter, m, beta, lam, lam_abs, returns,
+           stop_mode)  # fmt: skip
+    graph, st = graph_state(gmode, key)
+    st["bufs"] = tracker.enable_device_mode(z0, st.get("bufs"))
+    if "xs" not in st:
+        st["xs"] = torch.empty_like(z0, memory_format=torch.contiguous_format)
+        st["Fb"] = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
+        st["Gb"] = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
+        st["it"] = torch.empty(1, dtype=torch.long, device=dev)
+        st["fallbacks"] = torch.empty(bsz, dtype=torch.int64, device=dev)
+    xs, Fb, Gb, it, fallbacks = st["xs"], st["Fb"], st["Gb"], st["it"], st["fallbacks"]
+    xs.copy_(z0)
+    Fb.zero_()
+    Gb.zero_()
+    it.zero_()
+    fallbacks.zero_()
+    ones = torch.ones(bsz, m, 1, dtype=sdt, device=dev)
+    ids = torch.arange(m, device=dev)
+    Gn = Gb.view(bsz * nc, m, cd)
+    Fn = Fb.view(bsz * nc, m, cd)
+    xv = xs.view(bsz, nc, 1, cd)
+
+    def body() -> None:
+        fx = f(xs)
+        slot = it.remainder(m)
+        fxv = fx.reshape(bsz, nc, 1, cd)
+        Fb.index_copy_(2, slot, fxv)
+        g = fxv - xv
+        Gb.index_copy_(2, slot, g)
+        tracker.device_record(xs, fx, g)
+        it.add_(1)
+        H = torch.bmm(Gn, Gn.transpose(1, 2)).view(bsz, nc, m, m).to(sdt).sum(1)
+        diag = H.diagonal(dim1=1, dim2=2)
+        reg = diag.amax(dim=1, keepdim=True) * lam + lam_abs
+        diag.add_(torch.where(ids >= it, 1e30, reg))  # unused slots: weight ~ 0
+        w, info = torch.linalg.solve_ex(H, ones)
+        alpha = w / w.sum(dim=1, keepdim=True)
+        bad = (info != 0) | ~torch.isfinite(alpha.sum(dim=(1, 2)))
+        fallbacks.add_(bad)
+        onehot = (ids == slot).to(sdt).view(1, m, 1)
+        alpha = torch.where(bad.view(bsz, 1, 1), onehot, alpha).to(dt).view(bsz, 1, 1, m)
+        alpha = alpha.expand(bsz, nc, 1, m).reshape(bsz * nc, 1, m)
+        if beta == 1.0:
+            torch.bmm(alpha, Fn, out=xs.view(bsz * nc, 1, cd))
+        else:
+            xn = torch.baddbmm(torch.bmm(alpha, Fn), alpha, Gn, alpha=beta - 1.0)
+            xs.view(bsz * nc, 1, cd).copy_(xn)
+
+    nstep = graph_loop(
+        "anderson", tracker, body, max_iter, mode=gmode, key=key, graph=graph, state=st
+    )
+    return nstep, fallbacks.clone()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,19 +172,23 @@ def make_stats(
     lowest_step: int = -1,
     stagnated: bool = False,
     extra: dict[str, Any] | None = None,
+    converged: bool | None = None,
 ) -> SolverStats:
-    """Assemble SolverStats (one host sync here, at the end of the solve).
+    """Assemble SolverStats (one host sync here unless ``converged`` is given).
 
-    ``abs_tr``/``rel_tr`` are lists of (B,) tensors or (T, B) tensors.
+    ``abs_tr``/``rel_tr`` are lists of (B,) tensors or (T, B) tensors. ``converged``: whether
+    every returned residual is finite and below ``tol``, if the caller knows it already.
     """
     if isinstance(abs_tr, Tensor):
         abs_trace, rel_trace = abs_tr, rel_tr  # type: ignore[assignment]
     else:
         abs_trace = torch.stack(abs_tr) if abs_tr else best_abs.new_zeros(0, best_abs.shape[0])
         rel_trace = torch.stack(rel_tr) if rel_tr else best_rel.new_zeros(0, best_rel.shape[0])
-    r = best_rel if stop_mode == "rel" else best_abs
-    finite = bool(torch.isfinite(r).all())
-    converged = finite and bool((r < tol).all())
+    finite = True
+    if converged is None:
+        r = best_rel if stop_mode == "rel" else best_abs
+        finite = bool(torch.isfinite(r).all())
+        converged = finite and bool((r < tol).all())
     if converged:
         status = "converged"
     elif diverged or not finite:
@@ -240,22 +245,53 @@ def check_budget(solver: str, max_iter: int, tol: float, stop_mode: str) -> None
         raise option_error(solver, f"tol must be >= 0, got {tol!r}")
 
 
+def batch_norm(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """Per-sample 2-norm over all non-batch dims of ``x`` (B, ...) without reshaping copies."""
+    dims = tuple(range(1, x.dim())) if x.dim() > 1 else None
+    if dims is None:
+        return torch.abs(x, out=out) if out is not None else x.abs()
+    return torch.linalg.vector_norm(x, dim=dims, out=out)
+
+
+def chunking(bsz: int, dim: int, device: torch.device) -> tuple[int, int]:
+    """Split a per-sample dimension D = c * d for batched products over long vectors.
+
+    cuBLAS runs a batched (n x D) @ (D x k) product with tiny n, k and a huge D on about one
+    block per sample, far below memory bandwidth (about 0.23 ms per step for the Anderson Gram
+    on the conv64 cell). Viewing each sample's vectors as c chunks of length d gives B * c small
+    products, which stream at bandwidth, and the c partial results are summed. CPU: no split.
+    """
+    if device.type != "cuda" or dim <= 4096:
+        return 1, dim
+    dmax = max(512, min(4096, bsz * dim // 1024))  # aim at >= ~1024 products in the batch
+    for d in range(dmax, 511, -1):
+        if dim % d == 0:
+            return dim // d, d
+    return 1, dim
+
+
 class Tracker:
     """Residual bookkeeping shared by the solvers.
 
-    Per step the solver calls :meth:`record` with the iterate x, f(x) and f(x) - x (the caller
-    often has the difference already), then :meth:`stop`; at the end :meth:`finish` returns the
-    chosen iterate and the stats.
+    Per step the solver calls :meth:`record` with the iterate x, f(x) and f(x) - x (or None),
+    then :meth:`stop`; at the end :meth:`finish` returns the chosen iterate and the stats.
 
-    Device work per step: two norms, a handful of (B,)-sized kernels and one 16-byte
-    asynchronous copy to pinned memory. The lowest iterate is tracked by reference: a step where
-    every sample improved (the usual case) costs no copy of the state; otherwise a masked select
-    is made once the host knows it is needed.
+    ``f`` must return a new tensor each call (not a buffer it overwrites later): earlier
+    iterates are held by reference.
+
+    Device work per step: two norms and a few (B,)-sized kernels writing into one preallocated
+    (max_iter, 4, B) buffer: abs, rel, the running per-sample lowest residual (fmin) and
+    ``res - lowest`` (<= 0 everywhere iff every sample improved), then one reduction to four
+    scalars and one 16-byte asynchronous copy to pinned memory. The lowest iterate is tracked by
+    reference: a step where every sample improved (the usual case) costs no copy of the state;
+    otherwise one masked select is made once the host knows it is needed. The returned
+    residuals are gathered from the trace at the end.
 
     Host reads (``check_every=None``, the default): on CPU every step (free); on CUDA the summary
     of step k-1 is read while step k runs, plus an exact read of step k when the residual trend
-    predicts convergence there (``NEAR`` times tol). ``check_every=k`` instead reads exactly every
-    k steps and never in between (up to k-1 extra f-evaluations at the end).
+    predicts convergence there (within ``NEAR`` times tol), so stopping is exact in practice
+    without stalling the GPU every step. ``check_every=k`` instead reads exactly every k steps
+    and never in between (up to k-1 extra f-evaluations at the end).
     """
 
     NEAR = 10.0  # exact read when the predicted residual is within this factor of tol
@@ -290,8 +326,9 @@ class Tracker:
             else torch.float32
         )
         n = int(max_iter)
-        self.trace = torch.empty(n, 2, self.B, dtype=rdtype, device=dev)
-        self.dstats = torch.zeros(n, 4, dtype=rdtype, device=dev)
+        # rows: abs, rel, running lowest (stop mode), res - lowest
+        self.trace = torch.empty(n, 4, self.B, dtype=rdtype, device=dev)
+        self.dstats = torch.empty(n, 4, dtype=rdtype, device=dev)  # unused entries never read
         if self.cuda:
             self.hstats = torch.empty(n, 4, dtype=rdtype, pin_memory=True)
             self.events: list[Any] = [None] * n
@@ -300,41 +337,106 @@ class Tracker:
         self.bshape = (self.B,) + (1,) * (len(self.shape) - 1)
         self.k = 0  # steps recorded
         self.read = 0  # steps whose summary the host has consumed
-        self.best_ar: Tensor | None = None  # (2, B) abs/rel of the chosen iterates
         self.best_z: Tensor | None = None
-        self.pending: deque[tuple[int, Tensor, Tensor]] = deque()
+        self.pending: deque[tuple[int, Tensor]] = deque()
         self.cur_hist: list[float] = []  # host: batch max residual (stop mode) per step
         self.best_hist: list[float] = []  # host: batch max of the per-sample lowest residual
         self.abs0: float | None = None
         self.status: str | None = None
         self.exact_reads = 0
+        self.device_mode = False
+        self.last_allbetter = True  # host: whether every sample improved at the last read step
 
     # -- per step ---------------------------------------------------------------------------
-    def record(self, z: Tensor, fz: Tensor, d: Tensor) -> None:
-        """Record iterate ``z`` with ``fz = f(z)`` and ``d = fz - z`` (any shapes (B, ...))."""
+    def record(self, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
+        """Record iterate ``z`` with ``fz = f(z)`` and ``d = fz - z`` (None: computed here)."""
         k = self.k
         tr = self.trace[k]
-        torch.linalg.vector_norm(flat(d), dim=1, out=tr[0])
-        nf = torch.linalg.vector_norm(flat(fz), dim=1).add_(EPS)
+        batch_norm(fz - z if d is None else d, out=tr[0])
+        nf = batch_norm(fz).add_(EPS)
         torch.div(tr[0], nf, out=tr[1])
         st = self.dstats[k]
-        if self.best_ar is None or not self.lowest:
-            self.best_ar = tr
+        if not self.lowest:
             self.best_z = z
-            torch.amax(tr, dim=1, out=st[:2])
+            torch.amax(tr[:2], dim=1, out=st[:2])
+        elif k == 0:
+            self.best_z = z
+            tr[2].copy_(tr[self.sel])
+            torch.amax(tr[:3], dim=1, out=st[:3])
         else:
             res = tr[self.sel]
-            better = res <= self.best_ar[self.sel]  # ties take the newer iterate; NaN never
-            self.best_ar = torch.where(better, tr, self.best_ar)
-            bsel = self.best_ar[self.sel]
-            # [cur abs, cur rel, max lowest, max(res - lowest) <= 0 iff every sample improved]
-            torch.amax(torch.stack((tr[0], tr[1], bsel, res - bsel)), dim=1, out=st)
-            self.pending.append((k, z, better))
+            torch.fmin(res, self.trace[k - 1, 2], out=tr[2])  # NaN never becomes the lowest
+            torch.sub(res, tr[2], out=tr[3])
+            torch.amax(tr, dim=1, out=st)
+            self.pending.append((k, z))
         if self.cuda:
             self.hstats[k].copy_(st, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             self.events[k] = ev
+        self.k = k + 1
+
+    # -- device mode (CUDA graphs) ----------------------------------------------------------
+    def enable_device_mode(
+        self, z0: Tensor, bufs: dict[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """Keep the lowest iterate in a static buffer and every per-step value in static device
+        tensors, so :meth:`device_record` can be captured in a CUDA graph.
+
+        ``bufs`` (from an earlier solve of the same shapes, for a cached graph) is reset and
+        reused; the buffers are returned.
+        """
+        dev, rdtype = self.trace.device, self.trace.dtype
+        if bufs is None:
+            bufs = {
+                "trace": self.trace,
+                "row": torch.empty(4, self.B, dtype=rdtype, device=dev),
+                "st": torch.zeros(4, dtype=rdtype, device=dev),
+                "low": torch.empty(self.B, dtype=rdtype, device=dev),
+                "k": torch.empty(1, dtype=torch.long, device=dev),
+                "nf": torch.empty(self.B, dtype=rdtype, device=dev),
+                "best": torch.empty_like(z0, memory_format=torch.contiguous_format),
+            }
+        bufs["low"].fill_(math.inf)
+        bufs["k"].zero_()
+        bufs["best"].copy_(z0)
+        self.device_mode = True
+        self.trace = bufs["trace"]
+        self.dev_row, self.dev_st, self.dev_low = bufs["row"], bufs["st"], bufs["low"]
+        self.dev_k, self.dev_nf, self.best_z = bufs["k"], bufs["nf"], bufs["best"]
+        return bufs
+
+    def device_record(self, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
+        """:meth:`record` with static buffers only (capturable); call :meth:`commit` after."""
+        row, best = self.dev_row, self.best_z
+        assert best is not None
+        batch_norm(fz - z if d is None else d, out=row[0])
+        batch_norm(fz, out=self.dev_nf)
+        torch.div(row[0], self.dev_nf.add_(EPS), out=row[1])
+        if self.lowest:
+            res = row[self.sel]
+            better = res <= self.dev_low
+            torch.where(better.view(self.bshape), z, best, out=best)
+            torch.fmin(res, self.dev_low, out=row[2])
+            self.dev_low.copy_(row[2])
+            torch.sub(res, row[2], out=row[3])
+            torch.amax(row, dim=1, out=self.dev_st)
+        else:
+            best.copy_(z)
+            torch.amax(row[:2], dim=1, out=self.dev_st[:2])
+        self.trace.index_copy_(0, self.dev_k, row.unsqueeze(0))
+        self.dev_k.add_(1)
+
+    def commit(self) -> None:
+        """Host side of a step made by :meth:`device_record` (eagerly or by a graph replay)."""
+        k = self.k
+        if self.cuda:
+            self.hstats[k].copy_(self.dev_st, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events[k] = ev
+        else:
+            self.dstats[k].copy_(self.dev_st)
         self.k = k + 1
 
     def stop(self) -> bool:
@@ -345,11 +447,11 @@ class Tracker:
                 self._consume(k)
             else:
                 while len(self.pending) > self.MAX_PENDING:
-                    self._resolve_blind()
+                    self._resolve(self.pending[0][0], False)
         elif not self.cuda or k == 1:
             self._consume(k)
         else:
-            self._consume(k - 1)  # finished or about to: step k-1 keeps the GPU busy meanwhile
+            self._consume(k - 1)  # finished or about to: step k keeps the GPU busy meanwhile
             if self.status is None and self._near():
                 self.exact_reads += 1
                 self._consume(k)
@@ -362,9 +464,19 @@ class Tracker:
         ratio = h[-1] / h[-2] if len(h) > 1 and h[-2] > 0 else 1.0
         return h[-1] * min(ratio, 1.0) < self.NEAR * self.tol
 
-    def _resolve_blind(self) -> None:
-        _, z, better = self.pending.popleft()
-        self.best_z = torch.where(better.view(self.bshape), z, self.best_z)
+    def _resolve(self, j: int, allbetter: bool) -> None:
+        """Make the pending iterate of step j (the oldest) the returned one where it is lowest.
+
+        A sample takes it when its residual is <= the running lowest before step j (ties take
+        the newer iterate, NaN never), i.e. when it equals the running lowest after step j.
+        """
+        _, z = self.pending.popleft()
+        if allbetter:
+            self.best_z = z
+        else:
+            tr = self.trace[j]
+            take = (tr[self.sel] == tr[2]).view(self.bshape)
+            self.best_z = torch.where(take, z, self.best_z)
 
     def _consume(self, upto: int) -> None:
         if upto <= self.read:
@@ -378,15 +490,12 @@ class Tracker:
             if self.lowest and j > 0:
                 best, allbetter = row[2], row[3] <= 0
             else:
-                best, allbetter = cur, True
+                best, allbetter = (row[2] if self.lowest else cur), True
             self.cur_hist.append(cur)
             self.best_hist.append(best)
+            self.last_allbetter = allbetter
             if self.pending and self.pending[0][0] == j:
-                _, z, better = self.pending.popleft()
-                if allbetter:
-                    self.best_z = z
-                else:
-                    self.best_z = torch.where(better.view(self.bshape), z, self.best_z)
+                self._resolve(j, allbetter)
             if self.status is not None:
                 continue
             if j == 0:
@@ -412,36 +521,149 @@ class Tracker:
 
     # -- end --------------------------------------------------------------------------------
     def finish(self, nstep: int, extra: dict[str, Any] | None = None) -> tuple[Tensor, SolverStats]:
-        """Read what is left (one sync), pick the returned iterates and build the stats."""
+        """Read what is left (one sync), pick the returned iterates and build the stats.
+
+        Everything the host needs (converged, lowest step) comes from the step summaries it
+        already read, so no further synchronisation is needed in the usual case.
+        """
         self._consume(self.k)
         while self.pending:
-            self._resolve_blind()
-        assert self.best_ar is not None and self.best_z is not None, "finish() before record()"
+            self._resolve(self.pending[0][0], False)
+        assert self.best_z is not None, "finish() before record()"
         k = self.k
         trace = self.trace[:k]
-        best_abs = self.best_ar[0].clone()
-        best_rel = self.best_ar[1].clone()
-        res_tr = trace[:, self.sel]
-        best = best_rel if self.sel else best_abs
-        steps = torch.arange(k, device=trace.device).unsqueeze(1)
-        lowest_steps = torch.where(res_tr == best, steps, -1).amax(0) if k else best.long()
+        if self.device_mode:  # static buffers, reused by the next solve of a cached graph
+            trace = trace.clone()
+        dev = trace.device
+        if self.lowest and not self.last_allbetter:
+            # the step each sample's returned iterate comes from: the last that matched the
+            # running lowest (exactly the masks used above)
+            steps = torch.arange(k, device=dev).unsqueeze(1)
+            lowest_steps = torch.where(trace[:, self.sel] == trace[:, 2], steps, 0).amax(0)
+            best = trace[:, :2].gather(0, lowest_steps.view(1, 1, self.B).expand(1, 2, self.B))[0]
+            lowest_step = int(lowest_steps.max())
+        else:  # every sample's returned iterate is the last one
+            lowest_steps = torch.full((self.B,), k - 1, dtype=torch.long, device=dev)
+            best = trace[k - 1, :2]
+            lowest_step = k - 1
+        top = self.best_hist[-1]  # batch max of the returned residuals (stop mode)
         info = {"returned": "x", "lowest_steps": lowest_steps, "host_reads_exact": self.exact_reads}
         info.update(extra or {})
         stats = make_stats(
             self.solver,
             nstep,
-            trace[:, 0].contiguous(),
-            trace[:, 1].contiguous(),
-            best_abs,
-            best_rel,
+            trace[:, 0],
+            trace[:, 1],
+            best[0],
+            best[1],
             self.tol,
             self.stop_mode,
             diverged=self.status == "diverged",
-            lowest_step=int(lowest_steps.max()) if k else -1,
+            lowest_step=lowest_step,
             stagnated=self.status == "stagnated",
             extra=info,
+            converged=math.isfinite(top) and top < self.tol,
         )
         z = self.best_z
+        if self.device_mode:
+            z = z.clone()
         if z.shape != self.shape:
             z = z.reshape(self.shape)
         return z, stats
+
+
+#: captured solver steps kept by ``cuda_graph="cache"``: key -> (graph, static state)
+_GRAPH_CACHE: dict[tuple, tuple[Any, dict[str, Any]]] = {}
+GRAPH_CACHE_SIZE = 8
+
+
+def clear_graph_cache() -> None:
+    """Drop every cached CUDA graph (and the memory its static buffers hold)."""
+    _GRAPH_CACHE.clear()
+
+
+def graph_mode(solver: str, options: dict[str, Any]) -> str | None:
+    """The validated ``cuda_graph`` option: None (off), "capture" (True) or "cache"."""
+    v = options.get("cuda_graph", False)
+    if v is False or v is None:
+        return None
+    if v is True:
+        return "capture"
+    if v == "cache":
+        return "cache"
+    raise option_error(solver, f"cuda_graph must be False, True or 'cache', got {v!r}")
+
+
+def graph_state(mode: str | None, key: tuple) -> tuple[Any, dict[str, Any]]:
+    """(graph or None, static state dict to fill or reuse) for a solve."""
+    if mode == "cache" and key in _GRAPH_CACHE:
+        return _GRAPH_CACHE[key]
+    return None, {}
+
+
+def graph_loop(
+    solver: str,
+    tracker: Tracker,
+    body: Callable[[], None],
+    max_iter: int,
+    *,
+    mode: str = "capture",
+    key: tuple | None = None,
+    graph: Any = None,
+    state: dict[str, Any] | None = None,
+    warmup: int = 1,
+) -> int:
+    """Run ``body`` (one solver step on static buffers, ending in ``tracker.device_record``)
+    ``warmup`` times eagerly, then capture it in a CUDA graph and replay it until the tracker
+    stops or ``max_iter`` steps were made. Returns the number of steps (f-evaluations) made.
+
+    The eager steps are real steps (they also let cuDNN/cuBLAS pick their algorithms before
+    capture, on a side stream as CUDA graphs require). f is called once more, during capture,
+    without evaluating anything. Each replay costs one launch instead of one per kernel, but
+    capturing and instantiating costs about a millisecond or more per solve; ``mode="cache"``
+    keeps the graph (and ``state``, its static buffers) under ``key`` and replays it from the
+    first step in later solves, which is valid only while f and every tensor it reads are the
+    same objects at the same addresses (the usual static-input CUDA-graph pattern).
+    """
+    nstep = 0
+    if not tracker.cuda:  # no graphs on CPU: the same static body, eagerly (tests use this)
+        while True:
+            body()
+            nstep += 1
+            tracker.commit()
+            if tracker.stop() or nstep >= max_iter:
+                return nstep
+    if graph is None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                body()
+                nstep += 1
+                tracker.commit()
+                if tracker.stop() or nstep >= max_iter:
+                    break
+        torch.cuda.current_stream().wait_stream(side)
+        if tracker.status is not None or nstep >= max_iter:
+            return nstep
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                body()
+        except Exception as exc:
+            raise RuntimeError(
+                f"solver '{solver}': cuda_graph is on, but f could not be captured in a CUDA "
+                f"graph ({type(exc).__name__}: {exc}); f must not synchronise with the host or "
+                "change shapes; use cuda_graph=False"
+            ) from exc
+        if mode == "cache" and key is not None:
+            while len(_GRAPH_CACHE) >= GRAPH_CACHE_SIZE:
+                _GRAPH_CACHE.pop(next(iter(_GRAPH_CACHE)))
+            _GRAPH_CACHE[key] = (graph, state if state is not None else {})
+    while nstep < max_iter:
+        graph.replay()
+        nstep += 1
+        tracker.commit()
+        if tracker.stop():
+            break
+    return nstep

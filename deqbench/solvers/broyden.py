@@ -12,13 +12,14 @@ Implementation notes (derived from these equations):
 * All pair products a step needs come from one batched matrix product of the buffer
   A = [g+, dx, u_0, v_0, u_1, v_1, ...] with [g+, dx]: u_j.g+, v_j.g+, u_j.dx, v_j.dx,
   g+.dx and dx.dx; a second product with a (2 x 2n+2) coefficient matrix gives
-  B g+ = -g+ + sum_j (v_j.g+) u_j and v = -dx + sum_j (u_j.dx) v_j. So each step reads the
-  memory twice, whatever its size.
+  B g+ = -g+ + sum_j (v_j.g+) u_j and v = -dx + sum_j (u_j.dx) v_j, written straight into the
+  new pair's rows. So each step reads the memory twice, whatever its size (on CUDA over chunks
+  of each sample's vector, see :func:`~deqbench.solvers.base.chunking`).
 * With q the previous B g (dx = -s q): B dg = B g+ - q, e := v.g+ = dx.B g+ and
   v.dg = e + dx.dx / s. For s = 1 this gives u = -B g+ / (v.dg) and the next
   q+ = B+ g+ = B g+ (dx.dx) / (v.dg): a per-sample scale of B g+, no extra state pass.
-* A pair whose denominator is zero or non-finite is stored as u = 0 (it then contributes
-  nothing). The pairs live in a buffer of at most ``memory`` pairs, allocated on the first
+* A pair whose denominator v.dg is non-finite or lost in rounding (below sqrt(eps) times
+  |e| + dx.dx) is stored as u = 0: it then contributes nothing, and the step uses B g+. The pairs live in a buffer of at most ``memory`` pairs, allocated on the first
   update. When it is full the default is to restart from B = -I: overwriting the oldest pair
   (``on_full="ring"``) leaves later pairs built on a matrix that no longer exists, and that
   diverged on a 32-dim linear problem (memory 20) and on the conv cell (memory 5), where the
@@ -42,8 +43,10 @@ from .base import (
     CommonOptions,
     SolverStats,
     Tracker,
+    batch_norm,
     check_budget,
     check_options,
+    chunking,
     flat,
     option_error,
 )
@@ -136,87 +139,94 @@ def broyden(
     shape = z0.shape
     bsz = int(shape[0])
     dev, dt = z0.device, z0.dtype
-    x = z0
-    xf = flat(z0)
-    dim = xf.shape[1]
+    dim = flat(z0).shape[1]
+    nc, cd = chunking(bsz, dim, dev)  # each sample's vector as nc chunks of length cd
     cap = max(1, min(memory, max_iter - 2))  # pairs ever stored
-    # A = [g, dx, u_0, v_0, ...]: the two work rows sit in front of the pairs so that every
-    # product reads one contiguous slice.
+
+    def rows(buf: Tensor, a: int, b: int) -> Tensor:
+        """Rows a:b of every sample as a (B * nc, b - a, cd) view (no copy)."""
+        return buf[:, :, a:b].reshape(bsz * nc, b - a, cd)
+
+    # A = [g, dx, u_0, v_0, u_1, v_1, ...] per sample (B, nc, 2 + 2 cap, cd): the two work rows
+    # sit in front of the pairs so that every product reads one contiguous slice. It is
+    # allocated at the first update; until then the work rows live in T.
     A: Tensor | None = None
-    T = torch.empty(bsz, 2, dim, dtype=dt, device=dev)
+    W = torch.empty(bsz, nc, 2, cd, dtype=dt, device=dev)  # the work rows [g, dx]
     C: Tensor | None = None
     skipped = torch.zeros(bsz, dtype=torch.int64, device=dev)
     restarts = 0
     # skip updates whose denominator is lost in rounding (cancellation of dx.B g+ and dx.q)
     tiny = torch.finfo(dt).eps ** 0.5
 
-    fx = f(x)
+    x = z0.reshape(bsz, nc, cd)
+    fx = f(z0)
     nstep = 1
-    g = T[:, 0]
-    torch.sub(flat(fx), xf, out=g)
-    tracker.record(x, fx, g)
+    torch.sub(fx.reshape(bsz, nc, cd), x, out=W[:, :, 0])
+    tracker.record(z0, fx, W[:, :, 0])
     npairs = 0
-    q = -g  # B_0 g = -g
+    q = None if not line_search else -W[:, :, 0]  # q = B g (line search only; else dx = -q)
+    W[:, :, 1].copy_(W[:, :, 0])  # dx = -B_0 g = g: the first step is a fixed-point step
     gnorm2 = None
+    s = None
     done = tracker.stop() or nstep >= max_iter
     while not done:
-        # -- step x+ = x - s q -------------------------------------------------------------
+        # -- step x+ = x + dx, dx = -s q ---------------------------------------------------
         if not line_search:
-            W = T if A is None else A[:, :2]
-            dx = torch.neg(q, out=W[:, 1])
-            xn = xf + dx
+            xn = x + W[:, :, 1]
             fxn = f(xn.view(shape))
             nstep += 1
-            gn = W[:, 0]
-            torch.sub(flat(fxn), xn, out=gn)
-            s = None
+            torch.sub(fxn.reshape(bsz, nc, cd), xn, out=W[:, :, 0])
         else:
-            W = T if A is None else A[:, :2]
+            assert q is not None
             if gnorm2 is None:
-                gnorm2 = torch.linalg.vector_norm(W[:, 0], dim=1) ** 2
-            s = torch.ones(bsz, 1, dtype=dt, device=dev)
+                gnorm2 = batch_norm(W[:, :, 0]) ** 2
+            s = torch.ones(bsz, 1, 1, dtype=dt, device=dev)
             trials = 0
             while True:
-                xn = torch.addcmul(xf, s, q, value=-1.0)
+                xn = torch.addcmul(x, s, q, value=-1.0)
                 fxn = f(xn.view(shape))
                 nstep += 1
                 trials += 1
-                gtry = flat(fxn) - xn
-                gn2 = torch.linalg.vector_norm(gtry, dim=1) ** 2
+                gtry = fxn.reshape(bsz, nc, cd) - xn
+                gn2 = batch_norm(gtry) ** 2
                 ok = gn2 <= (1 - c1 * s.view(bsz)) * gnorm2
                 if trials >= ls_trials or nstep >= max_iter or bool(ok.all()):
                     break
-                s = torch.where(ok.view(bsz, 1), s, 0.5 * s)
+                s = torch.where(ok.view(bsz, 1, 1), s, 0.5 * s)
             gnorm2 = gn2
-            W[:, 0].copy_(gtry)
-            torch.mul(q, -s, out=W[:, 1])
-            dx = W[:, 1]
-            gn = W[:, 0]
-        tracker.record(xn.view(shape), fxn, gn)
+            W[:, :, 0].copy_(gtry)
+            torch.mul(q, -s, out=W[:, :, 1])
+        tracker.record(xn.view(shape), fxn, W[:, :, 0])
         if tracker.stop() or nstep >= max_iter:
             break
         # -- Broyden update ----------------------------------------------------------------
         if A is None:
-            A = torch.empty(bsz, 2 + 2 * cap, dim, dtype=dt, device=dev)
-            A[:, :2].copy_(T)
-            del T
+            A = torch.empty(bsz, nc, 2 + 2 * cap, cd, dtype=dt, device=dev)
+            A[:, :, :2].copy_(W)
+            W = A[:, :, :2]
             C = torch.zeros(bsz, 2, 2 + 2 * cap, dtype=dt, device=dev)
             C[:, 0, 0] = -1.0
             C[:, 1, 1] = -1.0
         assert C is not None
-        W, gn, dx = A[:, :2], A[:, 0], A[:, 1]
         if npairs >= cap and on_full == "restart":
             npairs = 0
             restarts += 1
         used = 2 + 2 * min(npairs, cap)
-        An = A[:, :used]
-        P = torch.bmm(An, W.transpose(1, 2))  # (B, used, 2): products with g+ and dx
+        An = rows(A, 0, used)
+        P = torch.bmm(An, rows(A, 0, 2).transpose(1, 2))  # products with g+ and dx
+        P = P.view(bsz, nc, used, 2).sum(1) if nc > 1 else P.view(bsz, used, 2)
         Cn = C[:, :, :used]
         if npairs:
             Cn[:, 0, 2::2] = P[:, 3::2, 0]  # v_j . g+
             Cn[:, 1, 3::2] = P[:, 2::2, 1]  # u_j . dx
-        R = torch.bmm(Cn, An)  # (B, 2, D): [B g+, v]
-        Bg, v = R[:, 0], R[:, 1]
+        Cr = Cn.unsqueeze(1).expand(bsz, nc, 2, used).reshape(bsz * nc, 2, used)
+        slot = npairs % cap
+        # [B g+, v] straight into the new pair's rows (a ring overwrites a row it reads)
+        if 2 + 2 * slot >= used:
+            torch.bmm(Cr, An, out=rows(A, 2 + 2 * slot, 4 + 2 * slot))
+        else:
+            rows(A, 2 + 2 * slot, 4 + 2 * slot).copy_(torch.bmm(Cr, An))
+        Bg = A[:, :, 2 + 2 * slot]  # becomes u below; v is in place already
         e = torch.linalg.vecdot(Cn[:, 0], P[:, :, 1])  # dx . B g+  (= v . g+)
         dd = P[:, 1, 1]  # dx . dx
         den = e + dd if s is None else e + dd / s.view(bsz)
@@ -224,22 +234,20 @@ def broyden(
         ok = torch.isfinite(inv) & (den.abs() > tiny * (e.abs() + dd))
         skipped += ~ok
         inv = torch.where(ok, inv, 0.0)
-        slot = npairs % cap  # the oldest pair once the ring is full
-        us, vs = A[:, 2 + 2 * slot], A[:, 3 + 2 * slot]
         if s is None:
-            # u = -B g+ / den ;  q+ = B g+ (dx.dx) / den  (B g+ if the update is skipped)
-            torch.mul(Bg, (-inv).unsqueeze(1), out=us)
-            qscale = torch.where(ok, dd * inv, 1.0)
-            q = Bg * qscale.unsqueeze(1)
+            # next dx = -q+ = -B g+ (dx.dx) / den (-B g+ if the update is skipped);
+            # u = -B g+ / den
+            dxs = torch.where(ok, -dd * inv, -1.0).view(bsz, 1, 1)
+            torch.mul(Bg, dxs, out=W[:, :, 1])
+            Bg.mul_(-inv.view(bsz, 1, 1))
         else:
-            sv = s.view(bsz, 1)
             # u = (dx (1 - 1/s) - B g+) / den ;  q+ = B g+ + u (v . g+)
-            torch.mul(dx, 1.0 - 1.0 / sv, out=us)
-            us.sub_(Bg).mul_(inv.unsqueeze(1))
-            q = torch.addcmul(Bg, us, e.unsqueeze(1))
-        vs.copy_(v)
+            bg = Bg.clone()
+            torch.mul(W[:, :, 1], 1.0 - 1.0 / s, out=Bg)
+            Bg.sub_(bg).mul_(inv.view(bsz, 1, 1))
+            q = torch.addcmul(bg, Bg, e.view(bsz, 1, 1))
         npairs += 1
-        xf = xn
+        x = xn
     return tracker.finish(
         nstep,
         {

@@ -1,8 +1,9 @@
 """Plain (optionally damped) fixed-point iteration z <- tau f(z) + (1 - tau) z.
 
-Per step: one f-evaluation, the difference f(z) - z (needed for the residual and reused for the
-damped update), two norms and the shared :class:`~deqbench.solvers.base.Tracker` bookkeeping.
-With ``tau == 1`` the next iterate is f's output itself (no mixing, no copy).
+Per step: one f-evaluation, the difference f(z) - z, two per-sample norms and the shared
+:class:`~deqbench.solvers.base.Tracker` bookkeeping (a few (B,)-sized kernels, no host sync).
+With ``tau == 1`` the next iterate is f's output itself (no mixing, no copy); with damping the
+difference is reused for the update. ``cuda_graph`` replays one captured step instead.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from .base import (
     Tracker,
     check_budget,
     check_options,
+    graph_loop,
+    graph_mode,
+    graph_state,
     option_error,
 )
 
-OPTIONS = COMMON_OPTIONS | {"tau"}
+OPTIONS = COMMON_OPTIONS | {"tau", "cuda_graph"}
 
 
 @solvers.register("fixed_point")
@@ -54,6 +58,15 @@ def fixed_point(
             exactly near convergence).
         protect_thres: stop as diverged when the batch max abs residual exceeds this factor
             times the first one (default 1e6); non-finite residuals always stop as diverged.
+        cuda_graph: False (default); True captures one step (f and the bookkeeping, on static
+            buffers) in a CUDA graph after one eager step and replays it; "cache" also keeps the
+            graph for later solves with the same f object, shapes and options, replaying it from
+            the first step. For cheap, launch-bound cells, where one step otherwise costs a
+            launch per kernel. f must be capturable (no host syncs, fixed shapes) and, for
+            "cache", read the same tensors at the same addresses every call (copy new inputs
+            into them). f is called in the eager step and once during capture (which evaluates
+            nothing), not per replay; ``nstep`` counts evaluations. On CPU the static step runs
+            eagerly.
 
     Returns:
         (z, SolverStats)
@@ -73,15 +86,46 @@ def fixed_point(
     tracker = Tracker(
         "fixed_point", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=common
     )
+    gmode = graph_mode("fixed_point", options)
+    if gmode is not None:
+        key = ("fixed_point", f, tuple(z0.shape), z0.dtype, z0.device, max_iter, tau,
+               common.returns, stop_mode)  # fmt: skip
+        graph, state = graph_state(gmode, key)
+        state["bufs"] = tracker.enable_device_mode(z0, state.get("bufs"))
+        if "zs" not in state:
+            state["zs"] = torch.empty_like(z0, memory_format=torch.contiguous_format)
+        zs = state["zs"]  # the static iterate
+        zs.copy_(z0)
+
+        def body() -> None:
+            fz = f(zs)
+            if tau == 1.0:
+                tracker.device_record(zs, fz, None)
+                zs.copy_(fz)
+            else:
+                d = fz - zs
+                tracker.device_record(zs, fz, d)
+                zs.add_(d, alpha=tau)
+
+        nstep = graph_loop(
+            "fixed_point", tracker, body, max_iter, mode=gmode, key=key, graph=graph, state=state
+        )
+        return tracker.finish(nstep, {"tau": tau, "cuda_graph": gmode})
+
     z = z0
     nstep = 0
     while True:
         fz = f(z)
         nstep += 1
-        d = fz - z
-        tracker.record(z, fz, d)
-        if tracker.stop() or nstep >= max_iter:
-            break
-        # A fresh tensor every step: the tracker holds references to earlier iterates.
-        z = fz if tau == 1.0 else torch.add(z, d, alpha=tau)
+        if tau == 1.0:
+            tracker.record(z, fz, None)
+            if tracker.stop() or nstep >= max_iter:
+                break
+            z = fz  # f's output itself: no mixing, no copy
+        else:
+            d = fz - z
+            tracker.record(z, fz, d)
+            if tracker.stop() or nstep >= max_iter:
+                break
+            z = torch.add(z, d, alpha=tau)  # a fresh tensor: the tracker holds earlier iterates
     return tracker.finish(nstep, {"tau": tau})

@@ -21,6 +21,14 @@ def relaxed_picard(f, z0, *, max_iter=50, tol=1e-4, stop_mode="rel", omega=0.9):
             break  # return the iterate whose residual was measured
         z = (1 - omega) * z + omega * fz
     return z, make_stats(
-        "relaxed_picard", len(abs_tr), abs_tr, rel_tr, a, r, tol, stop_mode, diverged=False,
+        "relaxed_picard",
+        len(abs_tr),
+        abs_tr,
+        rel_tr,
+        a,
+        r,
+        tol,
+        stop_mode,
+        diverged=False,
         lowest_step=len(abs_tr) - 1,
     )

@@ -48,8 +48,11 @@ SOLVER_KEYS = {
     "fixed_point": "fixed_point_iter",
     "torchdeq_fixed_point": "fixed_point_iter",
 }
-ADAPTER_NAME = {"anderson": "torchdeq_anderson", "broyden": "torchdeq_broyden",
-                "fixed_point_iter": "torchdeq_fixed_point"}
+ADAPTER_NAME = {
+    "anderson": "torchdeq_anderson",
+    "broyden": "torchdeq_broyden",
+    "fixed_point_iter": "torchdeq_fixed_point",
+}
 
 
 class CountedSolver:
@@ -72,8 +75,15 @@ class CountedSolver:
             self.calls += 1
             return func(z)
 
-        out = self.fn(fc, x0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, indexing=indexing,
-                      **{**kw, **self.options})
+        out = self.fn(
+            fc,
+            x0,
+            max_iter=max_iter,
+            tol=tol,
+            stop_mode=stop_mode,
+            indexing=indexing,
+            **{**kw, **self.options},
+        )
         self.info = out[2]
         return out
 
@@ -102,8 +112,10 @@ def _solver_key(role: str, name: str, options: dict[str, Any]) -> tuple[str, dic
     allowed = PASSED[key] | ADAPTER_OPTIONS
     bad = sorted(set(options) - allowed)
     if bad:
-        raise ConfigError(f"torchdeq_deq: {role} solver '{name}': unknown option '{bad[0]}'; "
-                          f"options: {', '.join(sorted(allowed))}")
+        raise ConfigError(
+            f"torchdeq_deq: {role} solver '{name}': unknown option '{bad[0]}'; "
+            f"options: {', '.join(sorted(allowed))}"
+        )
     return key, {k: v for k, v in options.items() if k not in ADAPTER_OPTIONS}
 
 
@@ -116,8 +128,13 @@ class TorchDEQLayer(DEQLayer):
         core: TorchDEQ core, ``sliced`` (its default) or ``indexing``.
     """
 
-    def __init__(self, cell: nn.Module, solver: SolverConfig | None = None,
-                 backward: BackwardConfig | None = None, core: str = "sliced") -> None:
+    def __init__(
+        self,
+        cell: nn.Module,
+        solver: SolverConfig | None = None,
+        backward: BackwardConfig | None = None,
+        core: str = "sliced",
+    ) -> None:
         super().__init__(cell, solver, backward)
         if core not in ("sliced", "indexing"):
             raise ConfigError(f"torchdeq_deq: core must be 'sliced' or 'indexing', got {core!r}")
@@ -138,7 +155,9 @@ class TorchDEQLayer(DEQLayer):
         s, b = self.solver_cfg, self.backward_cfg
         fkey, fopts = _solver_key("forward", s.name, dict(s.options))
         if b.name == "unrolled":
-            raise ConfigError("torchdeq_deq: TorchDEQ has no 'unrolled' backward; use ift, jfb or phantom")
+            raise ConfigError(
+                "torchdeq_deq: TorchDEQ has no 'unrolled' backward; use ift, jfb or phantom"
+            )
         kw: dict[str, Any] = {
             "core": self.core,
             "f_max_iter": int(s.max_iter),
@@ -158,8 +177,12 @@ class TorchDEQLayer(DEQLayer):
             kw["b_solver"], self._b_counter = counted(bkey, bopts)
             self._b_key = bkey
         else:
-            kw.update(b_solver=kw["f_solver"], b_max_iter=int(b.max_iter), b_tol=float(b.tol),
-                      b_stop_mode=b.stop_mode)
+            kw.update(
+                b_solver=kw["f_solver"],
+                b_max_iter=int(b.max_iter),
+                b_tol=float(b.tol),
+                b_stop_mode=b.stop_mode,
+            )
             self._b_counter, self._b_key = None, None
         self._f_key = fkey
         return kw
@@ -173,9 +196,14 @@ class TorchDEQLayer(DEQLayer):
         if self._td is None or self._td_key != key:
             td = get_deq(**kw)
             # TorchDEQ ignores unknown keys silently (issue #12): check what it actually uses.
-            want = {"f_max_iter": kw["f_max_iter"], "f_tol": kw["f_tol"],
-                    "f_stop_mode": kw["f_stop_mode"], "b_max_iter": kw["b_max_iter"],
-                    "b_tol": kw["b_tol"], "b_stop_mode": kw["b_stop_mode"]}
+            want = {
+                "f_max_iter": kw["f_max_iter"],
+                "f_tol": kw["f_tol"],
+                "f_stop_mode": kw["f_stop_mode"],
+                "b_max_iter": kw["b_max_iter"],
+                "b_tol": kw["b_tol"],
+                "b_stop_mode": kw["b_stop_mode"],
+            }
             got = {k: getattr(td, k, None) for k in want}
             if got != want:
                 raise ConfigError(f"torchdeq_deq: TorchDEQ built {got}, expected {want}")
@@ -193,8 +221,14 @@ class TorchDEQLayer(DEQLayer):
         key, opts = _solver_key("forward", cfg.name, dict(cfg.options))
         fn = getattr(adapters, ADAPTER_NAME[key])
         with torch.no_grad():
-            z, stats = fn(lambda z_: self.cell(z_, u), z0, max_iter=cfg.max_iter, tol=cfg.tol,
-                          stop_mode=cfg.stop_mode, **opts)
+            z, stats = fn(
+                lambda z_: self.cell(z_, u),
+                z0,
+                max_iter=cfg.max_iter,
+                tol=cfg.tol,
+                stop_mode=cfg.stop_mode,
+                **opts,
+            )
         self.last_forward_stats = stats
         return z, stats
 
@@ -223,8 +257,14 @@ class TorchDEQLayer(DEQLayer):
         phase["forward"] = False
         s = self.solver_cfg
         self.last_forward_stats = stats_from_info(
-            ADAPTER_NAME[self._f_key], self._f_key, info, counts["solve"], s.tol, s.stop_mode,
-            s.max_iter, extra={"returned": RETURNED[self._f_key]},
+            ADAPTER_NAME[self._f_key],
+            self._f_key,
+            info,
+            counts["solve"],
+            s.tol,
+            s.stop_mode,
+            s.max_iter,
+            extra={"returned": RETURNED[self._f_key]},
         )
         self.last_backward_stats = None
         self.f_evals_grad = counts["grad"]
@@ -237,7 +277,13 @@ class TorchDEQLayer(DEQLayer):
         c = self._b_counter
         nvjp = c.calls if c is not None else 0
         self.last_backward_stats = stats_from_info(
-            ADAPTER_NAME[self._b_key], self._b_key, info, nvjp, b.tol, b.stop_mode, b.max_iter,
+            ADAPTER_NAME[self._b_key],
+            self._b_key,
+            info,
+            nvjp,
+            b.tol,
+            b.stop_mode,
+            b.max_iter,
         )
         self.vjp_bwd = nvjp + 1  # the adjoint solve's VJPs and the final one through f
 

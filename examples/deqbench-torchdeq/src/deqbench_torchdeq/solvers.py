@@ -114,15 +114,30 @@ def stats_from_info(
     lowest = int(td_nstep.max()) - first if rows else -1
     r = rel_res if stop_mode == "rel" else abs_res
     stagnated = (
-        key == "broyden" and nfe < max_iter + 1 and bool(torch.isfinite(r).all())
+        key == "broyden"
+        and nfe < max_iter + 1
+        and bool(torch.isfinite(r).all())
         and not bool((r < tol).all())
     )
-    ext = {"returned": RETURNED[key], "torchdeq_nstep": td_nstep, "residual_source": source,
-           "library": "torchdeq"}
+    ext = {
+        "returned": RETURNED[key],
+        "torchdeq_nstep": td_nstep,
+        "residual_source": source,
+        "library": "torchdeq",
+    }
     ext.update(extra or {})
     return make_stats(
-        name, nfe, abs_trace, rel_trace, abs_res, rel_res, tol, stop_mode,
-        diverged=not bool(torch.isfinite(r).all()), lowest_step=lowest, stagnated=stagnated,
+        name,
+        nfe,
+        abs_trace,
+        rel_trace,
+        abs_res,
+        rel_res,
+        tol,
+        stop_mode,
+        diverged=not bool(torch.isfinite(r).all()),
+        lowest_step=lowest,
+        stagnated=stagnated,
         extra=ext,
     )
 
@@ -144,7 +159,10 @@ def _make(name: str) -> Callable[..., tuple[Tensor, SolverStats]]:
         check_options(name, options, allowed)
         check_budget(name, max_iter, tol, stop_mode)
         if key == "anderson" and max_iter < 3:
-            raise option_error(name, "TorchDEQ's Anderson needs max_iter >= 3 (it measures from its 3rd f-evaluation)")
+            raise option_error(
+                name,
+                "TorchDEQ's Anderson needs max_iter >= 3 (it measures from its 3rd f-evaluation)",
+            )
         opts = dict(options)
         check = bool(opts.pop("check_returned", True))
         calls = [0]
@@ -155,14 +173,30 @@ def _make(name: str) -> Callable[..., tuple[Tensor, SolverStats]]:
 
         # stop_mode and tol are passed explicitly: TorchDEQ defaults to stop_mode='abs'.
         z, _, info = torchdeq_solver(key)(
-            fc, z0, max_iter=int(max_iter), tol=float(tol), stop_mode=stop_mode, indexing=None, **opts
+            fc,
+            z0,
+            max_iter=int(max_iter),
+            tol=float(tol),
+            stop_mode=stop_mode,
+            indexing=None,
+            **opts,
         )
         z = z.reshape(z0.shape)
         a = r = None
         if check:
             a, r = residuals(f(z), z)  # one extra f-evaluation, not counted (REFERENCE.md 1.1)
-        return z, stats_from_info(name, key, info, calls[0], tol, stop_mode, int(max_iter), a, r,
-                                  {"check_returned": check})
+        return z, stats_from_info(
+            name,
+            key,
+            info,
+            calls[0],
+            tol,
+            stop_mode,
+            int(max_iter),
+            a,
+            r,
+            {"check_returned": check},
+        )
 
     solve.__name__ = name
     solve.__qualname__ = name
