@@ -23,15 +23,16 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The test suite on CPU (GPU tests deselected). Extra args go to pytest."""
-    _install(session)
+    """The test suite on CPU (GPU tests deselected). Extra args go to pytest. Installs the
+    ``dask`` extra so that tests/test_dask.py runs (it skips without Dask)."""
+    _install(session, "test,dask")
     session.run("pytest", "-m", "not gpu", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
-    session.install("ruff")
+    session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 

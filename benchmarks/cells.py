@@ -98,7 +98,7 @@ def fc_cell(
     mod = FCCell(width, n_in, norm).to(device=device, dtype=dtype).eval()
     x = torch.randn(batch, n_in, generator=g).to(device=device, dtype=dtype)
     z0 = torch.zeros(batch, width, device=device, dtype=dtype)
-    desc = f"fc w{width} in{n_in} b{batch} |W|={norm}"
+    desc = f"fc w{width} in{n_in} b{batch} specnorm(W) {norm}"
     return Cell("fc", mod, x, z0, desc)
 
 

@@ -191,7 +191,7 @@ def run(
         typer.Option(
             "--executor",
             help="inline: cells one by one in this process; dask: each cell x seed is one Dask "
-            "task (needs deqbench[dask]).",
+            "task (needs the extra deqbench\\[dask]).",
         ),
     ] = "inline",
     scheduler: Annotated[

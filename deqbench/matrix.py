@@ -2,7 +2,9 @@
 
 A matrix axis is a section (``model``, ``init``, ``solver``, ``backward``, ``train``, ``data``)
 whose values are merged over the defaults, or a dotted key (``solver.tol``,
-``model.activation``) whose values set one field. A string value of a named section means
+``model.activation``) whose values set one field, or ``case``: a list of mappings that each set
+several sections or keys together (zipped, not crossed; an optional ``id`` names the case), e.g.
+``case: [{model: pcdeq_l, data: {flatten: true}}, {model: pcdeq_mc, data: {size: 28}}]``. A string value of a named section means
 ``{name: value}``. When an axis changes a section's ``name``, the defaults' name-specific params
 of that section (a model factory's kwargs, a solver's options) are dropped; the generic fields
 (``max_iter``, ``tol``, ...) are kept.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SECTIONS = ("model", "init", "solver", "backward", "train", "data")
+CASE = "case"  # axis whose values set several sections at once (zipped, not crossed)
 NAMED = ("model", "init", "solver", "backward", "data")
 ID_BASE = ("model", "solver", "backward")
 _MISSING = object()
@@ -84,6 +87,9 @@ def check_matrix(matrix: dict[str, list[Any]] | None, loc: Any) -> list[str]:
     errors = []
     for key, values in matrix.items():
         section, dot, sub = key.partition(".")
+        if key == CASE:
+            errors += _check_cases(values, loc)
+            continue
         if section not in SECTIONS or (dot and (not sub or "." in sub)):
             hint = did_you_mean(section, SECTIONS)
             msg = f"unknown matrix axis (use a section {', '.join(SECTIONS)} or SECTION.KEY){hint}"
@@ -95,6 +101,50 @@ def check_matrix(matrix: dict[str, list[Any]] | None, loc: Any) -> list[str]:
                 if not isinstance(normalize_section(section, v), dict):
                     errors.append(loc.error(("matrix", key, i), "expected a name or a mapping"))
     return errors
+
+
+def _check_cases(values: Any, loc: Any) -> list[str]:
+    from .yamlio import did_you_mean
+
+    if not isinstance(values, list) or not values:
+        return [loc.error(("matrix", CASE), "expected a non-empty list of mappings")]
+    errors = []
+    for i, case in enumerate(values):
+        if not isinstance(case, dict):
+            errors.append(loc.error(("matrix", CASE, i), "expected a mapping of sections"))
+            continue
+        for key, v in case.items():
+            section, dot, sub = str(key).partition(".")
+            if key == "id":
+                continue
+            if section not in SECTIONS or (dot and not sub):
+                hint = did_you_mean(section, SECTIONS)
+                msg = f"unknown case key (use a section {', '.join(SECTIONS)}, SECTION.KEY or id){hint}"
+                errors.append(loc.error(("matrix", CASE, i, key), msg, True))
+            elif not dot and not isinstance(normalize_section(section, v), dict):
+                errors.append(loc.error(("matrix", CASE, i, key), "expected a name or a mapping"))
+    return errors
+
+
+def _case_parts(values: list[dict[str, Any]]) -> list[list[tuple[str, Any]]]:
+    """Id parts of case values: the case's ``id``, else the values that vary across cases."""
+    out = []
+    for i, case in enumerate(values):
+        if "id" in case:
+            out.append([("", case["id"])])
+            continue
+        parts = []
+        for key, v in case.items():
+            section, _, sub = key.partition(".")
+            if section in ID_BASE and not sub:
+                continue  # already in the id head
+            if sub:
+                parts.append((sub, v))
+            else:
+                nv = normalize_section(section, v)
+                parts.append(("", nv["name"] if "name" in nv else fmt_value(nv)))
+        out.append(parts)
+    return out
 
 
 def _axis_parts(section: str, sub: str | None, values: list[Any]) -> list[list[tuple[str, Any]]]:
@@ -143,9 +193,14 @@ def expand(
     norm: list[tuple[str, str | None, list[Any]]] = []
     for key, values in axes:
         section, _, sub = key.partition(".")
+        if key == CASE:
+            norm.append((CASE, None, list(values)))
+            continue
         vals = values if sub else [normalize_section(section, v) for v in values]
         norm.append((section, sub or None, vals))
-    parts_by_axis = [_axis_parts(s, sub, vals) for s, sub, vals in norm]
+    parts_by_axis = [
+        _case_parts(vals) if s == CASE else _axis_parts(s, sub, vals) for s, sub, vals in norm
+    ]
     short_count: dict[str, int] = {}
     for parts in parts_by_axis:
         for k in {k for p in parts for k, _ in p if k}:
@@ -160,27 +215,36 @@ def expand(
         }
         block = {s: base_src.get(s, (s,)) for s in SECTIONS}
         id_parts: list[str] = []
+
+        def apply(section: str, field_key: str | None, value: Any, raw: Any, path: tuple) -> None:
+            cur = sections.setdefault(section, {})
+            if field_key is not None:
+                cur[field_key] = copy.deepcopy(value)
+                src[section][field_key] = path
+                return
+            if "name" in value and value["name"] != cur.get("name"):
+                keep = generic.get(section, set())
+                for k in [k for k in cur if k not in keep and k != "name"]:
+                    del cur[k]
+                    src[section].pop(k, None)
+            cur.update(copy.deepcopy(value))
+            for k in value:
+                src[section][k] = path if isinstance(raw, str) else (*path, k)
+            block[section] = path
+
         for ax, idx in enumerate(combo):
             key = axes[ax][0]
             section, field_key, vals = norm[ax]
             value = vals[idx]
-            cur = sections.setdefault(section, {})
-            if field_key is not None:
-                cur[field_key] = copy.deepcopy(value)
-                src[section][field_key] = ("matrix", key, idx)
+            if section == CASE:
+                for ck, cv in value.items():
+                    if ck == "id":
+                        continue
+                    csec, _, csub = ck.partition(".")
+                    nv = cv if csub else normalize_section(csec, cv)
+                    apply(csec, csub or None, nv, cv, ("matrix", key, idx, ck))
             else:
-                if "name" in value and value["name"] != cur.get("name"):
-                    keep = generic.get(section, set())
-                    for k in [k for k in cur if k not in keep and k != "name"]:
-                        del cur[k]
-                        src[section].pop(k, None)
-                cur.update(copy.deepcopy(value))
-                raw = axes[ax][1][idx]
-                for k in value:
-                    src[section][k] = (
-                        ("matrix", key, idx) if isinstance(raw, str) else ("matrix", key, idx, k)
-                    )
-                block[section] = ("matrix", key, idx)
+                apply(section, field_key, value, axes[ax][1][idx], ("matrix", key, idx))
             for k, v in parts_by_axis[ax][idx]:
                 label = k if not k or short_count.get(k, 0) <= 1 else f"{section}.{k}"
                 id_parts.append(_clean(f"{label}={fmt_value(v)}" if label else fmt_value(v)))

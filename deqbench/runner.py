@@ -265,6 +265,8 @@ def run_suite(
     ]
     if plots and not summary.interrupted:
         summary.plots = _plots(run_dir, df)
+    if not summary.interrupted:
+        _outcomes(run_dir)
     meta.update(
         status="interrupted" if summary.interrupted else "complete",
         finished=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -274,6 +276,16 @@ def run_suite(
     )
     res.write_json(run_dir / "run.json", meta)
     return summary
+
+
+def _outcomes(run_dir: Path) -> None:
+    """Write ``summary.csv`` (expected-behaviour checks) when the suite has a checker."""
+    try:
+        from .outcomes import summarize
+
+        summarize(run_dir)
+    except Exception as exc:  # outcome checks never fail a run
+        _log(run_dir, f"outcomes: {type(exc).__name__}: {exc}")
 
 
 def _plots(run_dir: Path, df: Any) -> list[Path]:

@@ -38,8 +38,7 @@ needs_dask = pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "suites" / "smoke.yaml"
 HELPERS = Path(__file__).resolve().parent / "dask_helpers.py"
-#: The smoke suite reduced to its fc_deq_tiny cells: 3 solvers x 2 backward modes x 2 seeds.
-SMOKE_FC = [str(SMOKE), "--set", "matrix.model=[fc_deq_tiny]", "--no-plots", "--no-progress"]
+FLAGS = ["--no-plots", "--no-progress"]
 KEYS = ["cell_id", "seed", "analysis", "variant", "metric", "step", "repeat"]
 
 
@@ -78,9 +77,27 @@ def fast_workers():
 
 
 @pytest.fixture(scope="module")
-def inline_smoke_fc(tmp_path_factory) -> Path:
+def smoke_fc(tmp_path_factory) -> Path:
+    """The smoke suite (its data, defaults, analyses, seeds) reduced to fc_deq_tiny x 3 solvers
+    x 2 backward modes: 12 tasks of a fraction of a second each."""
+    import yaml
+
+    raw = yaml.safe_load(SMOKE.read_text())
+    raw["defaults"]["model"] = {"name": "fc_deq_tiny"}
+    raw["matrix"] = {
+        "solver": ["fixed_point", "anderson", "broyden"],
+        "backward": ["ift", "unrolled"],
+    }
+    raw["seeds"] = [0, 1]
+    path = tmp_path_factory.mktemp("suite") / "smoke_fc.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def inline_smoke_fc(tmp_path_factory, smoke_fc) -> Path:
     out = tmp_path_factory.mktemp("inline")
-    r = invoke("run", *SMOKE_FC, "--out", out)
+    r = invoke("run", smoke_fc, *FLAGS, "--out", out)
     assert r.exit_code == 0, r.output
     return _run_dir(out)
 
@@ -157,8 +174,10 @@ def test_gpu_layout_pins_one_worker_per_gpu(monkeypatch):
 
 
 @needs_dask
-def test_local_cluster_gives_inline_rows_and_resumes(tmp_path, fast_workers, inline_smoke_fc):
-    r = invoke("run", *SMOKE_FC, "--out", tmp_path, "--executor", "dask", "--workers", "2")
+def test_local_cluster_gives_inline_rows_and_resumes(
+    tmp_path, fast_workers, smoke_fc, inline_smoke_fc
+):
+    r = invoke("run", smoke_fc, *FLAGS, "--out", tmp_path, "--executor", "dask", "--workers", "2")
     assert r.exit_code == 0, r.output
     d = _run_dir(tmp_path)
     inline = load_results(inline_smoke_fc)
@@ -180,9 +199,7 @@ def test_local_cluster_gives_inline_rows_and_resumes(tmp_path, fast_workers, inl
         if (c, s) in keep or ((c, s) == partial and a != RUNNER):
             kept.append(line)
     (d / "results.csv").write_text("".join(kept))
-    r = invoke(
-        "run", *SMOKE_FC, "--resume", d, "--executor", "dask", "--workers", "2"
-    )  # fmt: skip
+    r = invoke("run", smoke_fc, *FLAGS, "--resume", d, "--executor", "dask", "--workers", "2")
     assert r.exit_code == 0, r.output
     resumed = load_results(d)
     assert not resumed.duplicated(KEYS).any()
@@ -265,11 +282,11 @@ def test_scheduler_address_joins_a_running_cluster(tmp_path, fast_workers):
 @pytest.mark.slow
 def test_cli_subprocess_with_spawned_workers(tmp_path):
     """The default worker start (spawn: each worker imports torch) through the console entry
-    point, as a user runs it (about 15-30 s on 2 cores)."""
+    point, as a user runs it, with one worker (about 15-30 s on 2 cores)."""
     p = write_suite(tmp_path, TINY_SUITE, replace={"seeds: [0]": "seeds: [0, 1]"})
     cmd = [sys.executable, "-m", "deqbench", "run", str(p), "--no-plots", "--no-progress"]
     res = subprocess.run(
-        [*cmd, "--out", str(tmp_path / "dask"), "--executor", "dask", "--workers", "2"],
+        [*cmd, "--out", str(tmp_path / "dask"), "--executor", "dask", "--workers", "1"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -331,8 +331,11 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
 
 def test_shipped_suites_validate():
     smoke = load_suite("suites/smoke.yaml")
-    assert len(smoke.cells) == 12 and smoke.seeds == [0, 1] and smoke.device == "cpu"
-    assert {c.solver["name"] for c in smoke.cells} == {"fixed_point", "anderson", "broyden"}
+    assert len(smoke.cells) == 20 and smoke.seeds == [0, 1] and smoke.device == "cpu"
+    assert {"fixed_point", "anderson", "broyden"} <= {c.solver["name"] for c in smoke.cells}
+    # one cell of every built-in model family runs in the smoke suite
+    families = {c.model["name"].split("_")[0] for c in smoke.cells}
+    assert {"fc", "conv", "tied", "pcdeq", "mondeq", "opteq", "kglm"} <= families
     assert {c.backward["name"] for c in smoke.cells} == {"ift", "unrolled"}
     assert len(load_suite("suites/solvers.yaml").cells) == 12
 
@@ -342,9 +345,9 @@ def test_smoke_suite_writes_every_declared_row(tmp_path):
     """The whole smoke suite (about 30 s on 2 cores): every (cell, seed) ok, and every cell has
     the rows its analyses declare for every seed."""
     summary = run_suite(load_suite("suites/smoke.yaml"), out=tmp_path, progress=False)
-    assert summary.exit_code == 0 and summary.tasks == 24
+    assert summary.exit_code == 0 and summary.tasks == 40
     df = load_results(summary.run_dir)
-    assert (df[df.analysis == RUNNER].status == "ok").sum() == 24
+    assert (df[df.analysis == RUNNER].status == "ok").sum() == 40
     per_epoch = {("metrics", v, m) for v in ("train", "test") for m in ("loss", "accuracy")}
     per_epoch |= {
         ("solver_stats", v, m)

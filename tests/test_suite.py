@@ -76,6 +76,43 @@ def test_matrix_dotted_keys_name_change_and_varying_params():
     assert src["model"]["channels"] == ("model", "channels")
 
 
+def test_case_axis_zips_sections_and_crosses_other_axes():
+    base = {"model": {"name": "fc_deq_tiny"}, "solver": {"name": "anderson", "tol": 1e-3}}
+    matrix = {
+        "case": [
+            {"model": "pcdeq_l_tiny", "data": {"flatten": True}, "solver.tol": 1e-4},
+            {"id": "mon", "model": {"name": "mondeq_fc_tiny"}, "solver": "peaceman_rachford"},
+        ],
+        "backward": ["ift", "unrolled"],
+    }
+    drafts = expand(base, matrix, {}, {"solver": {"name", "tol"}})
+    ids = [d.id for d in drafts]
+    assert ids == [
+        "pcdeq_l_tiny-anderson-ift-flatten=true-tol=0.0001",
+        "pcdeq_l_tiny-anderson-unrolled-flatten=true-tol=0.0001",
+        "mondeq_fc_tiny-peaceman_rachford-ift-mon",
+        "mondeq_fc_tiny-peaceman_rachford-unrolled-mon",
+    ]
+    first = drafts[0].sections
+    assert first["data"] == {"flatten": True} and first["solver"] == {
+        "name": "anderson",
+        "tol": 1e-4,
+    }
+    assert drafts[2].sections["solver"] == {"name": "peaceman_rachford", "tol": 1e-3}
+    assert drafts[2].src["model"]["name"] == ("matrix", "case", 1, "model", "name")
+
+
+def test_case_axis_errors_point_at_the_key(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text(
+        "schema: 1\nname: s\ndevice: cpu\ndata: {name: digits}\nmatrix:\n  case:\n"
+        "    - {modle: fc_deq_tiny}\n"
+    )
+    msg = _error(p)
+    assert re.match(r".*s\.yaml:7:\d+: matrix\.case\[0\]\.modle: unknown case key", msg)
+    assert "did you mean 'model'" in msg
+
+
 def test_yaml_exponent_floats_and_seed_int(tmp_path):
     p = write_suite(
         tmp_path,

@@ -426,8 +426,8 @@ class DaskExecutor:
         if fut.status == "finished":
             try:
                 return fut.result()
-            except Exception as exc:  # e.g. the result cannot be unpickled here
-                return failed_result(task, f"dask: {_one_line(exc)}", traceback.format_exc(), wall)
+            except Exception as err:  # e.g. the result cannot be unpickled here
+                return failed_result(task, f"dask: {_one_line(err)}", traceback.format_exc(), wall)
         if fut.status == "cancelled":
             where = f" ({task.run_dir})" if task.run_dir else ""
             raise DeqbenchError(

@@ -88,7 +88,11 @@ class MonFCCell(nn.Module):
     @torch.no_grad()
     def lipschitz(self) -> float:
         W = self.weight().double()
-        return float(torch.linalg.matrix_norm(torch.eye(W.shape[0], dtype=W.dtype) - W, ord=2))
+        return float(
+            torch.linalg.matrix_norm(
+                torch.eye(W.shape[0], dtype=W.dtype, device=W.device) - W, ord=2
+            )
+        )
 
     @torch.no_grad()
     def monotonicity(self) -> float:

@@ -14,9 +14,10 @@ i.e. alpha = w / sum(w) with (G G^T + lam_eff I) w = 1, and moves to
 lambda such as TorchDEQ's 1e-4 swamps G G^T once ||g||^2 falls below it, alpha tends to uniform
 weights and Anderson degenerates into averaging the last iterates (REFERENCE.md 2.2).
 
-The first step (one residual) is a plain fixed-point step x_1 = f(x_0). G G^T is one batched
-matrix product over the buffer (on CUDA over chunks of each sample's vector, see
-:func:`~deqbench.solvers.base.chunking`), the m x m systems are solved in batch on the device in
+The first step (one residual) is a plain fixed-point step x_1 = f(x_0). G G^T is kept in
+float64 and updated by one new row per step (a batched matrix-vector product over the buffer,
+on CUDA over chunks of each sample's vector, see :func:`~deqbench.solvers.base.chunking`), the
+m x m systems are solved in batch on the device in
 float64 with ``torch.linalg.solve_ex`` (no host sync), and a sample whose solve failed or
 produced a non-finite weight takes a plain step x = f(x_latest) instead.
 """
@@ -142,6 +143,7 @@ def anderson(
     ones = torch.ones(bsz, m, 1, dtype=sdt, device=dev)
     eye_ids = torch.arange(m, device=dev)
     fallbacks = torch.zeros(bsz, dtype=torch.int64, device=dev)
+    Hs = torch.zeros(bsz, m, m, dtype=sdt, device=dev)  # G G^T, updated one row per step
     x = z0
     nstep = 0
     while True:
@@ -155,13 +157,18 @@ def anderson(
         tracker.record(x, fx, Gs)
         if tracker.stop() or nstep >= max_iter:
             break
+        # the new row and column of G G^T (the other entries do not change)
+        Gn = Gb[:, :, :n].reshape(bsz * nc, n, cd)  # views: (B, nc) flatten without a copy
+        h = torch.bmm(Gn, Gs.reshape(bsz * nc, cd, 1)).view(bsz, nc, n)
+        h = (h.sum(1) if nc > 1 else h[:, 0]).to(sdt)
+        Hs[:, slot, :n] = h
+        Hs[:, :n, slot] = h
         if n == 1:  # one residual: a plain (beta-damped) fixed-point step
             # f's output itself (never modified, so no copy is needed)
             x = fx if beta == 1.0 else torch.add(x.reshape(bsz, nc, cd), Gs, alpha=beta).view(shape)
             continue
-        Gn = Gb[:, :, :n].reshape(bsz * nc, n, cd)  # views: (B, nc) flatten without a copy
         Fn = Fb[:, :, :n].reshape(bsz * nc, n, cd)
-        H = torch.bmm(Gn, Gn.transpose(1, 2)).view(bsz, nc, n, n).to(sdt).sum(1)  # (B, n, n)
+        H = Hs[:, :n, :n].clone()
         diag = H.diagonal(dim1=1, dim2=2)
         reg = diag.amax(dim=1, keepdim=True)
         reg = reg * lam + lam_abs if lam_abs else reg * lam
