@@ -129,7 +129,7 @@ def _check_cases(values: Any, loc: Any) -> list[str]:
 def _case_parts(values: list[dict[str, Any]]) -> list[list[tuple[str, Any]]]:
     """Id parts of case values: the case's ``id``, else the values that vary across cases."""
     out = []
-    for i, case in enumerate(values):
+    for case in values:
         if "id" in case:
             out.append([("", case["id"])])
             continue
@@ -165,6 +165,34 @@ def _axis_parts(section: str, sub: str | None, values: list[Any]) -> list[list[t
             parts.append(("", v[k]) if k == "name" else (k, v[k]))
         out.append(parts)
     return out
+
+
+def _apply(
+    sections: dict[str, dict[str, Any]],
+    src: dict[str, dict[str, tuple[Any, ...]]],
+    block: dict[str, tuple[Any, ...]],
+    generic: dict[str, set[str]],
+    section: str,
+    field_key: str | None,
+    value: Any,
+    raw: Any,
+    path: tuple[Any, ...],
+) -> None:
+    """Merge one axis value into a cell's sections, recording where each key came from."""
+    cur = sections.setdefault(section, {})
+    if field_key is not None:
+        cur[field_key] = copy.deepcopy(value)
+        src[section][field_key] = path
+        return
+    if "name" in value and value["name"] != cur.get("name"):
+        keep = generic.get(section, set())
+        for k in [k for k in cur if k not in keep and k != "name"]:
+            del cur[k]
+            src[section].pop(k, None)
+    cur.update(copy.deepcopy(value))
+    for k in value:
+        src[section][k] = path if isinstance(raw, str) else (*path, k)
+    block[section] = path
 
 
 def expand(
@@ -216,22 +244,6 @@ def expand(
         block = {s: base_src.get(s, (s,)) for s in SECTIONS}
         id_parts: list[str] = []
 
-        def apply(section: str, field_key: str | None, value: Any, raw: Any, path: tuple) -> None:
-            cur = sections.setdefault(section, {})
-            if field_key is not None:
-                cur[field_key] = copy.deepcopy(value)
-                src[section][field_key] = path
-                return
-            if "name" in value and value["name"] != cur.get("name"):
-                keep = generic.get(section, set())
-                for k in [k for k in cur if k not in keep and k != "name"]:
-                    del cur[k]
-                    src[section].pop(k, None)
-            cur.update(copy.deepcopy(value))
-            for k in value:
-                src[section][k] = path if isinstance(raw, str) else (*path, k)
-            block[section] = path
-
         for ax, idx in enumerate(combo):
             key = axes[ax][0]
             section, field_key, vals = norm[ax]
@@ -242,9 +254,29 @@ def expand(
                         continue
                     csec, _, csub = ck.partition(".")
                     nv = cv if csub else normalize_section(csec, cv)
-                    apply(csec, csub or None, nv, cv, ("matrix", key, idx, ck))
+                    _apply(
+                        sections,
+                        src,
+                        block,
+                        generic,
+                        csec,
+                        csub or None,
+                        nv,
+                        cv,
+                        ("matrix", key, idx, ck),
+                    )
             else:
-                apply(section, field_key, value, axes[ax][1][idx], ("matrix", key, idx))
+                _apply(
+                    sections,
+                    src,
+                    block,
+                    generic,
+                    section,
+                    field_key,
+                    value,
+                    axes[ax][1][idx],
+                    ("matrix", key, idx),
+                )
             for k, v in parts_by_axis[ax][idx]:
                 label = k if not k or short_count.get(k, 0) <= 1 else f"{section}.{k}"
                 id_parts.append(_clean(f"{label}={fmt_value(v)}" if label else fmt_value(v)))
