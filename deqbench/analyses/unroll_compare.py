@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -47,6 +47,7 @@ from torch import Tensor
 
 from .. import plots
 from ..deq import DEQLayer, deq_layers
+from ..memory import saved_tensor_bytes  # noqa: F401  (re-exported: public name of this module)
 from ..registry import analyses
 from .base import Analysis, CellContext, Row
 
@@ -111,24 +112,6 @@ def opteq_residual(model: Any, z: Tensor, u: Tensor) -> dict[str, float]:
         torch.linalg.vector_norm(tz.reshape(z.shape[0], -1), dim=1) + 1e-9
     )
     return {"opteq": opteq, "rel_mean": float(per.mean()), "rel_max": float(per.max())}
-
-
-def saved_tensor_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """(bytes, fn()): total size of the distinct storages autograd saves while ``fn`` runs
-    (tensors saved several times, e.g. a weight used by every unrolled step, count once)."""
-    seen: dict[tuple[Any, int], int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        try:
-            st = t.untyped_storage()
-            seen[(t.device, st.data_ptr())] = st.nbytes()
-        except Exception:  # pragma: no cover - exotic tensors
-            pass
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return int(sum(seen.values())), out
 
 
 @torch.no_grad()
