@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -377,3 +378,13 @@ def test_smoke_suite_writes_every_declared_row(tmp_path):
         assert {("solver_stats", "train", "forward_abs_residual", e) for e in epochs} <= got
         if "-ift" in cell:
             assert {("solver_stats", "train", "backward_nstep", e) for e in epochs} <= got
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "suites").glob("*.yaml"))
+)
+def test_every_shipped_suite_validates(path):
+    """Every suite in suites/ passes validation (names, params, analyses) on a CPU-only machine."""
+    root = Path(__file__).resolve().parents[1] / "suites"
+    suite = load_suite(root / path, device="cpu")
+    assert suite.cells
