@@ -51,8 +51,11 @@ class BackwardConfig:
         k: steps for ``unrolled`` (K, from z0) and ``phantom`` (from z*).
         tau: damping of ``phantom`` steps.
         b_init: adjoint initial guess, "grad" (saves one VJP) or "zeros".
-        refine: differentiable adjoint steps taken from the converged adjoint when a double
-            backward is requested (Hessian-vector products); the error decays as rho(J)^refine.
+        second_order: how a double backward (Hessian-vector products) differentiates the
+            adjoint: "implicit" (default; exact, one more linear solve with JVPs) or "refine"
+            (``refine`` differentiable adjoint steps from the converged adjoint; the error decays
+            as rho(J)^refine).
+        refine: steps for ``second_order="refine"``.
         options: adjoint solver options.
     """
 
@@ -64,6 +67,7 @@ class BackwardConfig:
     k: int = 5
     tau: float = 1.0
     b_init: str = "grad"
+    second_order: str = "implicit"
     refine: int = 100
     options: dict[str, Any] = field(default_factory=dict)
 
