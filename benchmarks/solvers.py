@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cells as cellmod  # noqa: E402
 
 import deqbench  # noqa: E402
+from deqbench.measure import Timing, f_time  # noqa: E402
 from deqbench.solvers.base import residuals  # noqa: E402
 
 SOLVERS = ("fixed_point", "anderson", "broyden")
@@ -77,32 +78,12 @@ class Timer:
         return (t1 - t0) * 1e3, (time.thread_time() - c0) * 1e3, out
 
 
-def quantiles(xs: list[float]) -> tuple[float, float]:
-    """(median, IQR)."""
-    med = statistics.median(xs)
-    if len(xs) < 4:
-        return med, float("nan")
-    q = statistics.quantiles(xs, n=4)
-    return med, q[2] - q[0]
-
-
-def time_f(cell: cellmod.Cell, timer: Timer, repeats: int, loop: int = 20) -> tuple[float, float]:
-    """Median per-call (wall ms, thread CPU ms) of f in a plain loop z <- f(z) (no bookkeeping)."""
-
-    def plain() -> torch.Tensor:
-        z = cell.z0
-        for _ in range(loop):
-            z = cell.f(z)
-        return z
-
-    with torch.no_grad():
-        for _ in range(3):
-            timer(plain)
-        times = [timer(plain)[:2] for _ in range(max(repeats, 5))]
-    return (
-        statistics.median(t[0] for t in times) / loop,
-        statistics.median(t[1] for t in times) / loop,
-    )
+def time_f(cell: cellmod.Cell, repeats: int, loop: int = 20) -> tuple[float, float]:
+    """Median per-call (wall ms, thread CPU ms) of f in a plain loop z <- f(z) (no bookkeeping):
+    deqbench.measure.f_time, the same t_f the analyses use."""
+    t = f_time(cell.f, cell.z0, repeats=max(repeats, 5), warmup=3, loop=loop)
+    cpu = statistics.median(t.cpu_times) * 1e3 if t.cpu_times else float("nan")
+    return t.median * 1e3, cpu
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -189,7 +170,8 @@ def bench_one(
         z, nstep, status = out
         fz = cell.f(z)
         a, r = residuals(fz, z)
-    med, iqr = quantiles(walls)
+    wt = Timing(times=walls)
+    med, iqr = wt.median, wt.iqr
     return {
         # a CUDA-graph solve calls f in its eager step and capture only: trust nstep there
         "f_evals": nstep if nstep is not None else evals[-1],
@@ -270,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cellmod.cells(quick=args.quick, device=device):
         if cell.name not in args.cells:
             continue
-        t_f, t_f_cpu = time_f(cell, timer, repeats, loop=10 if args.quick else 20)
+        t_f, t_f_cpu = time_f(cell, repeats, loop=10 if args.quick else 20)
         for tol in args.tols:
             runners: dict[str, Callable] = {
                 s: deqbench_runner(s, tol, args.max_iter) for s in solvers

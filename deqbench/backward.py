@@ -133,9 +133,6 @@ class _ImplicitFunction(torch.autograd.Function):
         return (None, None, grads[1], *grads[2:])
 
 
-STRUCTURED_SOLVERS = ("forward_backward", "peaceman_rachford")
-
-
 class _AdjointFunction(torch.autograd.Function):
     """w = (I - J^T)^{-1} g as a differentiable function of (g, z*, u, theta).
 
@@ -172,11 +169,13 @@ class _AdjointFunction(torch.autograd.Function):
                 return jvp(lambda zz: functional_call(cell, pd, (zz, ud)), (zd,), (v_,))[1]
 
             cd = c.detach()
-            # The tangent map v -> J v + c carries no family structure: structure-based adjoint
-            # solvers (monDEQ splitting) are replaced by Anderson here.
-            name = cfg.solver if cfg.solver not in STRUCTURED_SOLVERS else "anderson"
-            opts = cfg.options if name == cfg.solver else {}
-            v, _ = solvers.get(name)(
+            # The tangent map v -> J v + c carries no family structure: a solver that needs one
+            # (``needs_structure``, e.g. monDEQ splitting) is replaced by Anderson here.
+            solve = solvers.get(cfg.solver)
+            opts = cfg.options
+            if getattr(solve, "needs_structure", False):
+                solve, opts = solvers.get("anderson"), {}
+            v, _ = solve(
                 lambda v_: jvp_fn(v_) + cd,
                 cd.clone(),
                 max_iter=cfg.max_iter,

@@ -385,12 +385,9 @@ def f_time(
 
 def solver_options_declared(solve: Any) -> set[str] | None:
     """The options a solver declares (``OPTIONS`` on the function or its module), else None."""
-    import sys
+    from .specs import solver_options
 
-    opts = getattr(solve, "OPTIONS", None)
-    if opts is None:
-        opts = getattr(sys.modules.get(getattr(solve, "__module__", ""), None), "OPTIONS", None)
-    return set(opts) if opts is not None else None
+    return solver_options(solve)
 
 
 @dataclass

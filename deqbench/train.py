@@ -220,10 +220,17 @@ def train(
             out = model(xb)
             loss = loss_fn(out, yb)
             lv = float(loss.detach())
-            fwd = last_stats(model) if has_deq else {}
-            if not math.isfinite(lv) or fwd.get("forward_diverged"):
+            # The solvers' status strings are already on the host: no device sync per step here;
+            # the residual summaries (which sync) are read once per step, after backward.
+            diverged = has_deq and any(
+                layer.last_forward_stats is not None
+                and layer.last_forward_stats.status == "diverged"
+                for layer in deq_layers(model)
+            )
+            if not math.isfinite(lv) or diverged:
                 # A diverged forward solve stops the cell even if the loss is still finite
                 # (the solver returns its lowest-residual iterate, which can hide a blow-up).
+                fwd = last_stats(model) if has_deq else {}
                 res = fwd.get("forward_rel_residual", math.nan)
                 if fwd.get("forward_diverged") and math.isfinite(res):
                     result.status = "diverged"

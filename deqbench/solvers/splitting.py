@@ -326,3 +326,9 @@ def peaceman_rachford(
         ...                           alpha=0.5)                           # doctest: +SKIP
     """
     return _solve("pr", f, z0, max_iter, tol, stop_mode, options)
+
+
+# These solvers need the monotone structure behind the map they are given (a CellMap or an
+# AdjointMap); generic maps (e.g. the tangent map of a double backward) go to a generic solver.
+forward_backward.needs_structure = True  # type: ignore[attr-defined]
+peaceman_rachford.needs_structure = True  # type: ignore[attr-defined]
