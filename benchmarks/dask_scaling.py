@@ -1,0 +1,178 @@
+"""Dask executor scaling (issue 9): cells per hour inline on one GPU vs the local Dask cluster.
+
+Two steps, so that the inline baseline can run while other work uses the second GPU:
+
+    # 1. time one run (wall clock of the whole `deqbench run` process: start-up, cluster start,
+    #    data, training, analyses, plots), then count its finished tasks (cell x seed)
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/dask_scaling.py time suites/kglm_denoise_gpu.yaml \\
+        --executor inline --out results/scale --json inline.json
+    python benchmarks/dask_scaling.py time suites/kglm_denoise_gpu.yaml \\
+        --executor dask --out results/scale --json dask.json          # one worker per GPU
+    # 2. ratio of cells per hour, and whether both runs produced the same rows
+    python benchmarks/dask_scaling.py report inline.json dask.json
+
+`time` passes any extra arguments after `--` to `deqbench run` (e.g. `-- --set
+defaults.train.epochs=2`). `report` compares every result row of the two runs (keys: cell, seed,
+analysis, variant, metric, step, repeat), timing rows (unit s) aside: the set of keys must be
+equal; values are compared with a relative tolerance (``--rtol``, default 1e-4: cuDNN picks
+kernels per process, so GPU runs agree to rounding, not bit for bit) and the largest difference
+is printed. Target (issue 9): dask cells/hour >= 1.8 x inline, same results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+KEYS = ["cell_id", "seed", "analysis", "variant", "metric", "step", "repeat"]
+
+
+def _gpus() -> list[str]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 - best effort description only
+        pass
+    return []
+
+
+def cmd_time(args: argparse.Namespace, extra: list[str]) -> None:
+    out = Path(args.out) / args.executor
+    cmd = [sys.executable, "-m", "deqbench", "run", args.suite, "--out", str(out), "--no-progress"]
+    cmd += ["--executor", args.executor]
+    if args.workers:
+        cmd += ["--workers", str(args.workers)]
+    cmd += extra
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd)
+    wall = time.perf_counter() - t0
+    runs = sorted(p.parent for p in out.glob("*/*/run.json"))
+    if not runs:
+        raise SystemExit(f"no run directory under {out} (exit {rc})")
+    run_dir = runs[-1]
+    from deqbench.results import load_results
+
+    df = load_results(run_dir)
+    tasks = df[["cell_id", "seed"]].drop_duplicates()
+    failed = df[df.status != "ok"][["cell_id", "seed"]].drop_duplicates()
+    rec = {
+        "executor": args.executor,
+        "workers": args.workers,
+        "suite": args.suite,
+        "extra": extra,
+        "exit_code": rc,
+        "wall_s": wall,
+        "tasks": len(tasks),
+        "tasks_not_ok": len(failed),
+        "cells_per_hour": len(tasks) / wall * 3600.0,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "gpus": _gpus(),
+        "run_dir": str(run_dir),
+    }
+    print(json.dumps(rec, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rec, indent=1))
+
+
+def _rows(run_dir: str):
+    from deqbench.results import load_results
+
+    df = load_results(run_dir)
+    df = df[df.unit != "s"]
+    return df.set_index(KEYS)["value"].astype(float).sort_index()
+
+
+def compare(a_dir: str, b_dir: str, rtol: float) -> dict:
+    a, b = _rows(a_dir), _rows(b_dir)
+    only_a = a.index.difference(b.index)
+    only_b = b.index.difference(a.index)
+    common = a.index.intersection(b.index)
+    av, bv = a.loc[common], b.loc[common]
+    both_nan = av.isna() & bv.isna()
+    diff = (av - bv).abs()
+    scale = av.abs().combine(bv.abs(), max).clip(lower=1e-12)
+    rel = (diff / scale).where(~both_nan, 0.0).fillna(math.inf)
+    worst = rel.idxmax() if len(rel) else None
+    return {
+        "rows": int(len(common)),
+        "only_in_first": int(len(only_a)),
+        "only_in_second": int(len(only_b)),
+        "rows_over_rtol": int((rel > rtol).sum()),
+        "max_rel_diff": float(rel.max()) if len(rel) else 0.0,
+        "worst_row": [str(k) for k in worst] if worst is not None else None,
+        "rtol": rtol,
+    }
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    base = json.loads(Path(args.baseline).read_text())
+    other = json.loads(Path(args.other).read_text())
+    ratio = other["cells_per_hour"] / base["cells_per_hour"]
+    same = compare(base["run_dir"], other["run_dir"], args.rtol)
+    gpus = ", ".join(sorted(set(base["gpus"] + other["gpus"]))) or "cpu"
+    print(f"{gpus}; suite {base['suite']} {' '.join(base['extra'])}\n")
+    print("| executor | GPUs | tasks | not ok | wall s | cells/hour | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for r, x in ((base, 1.0), (other, ratio)):
+        n = len(r["gpus"]) if r["gpus"] else 0
+        label = r["executor"] + (f" --workers {r['workers']}" if r["workers"] else "")
+        print(
+            f"| {label} | {n} | {r['tasks']} | {r['tasks_not_ok']} | {r['wall_s']:.1f} | "
+            f"{r['cells_per_hour']:.0f} | {x:.2f} |"
+        )
+    ok = same["only_in_first"] == 0 and same["only_in_second"] == 0
+    ok = ok and same["rows_over_rtol"] == 0
+    print(
+        f"\nsame rows: {'yes' if ok else 'NO'} ({same['rows']} rows compared, "
+        f"{same['only_in_first']} / {same['only_in_second']} only in one run, "
+        f"{same['rows_over_rtol']} over rtol {args.rtol:g}; max rel diff {same['max_rel_diff']:.2e}"
+        f" at {same['worst_row']})"
+    )
+    print(f"target cells/hour >= 1.8x: {'met' if ratio >= 1.8 else 'NOT met'} ({ratio:.2f})")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"baseline": base, "other": other, "ratio": ratio, "same": same}, indent=1)
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("time", help="run a suite once and record wall time and finished tasks")
+    t.add_argument("suite")
+    t.add_argument("--executor", choices=["inline", "dask"], default="inline")
+    t.add_argument("--workers", type=int, default=None)
+    t.add_argument("--out", default="results/scale")
+    t.add_argument("--json", default=None)
+    r = sub.add_parser("report", help="cells/hour ratio and row comparison of two `time` runs")
+    r.add_argument("baseline")
+    r.add_argument("other")
+    r.add_argument("--rtol", type=float, default=1e-4)
+    r.add_argument("--json", default=None)
+    argv = sys.argv[1:]
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    args = ap.parse_args(argv)
+    if args.cmd == "time":
+        cmd_time(args, extra)
+    else:
+        cmd_report(args)
+
+
+if __name__ == "__main__":
+    main()
