@@ -227,11 +227,17 @@ def residual_traces(traces: Any) -> Any | None:
 
 
 def read_series(run_dir: str | Path, name: str) -> Any:
-    """All ``series/<name>__<cell>__seed<N>.csv`` of a run, concatenated with cell_id and seed."""
+    """All ``series/<name>__<cell>__seed<N>.csv`` of a run, concatenated with cell_id and seed,
+    in natural order of the file names (``repeats=6`` before ``repeats=11``)."""
+    import re
+
     import pandas as pd
 
+    def natural(p: Path) -> list[Any]:
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
     frames = []
-    for p in sorted((Path(run_dir) / "series").glob(f"{name}__*__seed*.csv")):
+    for p in sorted((Path(run_dir) / "series").glob(f"{name}__*__seed*.csv"), key=natural):
         stem = p.stem[len(name) + 2 :]
         cell, _, seed = stem.rpartition("__seed")
         f = pd.read_csv(p)

@@ -5,6 +5,9 @@ Inputs are the analyses' series (``plots.read_series(run_dir, "landscape")`` and
 Surfaces and curves show the measured loss (``loss_raw``) everywhere, and points where a DEQ's
 forward solver did not converge (``converged`` false; their ``loss`` is NaN in the CSV and in the
 summaries) are marked with red crosses on top, so they are visible but never silently mixed in.
+Where the series has ``f_converged_frac`` (share of examples whose solve reached the tolerance),
+a cross's size grows with the share that did not, so a point where 4% of examples missed the
+tolerance is a small mark and one where most did is a large one.
 
 Example:
     >>> from deqbench.plots import read_series, save_figure
@@ -65,8 +68,14 @@ def _mark_unconverged(ax: Any, g: Any) -> bool:
     if bad.empty:
         return False
     ys = bad["beta"] if "beta" in bad and bad["beta"].notna().any() else bad["loss_raw"]
+    size: Any = 14
+    label = "not converged"
+    if "f_converged_frac" in bad and bad["f_converged_frac"].notna().any():
+        missed = (1.0 - bad["f_converged_frac"].astype(float).fillna(0.0)).clip(0.0, 1.0)
+        size = 2.0 + 40.0 * missed.to_numpy()
+        label = "not converged (size: share of examples)"
     ax.scatter(
-        bad["alpha"], ys, marker="x", color="red", s=14, linewidths=0.8, label="not converged"
+        bad["alpha"], ys, marker="x", color="red", s=size, linewidths=0.6, alpha=0.8, label=label
     )
     return True
 
@@ -163,12 +172,18 @@ def landscape_curves(series: Any) -> Any:
     return fig
 
 
-def hessian_density(series: Any, eigs: Any = None) -> Any:
+def hessian_density(series: Any, eigs: Any = None, unreliable: Any = ()) -> Any:
     """SLQ eigenvalue density (Gaussian-smoothed, log scale) per cell; dashed lines at the top
-    eigenvalues when ``eigs`` (rows with cell_id, seed, eigenvalue) is given."""
+    eigenvalues when ``eigs`` (rows with cell_id, seed, eigenvalue) is given. Cells in
+    ``unreliable`` ((cell_id, seed) pairs whose estimates are flagged, e.g. a forward solve that
+    missed its tolerance) are not drawn (their values can be arbitrary) but named in a note."""
     fig = _new(7.0, 4.2)
     ax = fig.subplots()
+    skipped = []
     for label, g in _groups(series):
+        if "cell_id" in g and (g["cell_id"].iloc[0], int(g["seed"].iloc[0])) in set(unreliable):
+            skipped.append(label)
+            continue
         (line,) = ax.plot(
             g["lambda"], np.maximum(g["density"].to_numpy(float), 1e-12), label=label or None
         )
@@ -184,6 +199,16 @@ def hessian_density(series: Any, eigs: Any = None) -> Any:
     ax.set_ylabel("density (SLQ)")
     ax.set_title("Hessian eigenvalue density (dashed: top eigenvalue)", fontsize="medium")
     ax.grid(True, alpha=0.3)
-    if any(lbl for lbl, _ in _groups(series)):
+    if skipped:
+        ax.text(
+            0.01,
+            0.98,
+            "not drawn (estimates flagged unreliable):\n" + "\n".join(skipped),
+            transform=ax.transAxes,
+            fontsize="x-small",
+            color="firebrick",
+            va="top",
+        )
+    if len(skipped) < len(_groups(series)) and any(lbl for lbl, _ in _groups(series)):
         ax.legend(fontsize="x-small")
     return fig

@@ -337,3 +337,49 @@ def test_hessian_command_through_runner(tmp_path):
     assert float(h[h.metric == "gate_ok"].value.iloc[0]) == 1.0
     assert list((run / "series").glob("hessian_density__*.csv"))
     assert (run / "plots" / "hessian_density.png").exists()
+
+
+def test_density_plot_leaves_out_flagged_cells_and_names_them(tmp_path):
+    """A cell whose estimates are flagged (status error) is not drawn, so its arbitrary values
+    cannot stretch the axis; it is named in a note. Series files come back in natural order."""
+    import numpy as np
+    import pandas as pd
+
+    from deqbench import plots
+    from deqbench.analyses.hessian import hessian_plots
+
+    (tmp_path / "series").mkdir()
+    lam = np.linspace(-1.0, 5.0, 50)
+    for cell, scale in (("net-repeats=11", 1.0), ("net-repeats=6", 1.0), ("deq", 1e19)):
+        pd.DataFrame({"lambda": lam * scale, "density": np.exp(-(lam**2))}).to_csv(
+            tmp_path / "series" / f"hessian_density__{cell}__seed0.csv", index=False
+        )
+    assert list(plots.read_series(tmp_path, "hessian_density").cell_id.unique()) == [
+        "deq",
+        "net-repeats=6",
+        "net-repeats=11",
+    ]
+    rows = [
+        {
+            "cell_id": c,
+            "seed": 0,
+            "analysis": "hessian",
+            "metric": "top_eigenvalue",
+            "repeat": 0,
+            "value": v,
+            "status": st,
+        }
+        for c, v, st in (
+            ("net-repeats=6", 4.0, "ok"),
+            ("net-repeats=11", 4.5, "ok"),
+            ("deq", 3e19, "error"),
+        )
+    ]
+    fig = hessian_plots(pd.DataFrame(rows), tmp_path)["hessian_density"]
+    ax = fig.axes[0]
+    assert [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")] == [
+        "net-repeats=6",
+        "net-repeats=11",
+    ]
+    assert ax.get_xlim()[1] < 100
+    assert any("deq" in t.get_text() for t in ax.texts)

@@ -411,5 +411,6 @@ def hessian_plots(df: Any, run_dir: Path) -> dict[str, Any]:
     eigs = df[
         (df["analysis"] == "hessian") & (df["metric"] == "top_eigenvalue") & (df["repeat"] == 0)
     ]
+    bad = {(c, int(sd)) for c, sd in eigs[eigs["status"] != "ok"][["cell_id", "seed"]].to_numpy()}
     eigs = eigs.rename(columns={"value": "eigenvalue"})[["cell_id", "seed", "eigenvalue"]]
-    return {"hessian_density": pa.hessian_density(series, eigs)}
+    return {"hessian_density": pa.hessian_density(series, eigs, unreliable=bad)}
