@@ -174,6 +174,28 @@ def test_gpu_layout_pins_one_worker_per_gpu(monkeypatch):
 
 
 @needs_dask
+def test_local_workers_do_not_get_dask_malloc_trim_threshold(monkeypatch):
+    """Dask's nanny exports MALLOC_TRIM_THRESHOLD_=65536 to spawned workers, which made PyTorch
+    cells several times slower there; the local cluster unsets it (spawned, not forked workers)."""
+    import os
+
+    import dask
+
+    from deqbench.executors.dask import DaskExecutor
+
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    with dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}):
+        ex = DaskExecutor(workers=1).start("cpu", 1)
+        try:
+            env = ex.client.run(lambda: dict(os.environ))
+        finally:
+            ex.close()
+    (worker_env,) = env.values()
+    assert "MALLOC_TRIM_THRESHOLD_" not in worker_env
+    assert worker_env["OMP_NUM_THREADS"] == "1"  # the worker specs' own variables still arrive
+
+
+@needs_dask
 def test_local_cluster_gives_inline_rows_and_resumes(
     tmp_path, fast_workers, smoke_fc, inline_smoke_fc
 ):
