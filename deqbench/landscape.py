@@ -419,7 +419,12 @@ def summarize(df: Any, level: float = 0.5) -> dict[str, float]:
     """Scalar summaries of a grid; unconverged points are counted, never averaged in.
 
     ``low_loss_area_frac``: fraction of converged points whose loss is within ``level`` of the
-    centre loss (the "small-loss neighbourhood" of papers/004 section 4.2.1).
+    centre loss (the "small-loss neighbourhood" of papers/004 section 4.2.1). When some points
+    did not converge, ``mean_loss_increase_all`` and ``low_loss_area_frac_all`` give the same
+    over every point at its measured loss (``loss_raw``: the loss of the solver's returned
+    iterate), and ``converged_examples_frac_mean`` the mean share of examples whose solve
+    reached the tolerance; so a DEQ whose solver misses the tolerance for a few examples at
+    most points can still be compared with explicit networks, knowingly.
     """
     centre = df[(df["alpha"] == 0.0) & ((df["beta"] == 0.0) if "beta" in df else True)]
     out: dict[str, float] = {"points": float(len(df))}
@@ -439,6 +444,12 @@ def summarize(df: Any, level: float = 0.5) -> dict[str, float]:
             inc = good["loss"] - base
             out["mean_loss_increase"] = float(inc.mean())
             out["low_loss_area_frac"] = float((inc <= level).sum()) / float(len(df))
+        if len(good) < len(df):
+            raw = df["loss_raw"].astype(float) - base
+            out["mean_loss_increase_all"] = float(raw.mean())
+            out["low_loss_area_frac_all"] = float((raw <= level).sum()) / float(len(df))
+            if "f_converged_frac" in df and df["f_converged_frac"].notna().any():
+                out["converged_examples_frac_mean"] = float(df["f_converged_frac"].mean())
     if len(good):
         out["loss_max"] = float(good["loss"].max())
     if df["f_nstep"].notna().any():

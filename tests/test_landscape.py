@@ -177,6 +177,12 @@ def test_nonconverged_points_are_marked_not_averaged():
     assert df["loss"].isna().all() and df["loss_raw"].notna().all()
     s = ls.summarize(df)
     assert s["nonconverged_points"] == 3 and "loss_max" not in s and "mean_loss_increase" not in s
+    # the *_all forms use every point at its measured loss, relative to the centre's
+    centre = float(df.loc[df.alpha == 0.0, "loss_raw"].iloc[0])
+    inc = df["loss_raw"] - centre
+    assert s["mean_loss_increase_all"] == pytest.approx(float(inc.mean()), rel=1e-12)
+    assert s["low_loss_area_frac_all"] == pytest.approx(float((inc <= 0.5).mean()), rel=1e-12)
+    assert 0.0 <= s["converged_examples_frac_mean"] < 1.0
     from deqbench import plots_analysis as pa
 
     fig = pa.landscape_curves(df)

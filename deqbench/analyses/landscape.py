@@ -7,7 +7,9 @@ row per point; unconverged points have ``loss`` NaN, ``loss_raw`` the measured v
 ``converged`` false), saves the directions to ``artifacts/landscape_directions__...pt`` (reuse them
 with ``directions: FILE`` to compare checkpoints or models on the same plane) and yields summary
 rows: ``loss_center``, ``accuracy_center``, ``nonconverged_points``, ``low_loss_area_frac``,
-``mean_loss_increase``, ``f_nstep_max``, ``w_spec_norm_max``, ``seconds``, ``seconds_per_point``.
+``mean_loss_increase`` (and their ``*_all`` forms over every point at its measured loss when some
+did not converge, with ``converged_examples_frac_mean``), ``f_nstep_max``, ``w_spec_norm_max``,
+``seconds``, ``seconds_per_point``.
 
 Example (suite YAML)::
 
@@ -227,7 +229,7 @@ class Landscape(Analysis):
             note += "; " + df.attrs["note"]
         summary = ls.summarize(df, p.level)
         for metric, value in summary.items():
-            variant = f"level={p.level:g}" if metric == "low_loss_area_frac" else ""
+            variant = f"level={p.level:g}" if metric.startswith("low_loss_area_frac") else ""
             yield Row(metric, value, variant=variant, unit="", note=note)
         secs = float(df.attrs.get("seconds", math.nan))
         yield Row("seconds", secs, unit="s", note=f"vmap={df.attrs.get('vmap')} examples={len(X)}")
