@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import results as res
 from .errors import ConfigError
-from .task import Listener, Task, TaskResult, run_task
+from .task import Listener, Task, TaskResult, apply_numeric_flags, run_task
 
 if TYPE_CHECKING:  # pragma: no cover
     from .suite import Suite
@@ -223,6 +223,7 @@ def run_suite(
         import torch
 
         torch.set_num_threads(suite.threads)  # before collect(): run.json records it
+    apply_numeric_flags(suite)  # likewise (TF32, cudnn.benchmark)
     run_dir, meta, done = _prepare(suite, out, resume, command)
     describe = getattr(executor, "describe", None)
     if callable(describe):  # e.g. the Dask cluster's layout

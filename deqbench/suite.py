@@ -83,6 +83,8 @@ class SuiteFile(_Strict):
     dtype: Literal["float32", "float64"] = "float32"
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     threads: int | None = Field(None, ge=1)
+    tf32: bool | None = None
+    cudnn_benchmark: bool | None = None
     data: Any
     defaults: Defaults = Field(default_factory=Defaults)
     matrix: dict[str, list[Any]] | None = None
@@ -167,15 +169,25 @@ class Suite:
     output: str = "results"
     source: str = "<dict>"
     resolved: dict[str, Any] = field(default_factory=dict)
+    tf32: bool | None = None  # TF32 for matmul and cuDNN; None keeps PyTorch's defaults
+    cudnn_benchmark: bool | None = None  # None keeps PyTorch's default
+
+    def numeric_flags(self) -> dict[str, bool]:
+        """The torch numeric flags this suite sets (``tf32``, ``cudnn_benchmark``; unset ones
+        are left at PyTorch's defaults)."""
+        return {k: v for k, v in (("tf32", self.tf32), ("cudnn_benchmark", self.cudnn_benchmark))
+                if v is not None}  # fmt: skip
 
     @property
     def hash(self) -> str:
-        """Hash of what the suite runs (cells, seeds, analyses, device, dtype, threads; not its
+        """Hash of what the suite runs (cells, seeds, analyses, device, dtype, threads, numeric
+        flags; not its
         output folder or wording): ``--resume`` checks it."""
         body = {
             "name": self.name, "seeds": self.seeds, "analyses": self.analyses, "device": self.device,
             "dtype": self.dtype, "threads": self.threads,
             "cells": [{"id": c.id, **c.as_dict()} for c in self.cells],
+            **self.numeric_flags(),  # only when set, so older runs keep their hash
         }  # fmt: skip
         text = json.dumps(body, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -345,6 +357,7 @@ def _from_raw(
         "dtype": top.dtype,
         "seeds": list(top.seeds),
         "threads": top.threads,
+        **{k: v for k in ("tf32", "cudnn_benchmark") if (v := getattr(top, k)) is not None},
         "data": base["data"],
         "defaults": {
             s: base[s] for s in SECTIONS if s != "data" and getattr(top.defaults, s) is not None
@@ -356,7 +369,8 @@ def _from_raw(
     if resolved["matrix"] is None:
         del resolved["matrix"]
     return Suite(top.name, cells, analyses, list(top.seeds), top.device, top.dtype, top.threads,
-                 top.description, top.output, loc.source, resolved)  # fmt: skip
+                 top.description, top.output, loc.source, resolved, top.tf32,
+                 top.cudnn_benchmark)  # fmt: skip
 
 
 def _line_of(err: str) -> tuple[int, int]:

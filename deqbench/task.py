@@ -89,6 +89,22 @@ def _load_data(cell: Cell) -> Any:
     return _DATA_CACHE[key]
 
 
+def apply_numeric_flags(suite: Any) -> None:
+    """Set the suite's torch numeric flags: ``tf32`` (matmul and cuDNN TF32) and
+    ``cudnn_benchmark``; unset ones stay at PyTorch's defaults (matmul TF32 off, cuDNN TF32 on,
+    benchmark off). ``run.json`` records the flags in effect."""
+    flags = suite.numeric_flags() if hasattr(suite, "numeric_flags") else {}
+    if not flags:
+        return
+    import torch
+
+    if "tf32" in flags:
+        torch.backends.cuda.matmul.allow_tf32 = flags["tf32"]
+        torch.backends.cudnn.allow_tf32 = flags["tf32"]
+    if "cudnn_benchmark" in flags:
+        torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices)."""
     import numpy as np
@@ -142,6 +158,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     try:
         if suite.threads:
             torch.set_num_threads(suite.threads)
+        apply_numeric_flags(suite)
         seed_everything(task.seed)
         dtype = getattr(torch, suite.dtype)
         data = _load_data(cell).to(task.device, dtype)

@@ -388,3 +388,42 @@ def test_every_shipped_suite_validates(path):
     root = Path(__file__).resolve().parents[1] / "suites"
     suite = load_suite(root / path, device="cpu")
     assert suite.cells
+
+
+def test_suite_numeric_flags_are_applied_recorded_and_hashed(tmp_path):
+    """`tf32` / `cudnn_benchmark` set torch's flags for the run (run.json records them), enter
+    the hash only when set (older suites keep theirs), and reject non-booleans."""
+    for d in ("a", "b", "c"):
+        (tmp_path / d).mkdir()
+    plain = load_suite(write_suite(tmp_path / "a"))
+    assert plain.numeric_flags() == {}
+    flagged_path = write_suite(
+        tmp_path / "b", replace={"threads: 1": "threads: 1\ntf32: false\ncudnn_benchmark: true"}
+    )
+    flagged = load_suite(flagged_path)
+    assert flagged.numeric_flags() == {"tf32": False, "cudnn_benchmark": True}
+    assert flagged.hash != plain.hash
+    old = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = False
+        summary = run_suite(flagged, progress=False, plots=False)
+        meta = json.loads((summary.run_dir / "run.json").read_text())
+        text = json.dumps(meta)
+        assert '"tf32_cudnn": false' in text and '"cudnn_benchmark": true' in text
+        assert '"tf32_matmul": false' in text
+        # the resolved suite written next to the results keeps the flags (resume reloads it)
+        assert load_suite(summary.run_dir / "suite.yaml").hash == flagged.hash
+    finally:
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = old
+    bad = write_suite(tmp_path / "c", replace={"threads: 1": "threads: 1\ntf32: sometimes"})
+    with pytest.raises(ConfigError, match="tf32"):
+        load_suite(bad)
