@@ -83,7 +83,17 @@ Progress = Annotated[
 Split = Annotated[str, typer.Option("--split", help="train | test.")]
 
 
-def _sections(
+def _set_given(target: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """Add the ``values`` that are not None to ``target`` (in order); return ``target``."""
+    target.update({k: v for k, v in values.items() if v is not None})
+    return target
+
+
+def _run_analysis(
+    name: str,
+    params: dict[str, Any],
+    *,
+    model: str,
     data: str,
     train_subset: int | None,
     checkpoint: Path | None,
@@ -95,27 +105,38 @@ def _sections(
     max_iter: int | None,
     backward: str | None,
     dtype: str,
-) -> dict[str, Any]:
-    data_spec: dict[str, Any] = {"name": data}
-    if train_subset is not None:
-        data_spec["train_subset"] = train_subset
+    device: str | None,
+    seeds: str | None,
+    out: Path | None,
+    set_: list[str] | None,
+    progress: bool | None,
+) -> None:
+    """Run the one-cell suite with the analyses ``metrics`` and ``{name: params}``, built from
+    the options shared by ``landscape`` and ``hessian``."""
+    from .cli import run_one_cell
+
+    if checkpoint is not None:
+        params["checkpoint"] = str(checkpoint)
     if epochs is None:
         epochs = 0 if checkpoint is not None else 2
-    sections: dict[str, Any] = {
-        "data": data_spec,
-        "train": {"epochs": epochs, "lr": lr, "batch_size": batch_size},
-        "dtype": dtype,
-    }
+    solver_spec = None
     if solver is not None or tol is not None or max_iter is not None:
-        s: dict[str, Any] = {"name": solver or "anderson"}
-        if tol is not None:
-            s["tol"] = tol
-        if max_iter is not None:
-            s["max_iter"] = max_iter
-        sections["solver"] = s
-    if backward is not None:
-        sections["backward"] = backward
-    return sections
+        solver_spec = _set_given({"name": solver or "anderson"}, tol=tol, max_iter=max_iter)
+    run_one_cell(
+        name,
+        model=model,
+        analyses=["metrics", {name: params}],
+        device=device,
+        seeds=seeds,
+        out=out,
+        set_=set_,
+        progress=progress,
+        data=_set_given({"name": data}, train_subset=train_subset),
+        train={"epochs": epochs, "lr": lr, "batch_size": batch_size},
+        dtype=dtype,
+        solver=solver_spec,
+        backward=backward,
+    )
 
 
 def landscape_command(
@@ -177,8 +198,6 @@ def landscape_command(
     """Loss landscape around the trained (or loaded) parameters on filter-normalised random
     directions: writes series/landscape__*.csv, the directions (artifacts/) and
     plots/landscape_{contours,surface,curves}.png."""
-    from .cli import run_one_cell
-
     params: dict[str, Any] = {
         "grid": grid,
         "range": range_,
@@ -190,37 +209,32 @@ def landscape_command(
         "seed": dir_seed,
         "progress": progress is not False,
     }
-    if batch_size is not None:
-        params["batch_size"] = batch_size
-    if points_per_batch is not None:
-        params["points_per_batch"] = points_per_batch
-    if directions is not None:
-        params["directions"] = str(directions)
-    if checkpoint is not None:
-        params["checkpoint"] = str(checkpoint)
-    sections = _sections(
-        data,
-        train_subset,
-        checkpoint,
-        epochs,
-        lr,
-        train_batch_size,
-        solver,
-        tol,
-        max_iter,
-        backward,
-        dtype,
+    _set_given(
+        params,
+        batch_size=batch_size,
+        points_per_batch=points_per_batch,
+        directions=None if directions is None else str(directions),
     )
-    run_one_cell(
+    _run_analysis(
         "landscape",
+        params,
         model=model,
-        analyses=["metrics", {"landscape": params}],
+        data=data,
+        train_subset=train_subset,
+        checkpoint=checkpoint,
+        epochs=epochs,
+        lr=lr,
+        batch_size=train_batch_size,
+        solver=solver,
+        tol=tol,
+        max_iter=max_iter,
+        backward=backward,
+        dtype=dtype,
         device=device,
         seeds=seeds,
         out=out,
         set_=set_,
         progress=progress,
-        **sections,
     )
 
 
@@ -304,8 +318,6 @@ def hessian_command(
     trace and SLQ density, after the gates (gradient check, HVP vs finite differences,
     symmetry); the agreement with the --compare backends is reported. Writes
     series/hessian_density__*.csv and plots/hessian_density.png."""
-    from .cli import run_one_cell
-
     params: dict[str, Any] = {
         "backend": backend,
         "compare": [c.strip() for c in compare.split(",") if c.strip()],
@@ -322,37 +334,27 @@ def hessian_command(
         "slq_probes": slq_probes,
         "seed": dir_seed,
     }
-    if batch_size is not None:
-        params["batch_size"] = batch_size
-    if hessian_tol is not None:
-        params["tol"] = hessian_tol
-    if refine is not None:
-        params["refine"] = refine
-    if checkpoint is not None:
-        params["checkpoint"] = str(checkpoint)
-    sections = _sections(
-        data,
-        train_subset,
-        checkpoint,
-        epochs,
-        lr,
-        train_batch_size,
-        solver,
-        tol,
-        max_iter,
-        backward,
-        dtype,
-    )
-    run_one_cell(
+    _set_given(params, batch_size=batch_size, tol=hessian_tol, refine=refine)
+    _run_analysis(
         "hessian",
+        params,
         model=model,
-        analyses=["metrics", {"hessian": params}],
+        data=data,
+        train_subset=train_subset,
+        checkpoint=checkpoint,
+        epochs=epochs,
+        lr=lr,
+        batch_size=train_batch_size,
+        solver=solver,
+        tol=tol,
+        max_iter=max_iter,
+        backward=backward,
+        dtype=dtype,
         device=device,
         seeds=seeds,
         out=out,
         set_=set_,
         progress=progress,
-        **sections,
     )
 
 

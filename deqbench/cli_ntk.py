@@ -121,9 +121,6 @@ def ntk(
         "momentum": momentum,
         "full_batch": full_batch,
     }
-    sections: dict[str, Any] = {"data": data_spec, "train": train, "dtype": dtype}
-    if solver is not None:
-        sections["solver"] = solver
     run_one_cell(
         "ntk",
         model=model,
@@ -133,7 +130,10 @@ def ntk(
         out=out,
         set_=set_,
         progress=progress,
-        **sections,
+        data=data_spec,
+        train=train,
+        dtype=dtype,
+        solver=solver,  # None: the model's (run_one_cell drops None sections)
     )
 
 

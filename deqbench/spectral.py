@@ -465,8 +465,8 @@ def jacobian_spectral_radius(
     op = _vjp_fn(cell, z_star, x) if mode == "vjp" else _jvp_fn(cell, z_star, x)
     g = _gen(seed, z_star.device)
     v = torch.randn(z_star.shape, generator=g, dtype=z_star.dtype, device=z_star.device)
-    v = v / _bnorm(v).view(-1, *([1] * (v.dim() - 1)))
     shape1 = (-1, *([1] * (v.dim() - 1)))
+    v = v / _bnorm(v).view(shape1)
     power = torch.zeros(v.shape[0], dtype=v.dtype, device=v.device)
     for _ in range(iters):
         w = op(v)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from ..deq import deq_layers
-from .base import CellContext
+from .base import Analysis, CellContext
 
 Phase = Literal["init", "trained"]
 
@@ -119,21 +119,36 @@ def measuring(params: PerfParams) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+class PerfAnalysis(Analysis):
+    """Base of the performance analyses: ``_measure(ctx, phase)`` runs before training (phase
+    ``init``) and/or after it (``trained``), as ``params.at`` says."""
+
+    def _measure(self, ctx: CellContext, phase: str) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def before_training(self, ctx: CellContext):
+        if "init" in self.params.at:
+            yield from self._measure(ctx, "init")
+
+    def after_training(self, ctx: CellContext):
+        if "trained" in self.params.at:
+            yield from self._measure(ctx, "trained")
+
+
+def _nstep(model: nn.Module, stats: str) -> int:
+    return sum(
+        int(s.nstep) for layer in deq_layers(model) if (s := getattr(layer, stats)) is not None
+    )
+
+
 def forward_nstep(model: nn.Module) -> int:
     """Forward f-evaluations of the last pass, summed over DEQ layers (host ints: no sync)."""
-    return sum(
-        int(layer.last_forward_stats.nstep)
-        for layer in deq_layers(model)
-        if layer.last_forward_stats is not None
-    )
+    return _nstep(model, "last_forward_stats")
 
 
 def backward_nstep(model: nn.Module) -> int:
-    return sum(
-        int(layer.last_backward_stats.nstep)
-        for layer in deq_layers(model)
-        if layer.last_backward_stats is not None
-    )
+    """Adjoint solver steps of the last backward pass, summed over DEQ layers."""
+    return _nstep(model, "last_backward_stats")
 
 
 def loss_for(task: Any) -> Any:

@@ -91,10 +91,8 @@ def _solver_overhead_plots(df: Any, run_dir: Any) -> dict[str, Any]:
     d = d.dropna(subset=["value"])
     if d.empty:
         return {}
-    d = d.assign(
-        tol=d["variant"].str.rpartition("-tol=")[2],
-        solver_label=d["variant"].str.rpartition("-tol=")[0],
-    )
+    parts = d["variant"].str.rpartition("-tol=")
+    d = d.assign(tol=parts[2], solver_label=parts[0])
     panels = sorted(
         {(c, t, s) for c, t, s in zip(d["cell_id"], d["tol"], d["step"].fillna(-1))}, key=str
     )

@@ -62,6 +62,7 @@ from ..measure import MIB, Memory, flag_rows, peak_memory, saved_tensor_bytes, t
 from ..registry import analyses
 from ._perf import (
     GradStep,
+    PerfAnalysis,
     PerfParams,
     backward_nstep,
     batch_size,
@@ -73,7 +74,7 @@ from ._perf import (
     pick_batch,
     preserved,
 )
-from .base import Analysis, CellContext, Row
+from .base import CellContext, Row
 
 # -- one backward mode ---------------------------------------------------------------------------
 
@@ -308,7 +309,7 @@ def memory_vs_iterations(
 
 
 @analyses.register("backward")
-class Backward(Analysis):
+class Backward(PerfAnalysis):
     """Backward modes on one batch: time, memory, gradient accuracy (see module docstring)."""
 
     name = "backward"
@@ -380,6 +381,12 @@ class Backward(Analysis):
                         yield Row(k, info[k], variant="reference", step=step, note=rnote)
                 yield Row("time_s", info["time_s"], variant="reference", step=step, unit="s")
             layer = _first_layer(ctx.model)
+
+            def unmeasured(v: str, status: str, note: str) -> Row:
+                return Row(
+                    "step_ms_median", math.nan, variant=v, step=step, status=status, note=note
+                )
+
             for spec in p.modes:
                 bcfg = spec.backward_config(layer.backward_cfg)
                 fcfg = spec.forward_config(layer.solver_cfg)
@@ -388,13 +395,8 @@ class Backward(Analysis):
                 if spec.wrapper:
                     fac = model_registry.get(spec.wrapper)
                     if not getattr(fac, "wraps", False):
-                        yield Row(
-                            "step_ms_median",
-                            math.nan,
-                            variant=v,
-                            step=step,
-                            status="skipped",
-                            note=f"model '{spec.wrapper}' does not accept wrap=model",
+                        yield unmeasured(
+                            v, "skipped", f"model '{spec.wrapper}' does not accept wrap=model"
                         )
                         continue
                     model = fac(wrap=detached_copy(ctx.model))
@@ -414,28 +416,14 @@ class Backward(Analysis):
                     )
                 except torch.cuda.OutOfMemoryError as exc:
                     torch.cuda.empty_cache()
-                    yield Row(
-                        "step_ms_median",
-                        math.nan,
-                        variant=v,
-                        step=step,
-                        status="oom",
-                        note=str(exc).splitlines()[0],
-                    )
+                    yield unmeasured(v, "oom", str(exc).splitlines()[0])
                     continue
                 except Exception as exc:  # a mode the implementation lacks (torchdeq: unrolled)
                     from ..errors import DeqbenchError
 
                     if not isinstance(exc, DeqbenchError):
                         raise
-                    yield Row(
-                        "step_ms_median",
-                        math.nan,
-                        variant=v,
-                        step=step,
-                        status="skipped",
-                        note=str(exc),
-                    )
+                    yield unmeasured(v, "skipped", str(exc))
                     continue
                 yield from mode_rows(res, v, step)
             if p.memory_series:
@@ -475,14 +463,6 @@ class Backward(Analysis):
                         )
             yield Row("batch_size", bs, step=step, unit="samples", note=note)
             yield from flag_rows(ctx.device, step=step)
-
-    def before_training(self, ctx: CellContext):
-        if "init" in self.params.at:
-            yield from self._measure(ctx, "init")
-
-    def after_training(self, ctx: CellContext):
-        if "trained" in self.params.at:
-            yield from self._measure(ctx, "trained")
 
 
 from . import _perf_plots  # noqa: E402,F401  (registers the plots)

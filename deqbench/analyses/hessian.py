@@ -295,14 +295,18 @@ class Hessian(Analysis):
                 op.close()
         return rows
 
-    def _estimate(self, op: Any, hs: Any) -> dict[str, Any]:
+    def _eig(self, hs: Any, op: Any, k: int) -> Any:
+        """Top-``k`` eigenvalues by ``method`` (power iteration gives the top one only)."""
         p = self.params
         if p.method == "power":
-            eig = hs.power_iteration(
+            return hs.power_iteration(
                 op, max_iter=max(p.eig_max_iter, 10), tol=p.eig_tol, seed=p.seed
             )
-        else:
-            eig = hs.lanczos(op, p.top_k, max_iter=p.eig_max_iter, tol=p.eig_tol, seed=p.seed)
+        return hs.lanczos(op, k, max_iter=p.eig_max_iter, tol=p.eig_tol, seed=p.seed)
+
+    def _estimate(self, op: Any, hs: Any) -> dict[str, Any]:
+        p = self.params
+        eig = self._eig(hs, op, p.top_k)
         tr = None
         if p.trace:
             tr = hs.hutchinson_trace(
@@ -366,13 +370,7 @@ class Hessian(Analysis):
                 note="max ||Hv_a - Hv_b|| / ||Hv_b||",
             )
         ]
-        e2 = (
-            hs.lanczos(other, 1, max_iter=p.eig_max_iter, tol=p.eig_tol, seed=p.seed)
-            if p.method == "lanczos"
-            else hs.power_iteration(
-                other, max_iter=max(p.eig_max_iter, 10), tol=p.eig_tol, seed=p.seed
-            )
-        )
+        e2 = self._eig(hs, other, 1)
         rows.append(
             Row(
                 "agreement_top_eigenvalue",

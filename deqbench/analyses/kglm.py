@@ -104,9 +104,8 @@ def klr_agreement(
         m.eval()
         for layer in deq_layers(m):  # a tolerance below the dtype's resolution never stops
             cfg = layer.solver_cfg
-            cfg.tol = (
-                max(cfg.tol, 10 * torch.finfo(dtype).eps) if cfg.stop_mode == "rel" else cfg.tol
-            )
+            if cfg.stop_mode == "rel":
+                cfg.tol = max(cfg.tol, 10 * torch.finfo(dtype).eps)
         with torch.no_grad():
             logits = m(Y.to(device=device, dtype=dtype))
         p = torch.sigmoid(logits).double().cpu().flatten(1)
@@ -194,6 +193,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_inits(
+    random_init: Any, kglm_init: Any, *, repeats: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Seconds per call of each init, ``repeats`` times after one warm-up round."""
+    out: dict[str, list[float]] = {"random": [], "kglm": []}
+    for _ in range(repeats + 1):  # first round is a warm-up
+        for scheme, init in (("random", random_init), ("kglm", kglm_init)):
+            _sync(device)
+            t = time.perf_counter()
+            init()
+            _sync(device)
+            out[scheme].append(time.perf_counter() - t)
+    return {k: v[1:] for k, v in out.items()}
+
+
 def init_cost_fc(
     width: int, *, repeats: int = 10, device: Any = "cpu", dtype: torch.dtype = torch.float32
 ) -> dict[str, list[float]]:
@@ -205,25 +219,19 @@ def init_cost_fc(
     W = torch.empty(width, width, device=device, dtype=dtype)
     V = torch.empty(width, width, device=device, dtype=dtype)
     x = torch.linspace(-2 * math.pi, 2 * math.pi, width, dtype=torch.float64).unsqueeze(1)
-    out: dict[str, list[float]] = {"random": [], "kglm": []}
-    for _ in range(repeats + 1):  # first round is a warm-up
-        _sync(device)
-        t = time.perf_counter()
+
+    def random_init() -> None:
         with torch.no_grad():
             nn.init.kaiming_uniform_(W, a=math.sqrt(5))
             nn.init.kaiming_uniform_(V, a=math.sqrt(5))
-        _sync(device)
-        tr = time.perf_counter() - t
-        t = time.perf_counter()
+
+    def kglm_init() -> None:
         p = kernel_weights("se", x, None)
         with torch.no_grad():
             W.copy_(p["W1"])
             V.copy_(p["W2"])
-        _sync(device)
-        tk = time.perf_counter() - t
-        out["random"].append(tr)
-        out["kglm"].append(tk)
-    return {k: v[1:] for k, v in out.items()}
+
+    return _time_inits(random_init, kglm_init, repeats=repeats, device=device)
 
 
 def init_cost_conv(
@@ -245,26 +253,20 @@ def init_cost_conv(
     w1 = torch.empty(shape, device=device, dtype=dtype)
     w2 = torch.empty(shape, device=device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
-    out: dict[str, list[float]] = {"random": [], "kglm": []}
-    for _ in range(repeats + 1):
-        _sync(device)
-        t = time.perf_counter()
+
+    def random_init() -> None:
         with torch.no_grad():
             w1.normal_(0.0, 0.05)
             w2.normal_(0.0, 0.05)
-        _sync(device)
-        tr = time.perf_counter() - t
-        t = time.perf_counter()
+
+    def kglm_init() -> None:
         k = se_filters(channels, kernel_size, generator=g).to(device)
         lam = conv_spectral_norm(k, (size, size))
         with torch.no_grad():
             w1.copy_(-k / lam)
             w2.copy_(k / lam)
-        _sync(device)
-        tk = time.perf_counter() - t
-        out["random"].append(tr)
-        out["kglm"].append(tk)
-    return {k: v[1:] for k, v in out.items()}
+
+    return _time_inits(random_init, kglm_init, repeats=repeats, device=device)
 
 
 @analyses.register("kglm_init_cost")

@@ -41,8 +41,16 @@ from torch import Tensor
 from ..deq import CellMap, deq_layers
 from ..measure import Memory, f_time, flag_rows, peak_memory, solver_time_to_tol
 from ..registry import analyses
-from ._perf import PerfParams, batch_size, measuring, phase_step, pick_batch, preserved
-from .base import Analysis, CellContext, Row
+from ._perf import (
+    PerfAnalysis,
+    PerfParams,
+    batch_size,
+    measuring,
+    phase_step,
+    pick_batch,
+    preserved,
+)
+from .base import CellContext, Row
 
 SolverSpec = str | dict[str, Any]
 
@@ -149,7 +157,7 @@ def solver_overhead_table(
 
 
 @analyses.register("solver_overhead")
-class SolverOverhead(Analysis):
+class SolverOverhead(PerfAnalysis):
     """Time to tolerance and overhead of each solver on the cell's DEQ (see module docstring)."""
 
     name = "solver_overhead"
@@ -273,14 +281,6 @@ class SolverOverhead(Analysis):
         except torch.cuda.OutOfMemoryError as exc:
             torch.cuda.empty_cache()
             return Memory(math.nan, note=f"oom: {str(exc).splitlines()[0]}")
-
-    def before_training(self, ctx: CellContext):
-        if "init" in self.params.at:
-            yield from self._measure(ctx, "init")
-
-    def after_training(self, ctx: CellContext):
-        if "trained" in self.params.at:
-            yield from self._measure(ctx, "trained")
 
 
 from . import _perf_plots  # noqa: E402,F401  (registers the plots)

@@ -275,14 +275,15 @@ class SpectralAnalysis(Analysis):
             rows.append(Row(k, float(v.max()), variant="max", step=step))
         cell = layers[0].cell
         try:
-            sizes = (
-                conv_input_sizes(model, X)
-                if any(isinstance(m, nn.Conv2d) for m in cell.modules())
-                else {}
-            )
-            hw = {n: sizes.get(id(m)) for n, m in sp.layers(cell)}
             if p.input_size:
-                hw = {n: (p.input_size, p.input_size) for n in hw}
+                hw = {n: (p.input_size, p.input_size) for n, _ in sp.layers(cell)}
+            else:
+                sizes = (
+                    conv_input_sizes(model, X)
+                    if any(isinstance(m, nn.Conv2d) for m in cell.modules())
+                    else {}
+                )
+                hw = {n: sizes.get(id(m)) for n, m in sp.layers(cell)}
             bound, note = sp.lipschitz_upper_bound(cell, hw)
             rows.append(Row("lipschitz_bound", bound, step=step, note=note))
         except Exception as exc:

@@ -203,12 +203,8 @@ def sweep_plot(df: Any) -> Any | None:
             ax.scatter(*zip(*bad), marker="x", s=60, color="red", zorder=3)
     bound = d[d.metric == "fb_alpha_bound"]["value"]
     if not bound.empty:
-        ax.axvline(
-            float(bound.median()),
-            color="grey",
-            ls=":",
-            label=f"FB bound 2m/||I-W||^2 = {float(bound.median()):.3g}",
-        )
+        b = float(bound.median())
+        ax.axvline(b, color="grey", ls=":", label=f"FB bound 2m/||I-W||^2 = {b:.3g}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("alpha")
     ax.set_ylabel("forward iterations to tol")

@@ -39,6 +39,7 @@ from ..measure import Memory, Timing, flag_rows, param_count, peak_memory, sync,
 from ..registry import analyses
 from ._perf import (
     EvalStep,
+    PerfAnalysis,
     PerfParams,
     TrainStep,
     batch_size,
@@ -48,7 +49,7 @@ from ._perf import (
     pick_batch,
     preserved,
 )
-from .base import Analysis, CellContext, Row
+from .base import CellContext, Row
 
 
 def measure_throughput(
@@ -87,7 +88,6 @@ def measure_throughput(
             out["train_memory"] = peak_memory(
                 TrainStep(detached_copy(model), x, y, task, train), device, cpu=memory_cpu
             )
-        del ts
     return out
 
 
@@ -112,6 +112,12 @@ def reference_loop_ms(model: nn.Module, x: Tensor, iters: int = 20, warmup: int 
     return dt / iters * 1e3
 
 
+_NSTEP_METRICS = {
+    "eval": ("eval_forward_nstep",),
+    "train": ("train_forward_nstep", "train_backward_nstep"),
+}
+
+
 def throughput_rows(
     res: dict[str, Any], batch: int, *, step: int | None = None, variant: str = ""
 ) -> list[Row]:
@@ -132,40 +138,14 @@ def throughput_rows(
                 unit="samples/s",
             )
         )
-        ns = res.get(f"{kind}_nstep") or []
-        for i, n in enumerate(ns):
-            if kind == "eval":
-                rows.append(
-                    Row(
-                        "eval_forward_nstep",
-                        n,
-                        variant=variant,
-                        step=step,
-                        repeat=i,
-                        unit="f-evals",
-                    )
-                )
-            else:
-                rows.append(
-                    Row(
-                        "train_forward_nstep",
-                        n[0],
-                        variant=variant,
-                        step=step,
-                        repeat=i,
-                        unit="f-evals",
-                    )
-                )
-                rows.append(
-                    Row(
-                        "train_backward_nstep",
-                        n[1],
-                        variant=variant,
-                        step=step,
-                        repeat=i,
-                        unit="f-evals",
-                    )
-                )
+        # f-evals per repeat: eval n = forward; train n = (forward, backward)
+        metrics = _NSTEP_METRICS[kind]
+        for i, n in enumerate(res.get(f"{kind}_nstep") or []):
+            values = (n,) if kind == "eval" else n
+            rows += [
+                Row(m, v, variant=variant, step=step, repeat=i, unit="f-evals")
+                for m, v in zip(metrics, values)
+            ]
         mem: Memory | None = res.get(f"{kind}_memory")
         if mem is not None:
             rows.append(mem.row(f"{kind}_peak_memory", variant=variant, step=step))
@@ -173,7 +153,7 @@ def throughput_rows(
 
 
 @analyses.register("throughput")
-class Throughput(Analysis):
+class Throughput(PerfAnalysis):
     """Eval/train samples per second, time per batch and peak memory (see module docstring)."""
 
     name = "throughput"
@@ -208,11 +188,3 @@ class Throughput(Analysis):
             yield Row("param_count", param_count(ctx.model), step=step, unit="parameters")
             yield Row("batch_size", bs, step=step, unit="samples", note=note)
             yield from flag_rows(ctx.device, step=step)
-
-    def before_training(self, ctx: CellContext):
-        if "init" in self.params.at:
-            yield from self._measure(ctx, "init")
-
-    def after_training(self, ctx: CellContext):
-        if "trained" in self.params.at:
-            yield from self._measure(ctx, "trained")

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from .. import plots
 from ..deq import DEQLayer, deq_layers
+from ..measure import is_cuda, sync
 from ..memory import saved_tensor_bytes  # noqa: F401  (re-exported: public name of this module)
 from ..registry import analyses
 from .base import Analysis, CellContext, Row
@@ -72,17 +73,22 @@ def unrolled_k(model: Any) -> int | None:
     return max(1, int(cfg.k)) if cfg.name == "unrolled" else None
 
 
-@torch.no_grad()
-def equilibrium(model: Any, x: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
-    """(z, u): K cell steps from z0 (``k``) or the forward solver (``k=None``), no grad."""
-    from .. import solvers
-
+def _start(model: Any, x: Tensor) -> tuple[DEQLayer, Tensor, Tensor]:
+    """(layer, u, z0) for input ``x``, after refreshing the cell (if it has ``refresh``)."""
     layer = _layer(model)
     refresh = getattr(layer.cell, "refresh", None)
     if callable(refresh):
         refresh()
     u = model.inject(x)
-    z0 = model.z0(u)
+    return layer, u, model.z0(u)
+
+
+@torch.no_grad()
+def equilibrium(model: Any, x: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
+    """(z, u): K cell steps from z0 (``k``) or the forward solver (``k=None``), no grad."""
+    from .. import solvers
+
+    layer, u, z0 = _start(model, x)
     if k is None:
         z, _ = layer.solve(u, z0)
         return z, u
@@ -125,12 +131,7 @@ def sam_selection(model: Any, x: Tensor, prior: str = "l2", iters: int = 400) ->
     from .. import solvers
     from ..regularizers import get_regularizer
 
-    layer = _layer(model)
-    refresh = getattr(layer.cell, "refresh", None)
-    if callable(refresh):
-        refresh()
-    u = model.inject(x)
-    z0 = model.z0(u)
+    layer, u, z0 = _start(model, x)
 
     def T(z: Tensor) -> Tensor:
         return layer.cell(z, u)
@@ -155,11 +156,6 @@ def sam_selection(model: Any, x: Tensor, prior: str = "l2", iters: int = 400) ->
         Row("plain_rel_residual", sp.rel_max),
         Row("sam_gap", float(gap.mean())),
     ]
-
-
-def _sync(device: Any) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _median(xs: list[float]) -> float:
@@ -257,11 +253,11 @@ class UnrollCompare(Analysis):
         for r in range(self.params.warmup + self.params.repeats):
             times = []
             for xb, _ in batches:
-                _sync(dev)
+                sync(dev)
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     model.readout(infer(model, xb, k))
-                _sync(dev)
+                sync(dev)
                 times.append(time.perf_counter() - t0)
             if r >= self.params.warmup:
                 rep = r - self.params.warmup
@@ -279,13 +275,13 @@ class UnrollCompare(Analysis):
             fwd, bwd = [], []
             for xb, yb in batches:
                 model.zero_grad(set_to_none=True)
-                _sync(dev)
+                sync(dev)
                 t0 = time.perf_counter()
                 loss = loss_fn(model(xb), yb)
-                _sync(dev)
+                sync(dev)
                 t1 = time.perf_counter()
                 loss.backward()
-                _sync(dev)
+                sync(dev)
                 t2 = time.perf_counter()
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
@@ -312,7 +308,7 @@ class UnrollCompare(Analysis):
             nbytes, loss = saved_tensor_bytes(lambda: loss_fn(model(xb), yb))
             loss.backward()
             yield row("activation_memory", nbytes, "bytes")
-            if torch.device(dev).type == "cuda":
+            if is_cuda(dev):
                 model.zero_grad(set_to_none=True)
                 torch.cuda.synchronize(dev)
                 torch.cuda.empty_cache()

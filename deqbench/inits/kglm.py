@@ -156,6 +156,14 @@ def _copy(lin: nn.Module | None, value: Tensor) -> None:
         w.copy_(value.to(w.dtype))
 
 
+def _copy_cell_weights(model: Any, p: dict[str, Any]) -> None:
+    """W1 = W3 <- ``p["W1"]``, W2 <- ``p["W2"]`` of a dense kGLM model (:func:`kernel_weights`)."""
+    cell = model.deq.cell
+    _copy(cell.W1, p["W1"])
+    _copy(cell.W3, p["W1"])
+    _copy(model.W2, p["W2"])
+
+
 def _zero_biases(model: Any) -> None:
     with torch.no_grad():
         for m in model.modules():
@@ -290,10 +298,7 @@ def kglm_informed(
     X = coordinates(model.in_shape, coords, x_range)
     Xo = _out_coords(model, X, out_coords, out_shift) if readout else None
     p = kernel_weights(kernel, X, Xo, scale=scale, white_noise=white_noise)
-    cell = model.deq.cell
-    _copy(cell.W1, p["W1"])
-    _copy(cell.W3, p["W1"])
-    _copy(model.W2, p["W2"])
+    _copy_cell_weights(model, p)
     if readout:
         _copy(model.V1, p["V1"])
         _copy(model.V2, p["V2"])
@@ -328,10 +333,7 @@ def kglm_naive(
         return
     X = coordinates(model.in_shape, coords, x_range)
     p = kernel_weights({"name": "se", "lengthscale": lengthscale}, X, None, scale=scale)
-    cell = model.deq.cell
-    _copy(cell.W1, p["W1"])
-    _copy(cell.W3, p["W1"])
-    _copy(model.W2, p["W2"])
+    _copy_cell_weights(model, p)
     torch.manual_seed(int(seed))
     model.V1.reset_parameters()
     with torch.no_grad():

@@ -85,7 +85,34 @@ class KGLMCell(nn.Module):
         return self.sup_act_deriv * s
 
 
-class KGLMDEQ(DEQModel):
+class _SkipReadoutDEQ(DEQModel):
+    """A DEQ whose readout also sees the input y: :meth:`inject` stores y (``_x``) and
+    :meth:`forward` passes it on to ``readout(z, y)``."""
+
+    _x: Tensor | None
+
+    def _as_input(self, x: Tensor) -> Tensor:
+        """The batch ``x`` in the model's input layout (y)."""
+        raise NotImplementedError
+
+    def _readout_input(self, x: Tensor | None) -> Tensor:
+        """y of ``x``, or of the last :meth:`inject` when ``x`` is None."""
+        y = self._as_input(x) if x is not None else self._x
+        if y is None:
+            raise RuntimeError("kglm readout needs the input y: call inject(x) first or pass x")
+        return y
+
+    def readout(self, z: Tensor, x: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        u = self.inject(x)
+        y = self._x
+        z = self.deq(u, self.z0(u))
+        return self.readout(z, y)
+
+
+class KGLMDEQ(_SkipReadoutDEQ):
     """kGLM DEQ (Theorem 3) with readout V1 (z + rho(z)) + V2 y (+ bias).
 
     Attributes:
@@ -117,25 +144,20 @@ class KGLMDEQ(DEQModel):
                 nn.init.zeros_(lin.bias)
         self._x: Tensor | None = None
 
+    def _as_input(self, x: Tensor) -> Tensor:
+        return x.flatten(1)
+
     def inject(self, x: Tensor) -> Tensor:
-        y = x.flatten(1)
+        y = self._as_input(x)
         self._x = y
         return self.W2(y)
 
     def readout(self, z: Tensor, x: Tensor | None = None) -> Tensor:
         """V1 (z + rho(z)) + V2 y; ``x`` defaults to the input of the last :meth:`inject`."""
-        y = x.flatten(1) if x is not None else self._x
-        if y is None:
-            raise RuntimeError("kglm readout needs the input y: call inject(x) first or pass x")
+        y = self._readout_input(x)
         cell: KGLMCell = self.deq.cell  # type: ignore[assignment]
         h = z + cell.rho(z) if cell.rho is not None else z
         return self.V1(h) + self.V2(y)
-
-    def forward(self, x: Tensor) -> Tensor:
-        u = self.inject(x)
-        y = self._x
-        z = self.deq(u, self.z0(u))
-        return self.readout(z, y)
 
 
 class KGLMConvCell(nn.Module):
@@ -155,7 +177,7 @@ class KGLMConvCell(nn.Module):
         return self.act(self.conv1(z) + u)
 
 
-class KGLMConvDEQ(DEQModel):
+class KGLMConvDEQ(_SkipReadoutDEQ):
     """Convolutional kGLM denoiser (papers/001 App. E): output act(conv_out1(z*) + conv_out2(y))."""
 
     def __init__(
@@ -183,23 +205,18 @@ class KGLMConvDEQ(DEQModel):
     def conv1(self) -> nn.Conv2d:
         return self.deq.cell.conv1  # type: ignore[return-value]
 
+    def _as_input(self, x: Tensor) -> Tensor:
+        return x.view(x.shape[0], *self.in_shape)
+
     def inject(self, x: Tensor) -> Tensor:
-        y = x.view(x.shape[0], *self.in_shape)
+        y = self._as_input(x)
         self._x = y
         return self.conv2(y)
 
     def readout(self, z: Tensor, x: Tensor | None = None) -> Tensor:
-        y = x.view(x.shape[0], *self.in_shape) if x is not None else self._x
-        if y is None:
-            raise RuntimeError("kglm readout needs the input y: call inject(x) first or pass x")
+        y = self._readout_input(x)
         out = self.conv_out1(z) + self.conv_out2(y)
         return self.output_act(out) if self.output_act is not None else out
-
-    def forward(self, x: Tensor) -> Tensor:
-        u = self.inject(x)
-        y = self._x
-        z = self.deq(u, self.z0(u))
-        return self.readout(z, y)
 
 
 @models.register("kglm_deq")

@@ -218,17 +218,31 @@ class OptEqUnit(_BoundedWeight):
         power_tol: float = 1e-7,
     ) -> None:
         super().__init__(gamma, norm_method, power_iters, power_tol)
+        self._init_unit(state, hidden, alpha, act)
+        self.refresh()
+
+    def _init_unit(
+        self,
+        state: int,
+        hidden: int,
+        alpha: float,
+        act: str,
+        kernel_dims: tuple[int, ...] = (),
+        spatial: tuple[int, ...] = (),
+    ) -> None:
+        """Checks and sets alpha/act and the widths, creates V (hidden, state, *kernel_dims)
+        with nn.Linear's / nn.Conv2d's default init and seeded singular-vector buffers of
+        shapes (hidden, *spatial) and (state, *spatial)."""
         _check_alpha_act(alpha, act)
         self.alpha = float(alpha)
         self.act_name = act
         self.act = activation(act)
         self.state, self.hidden = int(state), int(hidden)
-        self.V = nn.Parameter(torch.empty(self.hidden, self.state))
-        nn.init.kaiming_uniform_(self.V, a=math.sqrt(5))  # nn.Linear's default
+        self.V = nn.Parameter(torch.empty(self.hidden, self.state, *kernel_dims))
+        nn.init.kaiming_uniform_(self.V, a=math.sqrt(5))  # nn.Linear's / nn.Conv2d's default
         g = torch.Generator().manual_seed(0)
-        self.register_buffer("sv_u", _normalize(torch.randn(self.hidden, generator=g)))
-        self.register_buffer("sv_v", _normalize(torch.randn(self.state, generator=g)))
-        self.refresh()
+        self.register_buffer("sv_u", _normalize(torch.randn(self.hidden, *spatial, generator=g)))
+        self.register_buffer("sv_v", _normalize(torch.randn(self.state, *spatial, generator=g)))
 
     def _exact_ok(self) -> bool:
         return self.V.numel() <= EXACT_MAX_ELEMENTS
@@ -300,20 +314,10 @@ class OptEqConvUnit(OptEqUnit):
             )
         if kernel % 2 != 1:
             raise ConfigError(f"opteq conv: kernel must be odd (same padding), got {kernel}")
-        _check_alpha_act(alpha, act)
-        self.alpha = float(alpha)
-        self.act_name = act
-        self.act = activation(act)
-        self.state, self.hidden = int(state), int(hidden)
         self.kernel = int(kernel)
         self.pad = self.kernel // 2
         self.spatial = (int(spatial[0]), int(spatial[1]))
-        self.V = nn.Parameter(torch.empty(self.hidden, self.state, self.kernel, self.kernel))
-        nn.init.kaiming_uniform_(self.V, a=math.sqrt(5))  # nn.Conv2d's default
-        g = torch.Generator().manual_seed(0)
-        h, w = self.spatial
-        self.register_buffer("sv_u", _normalize(torch.randn(self.hidden, h, w, generator=g)))
-        self.register_buffer("sv_v", _normalize(torch.randn(self.state, h, w, generator=g)))
+        self._init_unit(state, hidden, alpha, act, (self.kernel, self.kernel), self.spatial)
         self.refresh(iters=max(200, self.power_iters))
 
     def _exact_ok(self) -> bool:

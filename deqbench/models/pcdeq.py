@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
+from ..errors import ConfigError
 from ..registry import models
 from ..spectral import conv_norm_fft, dense_norm
 from ._common import activation as get_activation
@@ -63,8 +64,6 @@ def default_backward() -> BackwardConfig:
 
 def resolve_variant(variant: int | None, activation: str | None) -> tuple[int, str]:
     """(variant, activation) with the defaults and the checks of Definition 4.3."""
-    from ..errors import ConfigError
-
     if variant is None:
         variant = 2 if activation == "sigmoid" else 1
     if variant not in VARIANT_ACTIVATIONS:
@@ -146,11 +145,12 @@ class _PCBase(DEQModel):
 
     def spectral_quantities(self) -> dict[str, float]:
         """sigma_max of each pcDEQ layer's W, keyed ``sigma_max/layer<i>``, plus the max."""
-        vals = [layer.cell.sigma_max() for layer in self.pc_layers()]
+        layers = self.pc_layers()
+        vals = [layer.cell.sigma_max() for layer in layers]
         out = {f"sigma_max/layer{i}": v for i, v in enumerate(vals)}
         out["sigma_max/max"] = max(vals)
         with torch.no_grad():
-            out["weight_min"] = min(float(layer.cell.weight().min()) for layer in self.pc_layers())
+            out["weight_min"] = min(float(layer.cell.weight().min()) for layer in layers)
         return out
 
     def describe(self) -> str:
@@ -213,9 +213,13 @@ class _Stage(nn.Module):
     def inject(self, x: Tensor) -> Tensor:
         return self.in_act(self.bn_in(self.conv(x)))
 
+    def finish(self, z: Tensor) -> Tensor:
+        """The layers after the equilibrium: MaxPool(3,1,1) -> BN."""
+        return self.bn_out(self.pool(z))
+
     def forward(self, x: Tensor) -> Tensor:
         u = self.inject(x)
-        return self.bn_out(self.pool(self.deq(u, torch.zeros_like(u))))
+        return self.finish(self.deq(u, torch.zeros_like(u)))
 
 
 class PCDEQConv(_PCBase):
@@ -241,16 +245,12 @@ class PCDEQConv(_PCBase):
             h = w = self.resize
         chans = [int(c) for c in (channels if isinstance(channels, (list, tuple)) else [channels])]
         if len(chans) not in (1, 3):
-            from ..errors import ConfigError
-
             raise ConfigError(f"model.channels: give 1 (SC) or 3 (MC) widths, got {chans}")
         stages, size, prev = [], h, c_in
         for i, c in enumerate(chans):
             stride, pad = (1, 1) if i == 0 else (2, 0)
             st = _Stage(prev, c, size, stride, pad, variant, activation, nonneg)
             if st.out_size < 1:
-                from ..errors import ConfigError
-
                 raise ConfigError(f"pcdeq: input {h}x{w} is too small for {len(chans)} stages")
             stages.append(st)
             size, prev = st.out_size, c
@@ -276,19 +276,18 @@ class PCDEQConv(_PCBase):
     def inject(self, x: Tensor) -> Tensor:
         return self.stages[0].inject(self._input(x))
 
-    def readout(self, z: Tensor) -> Tensor:
-        """Everything after the first layer's equilibrium (the remaining stages and the head)."""
-        st = self.stages[0]
-        h = st.bn_out(st.pool(z))
-        for s in self.stages[1:]:
+    def _stages_and_head(self, h: Tensor, start: int) -> Tensor:
+        """Stages ``start``, ``start + 1``, ... then AvgPool and the linear head."""
+        for s in self.stages[start:]:
             h = s(h)
         return self.head(self.avg(h).flatten(1))
 
+    def readout(self, z: Tensor) -> Tensor:
+        """Everything after the first layer's equilibrium (the remaining stages and the head)."""
+        return self._stages_and_head(self.stages[0].finish(z), 1)
+
     def forward(self, x: Tensor) -> Tensor:
-        h = self._input(x)
-        for s in self.stages:
-            h = s(h)
-        return self.head(self.avg(h).flatten(1))
+        return self._stages_and_head(self._input(x), 0)
 
 
 def _linear(in_shape, num_outputs, width, variant, activation, nonneg) -> PCDEQLinear:

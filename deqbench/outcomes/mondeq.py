@@ -11,6 +11,26 @@ from . import curve, final, outcome, register, rows_of, task_status
 
 MONDEQ_MIN_ACCURACY = 0.9
 
+_Sweep = dict[float, tuple[float, bool]]  # alpha -> (iterations, converged)
+
+
+def _fmt_sweep(t: _Sweep) -> str:
+    return ", ".join(
+        f"{a:g}: {n:.0f}{'' if c else ' (failed)'}" for a, (n, c) in sorted(t.items(), reverse=True)
+    )
+
+
+def _all_converged(check: str, t: _Sweep, cell: str) -> dict[str, Any]:
+    """Outcome row: every alpha of ``t`` converged (value: number of failures)."""
+    return outcome(
+        check,
+        all(c for _, c in t.values()),
+        sum(not c for _, c in t.values()),
+        "0 failures",
+        _fmt_sweep(t),
+        cell,
+    )
+
 
 @register("mondeq", "mondeq_gpu")
 def check_mondeq(df: Any) -> Any:
@@ -36,9 +56,10 @@ def check_mondeq(df: Any) -> Any:
         ok, why = task_status(df, cell)
         if not ok:
             rows.append(outcome("cell finished", False, detail=why, cell_id=cell))
-        gap = fs[(fs["cell_id"] == cell) & (fs["metric"] == "monotonicity_gap")]["value"]
-        lip = fs[(fs["cell_id"] == cell) & (fs["metric"] == "lipschitz_I_minus_W")]["value"]
-        lam = fs[(fs["cell_id"] == cell) & (fs["metric"] == "lambda_max_sym_W")]["value"]
+        fc = fs[fs["cell_id"] == cell]
+        gap = fc[fc["metric"] == "monotonicity_gap"]["value"]
+        lip = fc[fc["metric"] == "lipschitz_I_minus_W"]["value"]
+        lam = fc[fc["metric"] == "lambda_max_sym_W"]["value"]
         if len(gap):
             tol = 1e-5 * max(1.0, float(lip.max()) if len(lip) else 1.0)  # float32 round-off
             rows.append(
@@ -67,7 +88,7 @@ def check_mondeq(df: Any) -> Any:
         if s.empty:
             continue
         bound = float(s[s["metric"] == "fb_alpha_bound"]["value"].median())
-        tab: dict[str, dict[float, tuple[float, bool]]] = {}
+        tab: dict[str, _Sweep] = {}
         it = s[s["metric"] == "forward_nstep"]
         cv = s[s["metric"] == "converged"].groupby("variant")["value"].min()
         for v, g in it.groupby("variant"):
@@ -77,26 +98,10 @@ def check_mondeq(df: Any) -> Any:
                 bool(cv.get(v, 0.0) >= 0.5),
             )
         pr, fb = tab.get("peaceman_rachford", {}), tab.get("forward_backward", {})
-
-        def fmt(t: dict[float, tuple[float, bool]]) -> str:
-            return ", ".join(
-                f"{a:g}: {n:.0f}{'' if c else ' (failed)'}"
-                for a, (n, c) in sorted(t.items(), reverse=True)
-            )
-
-        table = f"FB [{fmt(fb)}]; PR [{fmt(pr)}]; FB bound 2m/||I-W||^2 = {bound:.3g}"
+        table = f"FB [{_fmt_sweep(fb)}]; PR [{_fmt_sweep(pr)}]; FB bound 2m/||I-W||^2 = {bound:.3g}"
         rows.append(outcome("sweep table (iterations by alpha)", "info", bound, "", table, cell))
         if pr:
-            rows.append(
-                outcome(
-                    "PR converges for every alpha",
-                    all(c for _, c in pr.values()),
-                    sum(not c for _, c in pr.values()),
-                    "0 failures",
-                    fmt(pr),
-                    cell,
-                )
-            )
+            rows.append(_all_converged("PR converges for every alpha", pr, cell))
             conv = {a: n for a, (n, c) in pr.items() if c}
             if len(conv) >= 3:
                 best = min(conv, key=lambda a: conv[a])
@@ -112,7 +117,7 @@ def check_mondeq(df: Any) -> Any:
                         interior,
                         best,
                         f"argmin strictly inside ({lo:g}, {hi:g})",
-                        fmt(pr),
+                        _fmt_sweep(pr),
                         cell,
                     )
                 )
@@ -127,21 +132,12 @@ def check_mondeq(df: Any) -> Any:
                         not above[amax][1],
                         amax,
                         f"no convergence at alpha {amax:g} > {bound:.3g}",
-                        f"above the bound: {fmt(above)} (the bound is sufficient, not necessary)",
+                        f"above the bound: {_fmt_sweep(above)} (the bound is sufficient, not necessary)",
                         cell,
                     )
                 )
             if below:
-                rows.append(
-                    outcome(
-                        "FB converges below its step bound",
-                        all(c for _, c in below.values()),
-                        sum(not c for _, c in below.values()),
-                        "0 failures",
-                        fmt(below),
-                        cell,
-                    )
-                )
+                rows.append(_all_converged("FB converges below its step bound", below, cell))
                 both = [a for a in below if below[a][1] and pr.get(a, (0, False))[1]]
                 slower = [a for a in both if below[a][0] > pr[a][0]]
                 rows.append(

@@ -43,6 +43,7 @@ from .base import (
     graph_mode,
     graph_state,
     option_error,
+    positive_int,
 )
 
 OPTIONS = COMMON_OPTIONS | {"m", "beta", "lam", "lam_abs", "cuda_graph"}
@@ -93,10 +94,7 @@ def anderson(
     check_options("anderson", options, OPTIONS)
     check_budget("anderson", max_iter, tol, stop_mode)
     common = CommonOptions.parse("anderson", options)
-    m = options.get("m", 6)
-    if isinstance(m, bool) or int(m) != m or m < 1:
-        raise option_error("anderson", f"m must be a positive integer, got {m!r}")
-    m = int(m)
+    m = positive_int("anderson", "m", options.get("m", 6))
     beta = float(options.get("beta", 1.0))
     if not 0 < beta <= 2:
         raise option_error("anderson", f"beta must be in (0, 2], got {beta}")
@@ -137,9 +135,7 @@ def anderson(
         )
     Fb = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
     Gb = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
-    # float64 for the tiny systems: G G^T in float32 is only good to ~1e-7 relative, and the
-    # relative lambda sits below that.
-    sdt = torch.float64 if dt in (torch.float32, torch.float16, torch.bfloat16) else dt
+    sdt = _system_dtype(dt)
     ones = torch.ones(bsz, m, 1, dtype=sdt, device=dev)
     eye_ids = torch.arange(m, device=dev)
     fallbacks = torch.zeros(bsz, dtype=torch.int64, device=dev)
@@ -173,13 +169,8 @@ def anderson(
         reg = diag.amax(dim=1, keepdim=True)
         reg = reg * lam + lam_abs if lam_abs else reg * lam
         diag.add_(reg)
-        w, info = torch.linalg.solve_ex(H, ones[:, :n])  # (B, n, 1)
-        alpha = w / w.sum(dim=1, keepdim=True)
-        # singular or non-finite solve -> plain step from the newest evaluation
-        bad = (info != 0) | ~torch.isfinite(alpha.sum(dim=(1, 2)))
-        fallbacks += bad
         onehot = (eye_ids[:n] == slot).to(sdt).view(1, n, 1)
-        alpha = torch.where(bad.view(bsz, 1, 1), onehot, alpha).to(dt).view(bsz, 1, 1, n)
+        alpha = _weights(H, ones[:, :n], onehot, fallbacks, dt).view(bsz, 1, 1, n)
         if nc > 1:
             alpha = alpha.expand(bsz, nc, 1, n)
         alpha = alpha.reshape(bsz * nc, 1, n)
@@ -188,6 +179,23 @@ def anderson(
             xn = torch.baddbmm(xn, alpha, Gn, alpha=-(1.0 - beta))
         x = xn.view(shape)
     return tracker.finish(nstep, {"m": m, "lam": lam, "lam_abs": lam_abs, "fallbacks": fallbacks})
+
+
+def _system_dtype(dt: torch.dtype) -> torch.dtype:
+    """float64 for the tiny systems: G G^T in float32 is only good to ~1e-7 relative, and the
+    relative lambda sits below that."""
+    return torch.float64 if dt in (torch.float32, torch.float16, torch.bfloat16) else dt
+
+
+def _weights(H: Tensor, rhs: Tensor, newest: Tensor, fallbacks: Tensor, dt: torch.dtype) -> Tensor:
+    """alpha = w / sum(w) with H w = rhs per sample, (B, n, 1) in ``dt``, on the device (no host
+    sync, capturable). A sample whose solve is singular or non-finite gets the one-hot weights
+    ``newest`` (a plain step from the newest evaluation) and is counted in ``fallbacks``."""
+    w, info = torch.linalg.solve_ex(H, rhs)
+    alpha = w / w.sum(dim=1, keepdim=True)
+    bad = (info != 0) | ~torch.isfinite(alpha.sum(dim=(1, 2)))
+    fallbacks.add_(bad)
+    return torch.where(bad.view(-1, 1, 1), newest, alpha).to(dt)
 
 
 def _static_steps(
@@ -209,7 +217,7 @@ def _static_steps(
     device), so that one step can be captured in a CUDA graph and replayed; unused slots get a
     huge diagonal, so their weights vanish. Returns (nstep, fallbacks)."""
     bsz, dev, dt = z0.shape[0], z0.device, z0.dtype
-    sdt = torch.float64 if dt in (torch.float32, torch.float16, torch.bfloat16) else dt
+    sdt = _system_dtype(dt)
     key = ("anderson", f, tuple(z0.shape), dt, dev, max_iter, m, beta, lam, lam_abs, returns,
            stop_mode)  # fmt: skip
     graph, st = graph_state(gmode, key)
@@ -245,12 +253,8 @@ def _static_steps(
         diag = H.diagonal(dim1=1, dim2=2)
         reg = diag.amax(dim=1, keepdim=True) * lam + lam_abs
         diag.add_(torch.where(ids >= it, 1e30, reg))  # unused slots: weight ~ 0
-        w, info = torch.linalg.solve_ex(H, ones)
-        alpha = w / w.sum(dim=1, keepdim=True)
-        bad = (info != 0) | ~torch.isfinite(alpha.sum(dim=(1, 2)))
-        fallbacks.add_(bad)
         onehot = (ids == slot).to(sdt).view(1, m, 1)
-        alpha = torch.where(bad.view(bsz, 1, 1), onehot, alpha).to(dt).view(bsz, 1, 1, m)
+        alpha = _weights(H, ones, onehot, fallbacks, dt).view(bsz, 1, 1, m)
         alpha = alpha.expand(bsz, nc, 1, m).reshape(bsz * nc, 1, m)
         if beta == 1.0:
             torch.bmm(alpha, Fn, out=xs.view(bsz * nc, 1, cd))

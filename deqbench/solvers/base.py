@@ -159,6 +159,13 @@ def option_error(solver: str, msg: str) -> SolverOptionError:
     return SolverOptionError(f"solver '{solver}': {msg}")
 
 
+def positive_int(solver: str, name: str, value: Any) -> int:
+    """``value`` as an int, or a SolverOptionError unless it is a positive integer (not a bool)."""
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise option_error(solver, f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def make_stats(
     solver: str,
     nstep: int,
@@ -228,9 +235,7 @@ class CommonOptions:
             raise option_error(solver, f"returns must be 'lowest' or 'last', got {returns!r}")
         ce = options.get("check_every", None)
         if ce is not None:
-            if isinstance(ce, bool) or int(ce) != ce or int(ce) < 1:
-                raise option_error(solver, f"check_every must be a positive integer, got {ce!r}")
-            ce = int(ce)
+            ce = positive_int(solver, "check_every", ce)
         protect = float(options.get("protect_thres", 1e6))
         if not protect > 1:
             raise option_error(solver, f"protect_thres must be > 1, got {protect}")
@@ -239,8 +244,7 @@ class CommonOptions:
 
 def check_budget(solver: str, max_iter: int, tol: float, stop_mode: str) -> None:
     check_stop_mode(stop_mode)
-    if isinstance(max_iter, bool) or int(max_iter) != max_iter or max_iter < 1:
-        raise option_error(solver, f"max_iter must be a positive integer, got {max_iter!r}")
+    positive_int(solver, "max_iter", max_iter)
     if not (tol >= 0):  # also rejects NaN
         raise option_error(solver, f"tol must be >= 0, got {tol!r}")
 

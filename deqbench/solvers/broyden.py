@@ -49,6 +49,7 @@ from .base import (
     chunking,
     flat,
     option_error,
+    positive_int,
 )
 
 OPTIONS = COMMON_OPTIONS | {
@@ -108,17 +109,9 @@ def broyden(
     check_options("broyden", options, OPTIONS)
     check_budget("broyden", max_iter, tol, stop_mode)
     common = CommonOptions.parse("broyden", options)
-    memory = options.get("memory", 20)
-    if isinstance(memory, bool) or int(memory) != memory or memory < 1:
-        raise option_error("broyden", f"memory must be a positive integer, got {memory!r}")
-    memory = int(memory)
+    memory = positive_int("broyden", "memory", options.get("memory", 20))
     line_search = bool(options.get("line_search", False))
-    ls_trials = options.get("ls_max_trials", 4)
-    if isinstance(ls_trials, bool) or int(ls_trials) != ls_trials or ls_trials < 1:
-        raise option_error(
-            "broyden", f"ls_max_trials must be a positive integer, got {ls_trials!r}"
-        )
-    ls_trials = int(ls_trials)
+    ls_trials = positive_int("broyden", "ls_max_trials", options.get("ls_max_trials", 4))
     c1 = float(options.get("ls_c1", 1e-4))
     if not 0 <= c1 < 1:
         raise option_error("broyden", f"ls_c1 must be in [0, 1), got {c1}")

@@ -49,6 +49,7 @@ from .base import SolverStats, check_options, check_stop_mode, make_stats, resid
 
 OPTIONS = {"alpha", "returns", "check_every", "residual", "tune_every", "protect_thres"}
 TUNE_ALPHAS = tuple(2.0**-k for k in range(7))  # 1 ... 1/64
+_NAMES = {"fb": "forward_backward", "pr": "peaceman_rachford"}
 
 
 @dataclass
@@ -137,7 +138,8 @@ def _run(
     best_abs = best_rel = best_res = None
     lowest = -1
     diverged = False
-    first = None
+    first = None  # batch max residual of the first step (device)
+    limit = None  # protect times it, read on the host at the first check
     nstep = 0
     for k in range(max_iter):
         nstep += 1
@@ -176,7 +178,9 @@ def _run(
         z = z_new
         if (k + 1) % check_every == 0 or k == max_iter - 1:
             mv = float(res.max())
-            if not math.isfinite(mv) or mv > protect * max(float(first), 1e-30):
+            if limit is None:
+                limit = protect * max(float(first), 1e-30)
+            if not math.isfinite(mv) or mv > limit:
                 diverged = True
                 break
             if mv < tol:
@@ -188,9 +192,8 @@ def _run(
         "residual": residual,
         "resolvents": nstep if method == "pr" else 0,
     }
-    name = "forward_backward" if method == "fb" else "peaceman_rachford"
     return best_z, make_stats(
-        name,
+        _NAMES[method],
         nstep,
         abs_tr,
         rel_tr,
@@ -213,7 +216,7 @@ def _solve(
     stop_mode: str,
     options: dict[str, Any],
 ) -> tuple[Tensor, SolverStats]:
-    name = "forward_backward" if method == "fb" else "peaceman_rachford"
+    name = _NAMES[method]
     check_options(name, options, OPTIONS)
     check_stop_mode(stop_mode)
     cell = monotone_cell(f, name)
