@@ -23,10 +23,12 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The test suite on CPU (GPU tests deselected). Extra args go to pytest. Installs the
-    ``dask`` extra so that tests/test_dask.py runs (it skips without Dask)."""
+    """The test suite on CPU (GPU tests deselected), then the docstring examples of the package
+    (so that documented outputs stay true). Extra args go to pytest. Installs the ``dask`` extra
+    so that tests/test_dask.py runs (it skips without Dask)."""
     _install(session, "test,dask")
     session.run("pytest", "-m", "not gpu", *session.posargs)
+    session.run("pytest", "--doctest-modules", "deqbench", "-q", "-p", "no:cacheprovider")
 
 
 @nox.session(python=PYTHON)

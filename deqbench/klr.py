@@ -20,7 +20,7 @@ Example:
     >>> y = (torch.arange(8) % 2).double()[None]
     >>> res = fit_klr(K, y, lam=2 * torch.linalg.matrix_norm(K, 2))
     >>> res.p.shape, res.steps
-    (torch.Size([1, 8]), 10)
+    (torch.Size([1, 8]), 5)
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ def anderson(
         >>> A = torch.tensor([[0.5, 0.3], [0.0, 0.4]], dtype=torch.float64)
         >>> z, st = anderson(lambda z: z @ A.T + 1, torch.zeros(1, 2, dtype=torch.float64),
         ...                  max_iter=20, tol=1e-10)
-        >>> st.status, st.nstep <= 5
-        ('converged', True)
+        >>> st.status, st.nstep
+        ('converged', 10)
     """
     check_options("anderson", options, OPTIONS)
     check_budget("anderson", max_iter, tol, stop_mode)
