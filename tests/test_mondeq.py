@@ -283,3 +283,20 @@ def test_conv_model_trains_and_splitting_sweep_outcome(tmp_path):
     assert out.loc["PR converges for every alpha", "held"] == "yes"
     assert out.loc["FB converges below its step bound", "held"] == "yes"
     assert (tmp_path / "series").exists()
+
+
+def test_splitting_lowest_step_is_where_the_residual_was_lowest():
+    """Forward-backward far above its step bound first drops, then grows: the returned iterate
+    is the lowest-residual one and ``lowest_step`` points at it (per sample in the extra)."""
+    model = _mon_fc(3)
+    cell = model.deq.cell
+    with torch.no_grad():
+        u = model.inject(torch.rand(3, 64, dtype=torch.float64))
+    _, st = deqbench.solvers.get("forward_backward")(
+        CellMap(cell, u), torch.zeros_like(u), max_iter=40, tol=1e-14,
+        alpha=20.0 * cell.lipschitz() ** -2, protect_thres=1e30,
+    )  # fmt: skip
+    per_sample = st.rel_trace.argmin(dim=0)
+    assert st.nstep == 40 and int(per_sample.max()) < 39  # the residual did grow at the end
+    assert st.lowest_step == int(per_sample.max())
+    assert st.extra["lowest_steps"].tolist() == per_sample.tolist()

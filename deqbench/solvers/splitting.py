@@ -136,7 +136,7 @@ def _run(
     rel_tr: list[Tensor] = []
     best_z = z0
     best_abs = best_rel = best_res = None
-    lowest = -1
+    lowest_steps = None  # per sample: the step of the returned iterate
     diverged = False
     first = None  # batch max residual of the first step (device)
     limit = None  # protect times it, read on the host at the first check
@@ -164,7 +164,8 @@ def _run(
         rel_tr.append(r)
         res = r if stop_mode == "rel" else a
         if returns == "last" or best_abs is None:
-            best_z, best_abs, best_rel, best_res, lowest = cand, a, r, res, k
+            best_z, best_abs, best_rel, best_res = cand, a, r, res
+            lowest_steps = torch.full(res.shape, k, dtype=torch.int64, device=res.device)
         else:
             better = res < best_res
             mask = better.view(-1, *([1] * (z.dim() - 1)))
@@ -172,7 +173,7 @@ def _run(
             best_abs = torch.where(better, a, best_abs)
             best_rel = torch.where(better, r, best_rel)
             best_res = torch.where(better, res, best_res)
-            lowest = k
+            lowest_steps = torch.where(better, k, lowest_steps)  # on the device, no sync
         if first is None:
             first = res.max()
         z = z_new
@@ -185,8 +186,9 @@ def _run(
                 break
             if mv < tol:
                 break
-    assert best_abs is not None and best_rel is not None
+    assert best_abs is not None and best_rel is not None and lowest_steps is not None
     extra = {
+        "lowest_steps": lowest_steps,
         "alpha": float(alpha),
         "iterations": nstep,
         "residual": residual,
@@ -202,7 +204,7 @@ def _run(
         tol,
         stop_mode,
         diverged,
-        lowest,
+        int(lowest_steps.max()),
         extra=extra,
     )
 
