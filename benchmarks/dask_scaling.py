@@ -61,11 +61,12 @@ def cmd_time(args: argparse.Namespace, extra: list[str]) -> None:
     if not runs:
         raise SystemExit(f"no run directory under {out} (exit {rc})")
     run_dir = runs[-1]
-    from deqbench.results import load_results
+    from deqbench.results import RUNNER, load_results
 
     df = load_results(run_dir)
     tasks = df[["cell_id", "seed"]].drop_duplicates()
     failed = df[df.status != "ok"][["cell_id", "seed"]].drop_duplicates()
+    task_time = df[(df.analysis == RUNNER) & (df.metric == "wall_time")]["value"].astype(float)
     rec = {
         "executor": args.executor,
         "workers": args.workers,
@@ -76,6 +77,9 @@ def cmd_time(args: argparse.Namespace, extra: list[str]) -> None:
         "tasks": len(tasks),
         "tasks_not_ok": len(failed),
         "cells_per_hour": len(tasks) / wall * 3600.0,
+        # sum of the tasks' own wall times (in their process): the work itself, without start-up,
+        # cluster start, scheduling gaps and plots; inline vs dask shows any in-worker slowdown
+        "task_time_sum_s": float(task_time.sum()),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "gpus": _gpus(),
         "run_dir": str(run_dir),
@@ -122,14 +126,16 @@ def cmd_report(args: argparse.Namespace) -> None:
     same = compare(base["run_dir"], other["run_dir"], args.rtol)
     gpus = ", ".join(sorted(set(base["gpus"] + other["gpus"]))) or "cpu"
     print(f"{gpus}; suite {base['suite']} {' '.join(base['extra'])}\n")
-    print("| executor | GPUs | tasks | not ok | wall s | cells/hour | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| executor | GPUs | tasks | not ok | wall s | sum of task times s | cells/hour | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for r, x in ((base, 1.0), (other, ratio)):
         n = len(r["gpus"]) if r["gpus"] else 0
         label = r["executor"] + (f" --workers {r['workers']}" if r["workers"] else "")
+        busy = r.get("task_time_sum_s")
+        busy_s = f"{busy:.1f}" if busy is not None else "-"
         print(
             f"| {label} | {n} | {r['tasks']} | {r['tasks_not_ok']} | {r['wall_s']:.1f} | "
-            f"{r['cells_per_hour']:.0f} | {x:.2f} |"
+            f"{busy_s} | {r['cells_per_hour']:.0f} | {x:.2f} |"
         )
     ok = same["only_in_first"] == 0 and same["only_in_second"] == 0
     ok = ok and same["rows_over_rtol"] == 0

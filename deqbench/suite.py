@@ -61,6 +61,10 @@ __all__ = [
 ]
 
 
+#: Optional top-level keys that set torch's numeric flags for the run (``None``: PyTorch's default).
+NUMERIC_FLAGS = ("tf32", "cudnn_benchmark", "deterministic")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -85,6 +89,7 @@ class SuiteFile(_Strict):
     threads: int | None = Field(None, ge=1)
     tf32: bool | None = None
     cudnn_benchmark: bool | None = None
+    deterministic: bool | None = None
     data: Any
     defaults: Defaults = Field(default_factory=Defaults)
     matrix: dict[str, list[Any]] | None = None
@@ -171,12 +176,12 @@ class Suite:
     resolved: dict[str, Any] = field(default_factory=dict)
     tf32: bool | None = None  # TF32 for matmul and cuDNN; None keeps PyTorch's defaults
     cudnn_benchmark: bool | None = None  # None keeps PyTorch's default
+    deterministic: bool | None = None  # deterministic algorithms (bitwise repeatable runs)
 
     def numeric_flags(self) -> dict[str, bool]:
-        """The torch numeric flags this suite sets (``tf32``, ``cudnn_benchmark``; unset ones
-        are left at PyTorch's defaults)."""
-        return {k: v for k, v in (("tf32", self.tf32), ("cudnn_benchmark", self.cudnn_benchmark))
-                if v is not None}  # fmt: skip
+        """The torch numeric flags this suite sets (``tf32``, ``cudnn_benchmark``,
+        ``deterministic``; unset ones are left at PyTorch's defaults)."""
+        return {k: v for k in NUMERIC_FLAGS if (v := getattr(self, k)) is not None}
 
     @property
     def hash(self) -> str:
@@ -357,7 +362,7 @@ def _from_raw(
         "dtype": top.dtype,
         "seeds": list(top.seeds),
         "threads": top.threads,
-        **{k: v for k in ("tf32", "cudnn_benchmark") if (v := getattr(top, k)) is not None},
+        **{k: v for k in NUMERIC_FLAGS if (v := getattr(top, k)) is not None},
         "data": base["data"],
         "defaults": {
             s: base[s] for s in SECTIONS if s != "data" and getattr(top.defaults, s) is not None
@@ -370,7 +375,7 @@ def _from_raw(
         del resolved["matrix"]
     return Suite(top.name, cells, analyses, list(top.seeds), top.device, top.dtype, top.threads,
                  top.description, top.output, loc.source, resolved, top.tf32,
-                 top.cudnn_benchmark)  # fmt: skip
+                 top.cudnn_benchmark, top.deterministic)  # fmt: skip
 
 
 def _line_of(err: str) -> tuple[int, int]:

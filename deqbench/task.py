@@ -12,6 +12,7 @@ propagates.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 import traceback
@@ -90,9 +91,13 @@ def _load_data(cell: Cell) -> Any:
 
 
 def apply_numeric_flags(suite: Any) -> None:
-    """Set the suite's torch numeric flags: ``tf32`` (matmul and cuDNN TF32) and
-    ``cudnn_benchmark``; unset ones stay at PyTorch's defaults (matmul TF32 off, cuDNN TF32 on,
-    benchmark off). ``run.json`` records the flags in effect."""
+    """Set the suite's torch numeric flags: ``tf32`` (matmul and cuDNN TF32),
+    ``cudnn_benchmark`` and ``deterministic`` (``torch.use_deterministic_algorithms`` with
+    ``warn_only``, ``cudnn.deterministic``, and cuBLAS's deterministic workspace
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless the environment sets one; it takes effect where
+    cuBLAS was not used yet in the process, so set it for the whole run). Unset flags stay at
+    PyTorch's defaults (matmul TF32 off, cuDNN TF32 on, benchmark off, nondeterministic
+    algorithms allowed). ``run.json`` records the flags in effect."""
     flags = suite.numeric_flags() if hasattr(suite, "numeric_flags") else {}
     if not flags:
         return
@@ -103,6 +108,12 @@ def apply_numeric_flags(suite: Any) -> None:
         torch.backends.cudnn.allow_tf32 = flags["tf32"]
     if "cudnn_benchmark" in flags:
         torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    if "deterministic" in flags:
+        on = flags["deterministic"]
+        if on:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(on, warn_only=True)
+        torch.backends.cudnn.deterministic = on
 
 
 def seed_everything(seed: int) -> None:

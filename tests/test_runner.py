@@ -391,22 +391,28 @@ def test_every_shipped_suite_validates(path):
 
 
 def test_suite_numeric_flags_are_applied_recorded_and_hashed(tmp_path):
-    """`tf32` / `cudnn_benchmark` set torch's flags for the run (run.json records them), enter
-    the hash only when set (older suites keep theirs), and reject non-booleans."""
+    """`tf32` / `cudnn_benchmark` / `deterministic` set torch's flags for the run (run.json
+    records them), enter the hash only when set (older suites keep theirs), and reject
+    non-booleans."""
     for d in ("a", "b", "c"):
         (tmp_path / d).mkdir()
     plain = load_suite(write_suite(tmp_path / "a"))
     assert plain.numeric_flags() == {}
     flagged_path = write_suite(
-        tmp_path / "b", replace={"threads: 1": "threads: 1\ntf32: false\ncudnn_benchmark: true"}
+        tmp_path / "b",
+        replace={"threads: 1": "threads: 1\ntf32: false\ncudnn_benchmark: true\ndeterministic: true"},
     )
     flagged = load_suite(flagged_path)
-    assert flagged.numeric_flags() == {"tf32": False, "cudnn_benchmark": True}
+    assert flagged.numeric_flags() == {"tf32": False, "cudnn_benchmark": True, "deterministic": True}
     assert flagged.hash != plain.hash
     old = (
         torch.backends.cuda.matmul.allow_tf32,
         torch.backends.cudnn.allow_tf32,
         torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     )
     try:
         torch.backends.cudnn.allow_tf32 = True
@@ -416,6 +422,8 @@ def test_suite_numeric_flags_are_applied_recorded_and_hashed(tmp_path):
         text = json.dumps(meta)
         assert '"tf32_cudnn": false' in text and '"cudnn_benchmark": true' in text
         assert '"tf32_matmul": false' in text
+        assert '"cudnn_deterministic": true' in text and '"deterministic_algorithms": true' in text
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", old[6])
         # the resolved suite written next to the results keeps the flags (resume reloads it)
         assert load_suite(summary.run_dir / "suite.yaml").hash == flagged.hash
     finally:
@@ -423,7 +431,11 @@ def test_suite_numeric_flags_are_applied_recorded_and_hashed(tmp_path):
             torch.backends.cuda.matmul.allow_tf32,
             torch.backends.cudnn.allow_tf32,
             torch.backends.cudnn.benchmark,
-        ) = old
+            torch.backends.cudnn.deterministic,
+        ) = old[:4]
+        torch.use_deterministic_algorithms(old[4], warn_only=old[5])
+        if old[6] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     bad = write_suite(tmp_path / "c", replace={"threads: 1": "threads: 1\ntf32: sometimes"})
     with pytest.raises(ConfigError, match="tf32"):
         load_suite(bad)

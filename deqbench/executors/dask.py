@@ -387,26 +387,32 @@ class DaskExecutor:
             (i, t, 0, None) for i, t in enumerate(tasks)
         )
         inflight: dict[Any, tuple[int, Task, int, float]] = {}
+
+        def fill() -> None:
+            slots = self._slots()
+            while queue and len(inflight) < slots:
+                i, t, attempt, t0 = queue.popleft()
+                wire = dataclasses.replace(t, suite=slim[id(t.suite)])
+                fut = client.submit(
+                    run_cell,
+                    wire,
+                    key=f"deqbench_cell-{token}-{i}-{attempt}",
+                    retries=self.retries,
+                    pure=False,
+                )
+                inflight[fut] = (i, t, attempt, time.perf_counter() if t0 is None else t0)
+
         try:
-            while queue or inflight:
-                slots = self._slots()
-                while queue and len(inflight) < slots:
-                    i, t, attempt, t0 = queue.popleft()
-                    wire = dataclasses.replace(t, suite=slim[id(t.suite)])
-                    fut = client.submit(
-                        run_cell,
-                        wire,
-                        key=f"deqbench_cell-{token}-{i}-{attempt}",
-                        retries=self.retries,
-                        pure=False,
-                    )
-                    inflight[fut] = (i, t, attempt, time.perf_counter() if t0 is None else t0)
+            fill()
+            while inflight:
                 try:
                     with client.as_current():  # wait() looks up the current client
                         wait(list(inflight), timeout=self.poll, return_when="FIRST_COMPLETED")
                 except TimeoutError:
+                    fill()  # workers may have joined
                     continue
                 done = sorted((f for f in inflight if f.done()), key=lambda f: inflight[f][0])
+                results = []
                 for fut in done:
                     i, t, attempt, t0 = inflight.pop(fut)
                     if (
@@ -417,9 +423,12 @@ class DaskExecutor:
                         fut.release()
                         queue.appendleft((i, t, attempt + 1, t0))
                         continue
-                    result = self._collect(fut, t, time.perf_counter() - t0, attempt + 1)
+                    results.append(self._collect(fut, t, time.perf_counter() - t0, attempt + 1))
                     fut.release()
-                    yield result
+                # The freed workers get their next cells before the caller writes these results
+                # (a worker never idles while the coordinator writes results.csv).
+                fill()
+                yield from results
         finally:
             if inflight and self.client is not None:
                 try:
