@@ -29,7 +29,6 @@ def test_conv_deq_tiny_learns_digits_with_ift():
     assert res.status == "ok"
     acc = res.history[-1]["test_accuracy"]
     assert acc > 0.85, (acc, elapsed)
-    assert elapsed < 90
     # forward/backward f-evaluations per batch are recorded
     assert res.history[-1]["train_forward_nstep"] >= 1
     assert res.history[-1]["train_backward_nstep"] >= 1
