@@ -271,6 +271,30 @@ def test_worker_killed_mid_cell_is_retried_once_then_recorded(tmp_path, fast_wor
 
 
 @needs_dask
+def test_freed_worker_has_its_next_cell_before_a_result_is_handed_over(
+    tmp_path, fast_workers, smoke_fc
+):
+    """One cell per worker in flight, but a worker never waits for the coordinator to write a
+    result: when the first result is handed over, the next cell is already submitted."""
+    from deqbench.executors.dask import DaskExecutor
+    from deqbench.suite import load_suite
+    from deqbench.task import Task
+
+    suite = load_suite(smoke_fc, device="cpu")
+    tasks = [Task(suite, c, 0, "cpu", "r", str(tmp_path)) for c in suite.cells[:3]]
+    with DaskExecutor(workers=1) as ex:
+        ex.start("cpu", suite.threads)
+        results = ex.run(tasks)
+        first = next(results)
+        keys = [str(k) for k in ex.client.futures if str(k).startswith("deqbench_cell-")]
+        assert any(k.endswith("-1-0") for k in keys), keys  # task 1, first attempt
+        assert not any(k.endswith("-2-0") for k in keys), keys  # never two per worker
+        rest = list(results)
+    assert [r.cell_id for r in [first, *rest]] == [t.cell.id for t in tasks]
+    assert all(r.status == "ok" for r in [first, *rest])
+
+
+@needs_dask
 def test_scheduler_address_joins_a_running_cluster(tmp_path, fast_workers):
     from distributed import LocalCluster
 
