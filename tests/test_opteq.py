@@ -359,9 +359,12 @@ def test_unroll_compare_rows_and_outcomes():
                 f"c{gamma}{i}",
                 {"train": {"batch_size": 32}},
             )
+            # CPU peak RSS (a fresh worker process each) for the K=2 and IFT cells of gamma=0.5
+            mem_cpu = gamma == 0.5 and i != 1
             a = UnrollCompare(
-                {"repeats": 1, "warmup": 0, "timing_batches": 1, "sam_prior": "l2", "sam_iters": 40}
-            )
+                {"repeats": 2, "warmup": 0, "timing_batches": 1, "sam_prior": "l2", "sam_iters": 40,
+                 "memory_cpu": mem_cpu}
+            )  # fmt: skip
             list(a.before_training(ctx))
             if bw.name == "ift":
                 assert m.deq.solver_cfg.tol == 1e-3  # tied to the backward threshold
@@ -375,10 +378,25 @@ def test_unroll_compare_rows_and_outcomes():
                         "metric": r.metric,
                         "value": r.value,
                         "status": r.status,
+                        "note": r.note,
+                        "repeat": r.repeat,
+                        "cpu_peak": mem_cpu,
                     }
                 )
     df = pd.DataFrame(rows)
     metrics = set(df["metric"])
+    # every repeat stored, then median / IQR / spread over the repeats
+    for t in ("inference_ms", "train_forward_ms", "backprop_ms"):
+        assert {f"{t}_median", f"{t}_iqr", f"{t}_spread"} <= metrics
+        per_cell = df[df.metric == t].groupby("variant")["repeat"].nunique()
+        assert (per_cell == 2).all()
+    # peak memory of a training step: measured in a fresh worker where asked, else skipped
+    peak = df[df.metric == "peak_memory"]
+    measured = peak[peak.cpu_peak]
+    # (a tiny step fits in pages the warm-up already mapped: the extra RSS may be 0)
+    assert len(measured) == 2 and (measured.status == "ok").all() and (measured.value >= 0).all()
+    assert measured.note.str.contains("rss").all(), measured.note.tolist()
+    assert (peak[~peak.cpu_peak].status == "skipped").all()
     for name in (
         "test_accuracy",
         "rel_residual_opteq",

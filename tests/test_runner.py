@@ -384,8 +384,16 @@ def test_smoke_suite_writes_every_declared_row(tmp_path):
     "path", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "suites").glob("*.yaml"))
 )
 def test_every_shipped_suite_validates(path):
-    """Every suite in suites/ passes validation (names, params, analyses) on a CPU-only machine."""
+    """Every suite in suites/ passes validation (names, params, analyses) on a CPU-only machine;
+    vs_torchdeq.yaml needs the TorchDEQ plugin, and says so before anything runs without it
+    (with it: tests/test_torchdeq_plugin.py)."""
+    from deqbench.registry import solvers
+
     root = Path(__file__).resolve().parents[1] / "suites"
+    if path == "vs_torchdeq.yaml" and "torchdeq_anderson" not in solvers:
+        with pytest.raises(ConfigError, match="unknown solver 'torchdeq_"):
+            load_suite(root / path, device="cpu")
+        return
     suite = load_suite(root / path, device="cpu")
     assert suite.cells
 

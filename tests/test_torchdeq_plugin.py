@@ -76,6 +76,9 @@ def test_registered_through_entry_points(plugin):
         assert n in deqbench.solvers.names()
         assert deqbench.solvers.origin(n) == "deqbench-torchdeq 0.1.0"
     assert deqbench.models.origin("torchdeq_deq") == "deqbench-torchdeq 0.1.0"
+    # the side-by-side suite names the plugin's solvers and wrapper: it validates with the plugin
+    suite = deqbench.load_suite(ROOT / "suites" / "vs_torchdeq.yaml", device="cpu")
+    assert suite.cells
 
 
 @pytest.mark.parametrize(

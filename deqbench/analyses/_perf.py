@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +21,7 @@ from ..deq import deq_layers
 from .base import Analysis, CellContext
 
 Phase = Literal["init", "trained"]
+PositiveInt = Annotated[int, Field(ge=1)]
 
 
 class PerfParams(BaseModel):
@@ -29,7 +30,7 @@ class PerfParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     #: samples per measured batch: an int, a mapping model name -> int (suites whose matrix mixes
     #: models measured at different batch sizes), or null for ``train.batch_size``
-    batch_size: int | dict[str, int] | None = None
+    batch_size: PositiveInt | dict[str, PositiveInt] | None = None
     #: which split the batch is drawn from (seeded, the same for every variant compared)
     split: Literal["train", "test"] = "train"
     repeats: int = Field(5, ge=1)

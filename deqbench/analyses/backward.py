@@ -46,7 +46,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from ..deq import BackwardConfig, DEQLayer, SolverConfig, configure, deq_layers, last_stats
@@ -98,6 +98,19 @@ class ModeSpec(BaseModel):
     tau: float | None = Field(None, gt=0, le=1)
     b_init: Literal["grad", "zeros"] | None = None
     options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _registered(self) -> ModeSpec:
+        """Wrapper model and solver names are checked with the suite, before anything runs."""
+        from ..registry import models, solvers
+
+        if self.wrapper is not None and self.wrapper not in models:
+            raise ValueError(f"wrapper: {models.unknown(self.wrapper)}")
+        fwd = (self.forward or {}).get("name")
+        for what, name in (("forward.name", fwd), ("solver", self.solver)):
+            if name is not None and name not in solvers:
+                raise ValueError(f"{what}: {solvers.unknown(name)}")
+        return self
 
     def backward_config(self, base: BackwardConfig) -> BackwardConfig:
         kw = {
@@ -350,7 +363,7 @@ class Backward(PerfAnalysis):
         x, y, note = pick_batch(ctx, bs, p.split)
         task = ctx.task
         with measuring(p):
-            g_ref = None
+            g_ref, rnote = None, ""
             if p.reference:
                 g_ref, info = reference_gradient(
                     ctx.model,
@@ -425,7 +438,8 @@ class Backward(PerfAnalysis):
                         raise
                     yield unmeasured(v, "skipped", str(exc))
                     continue
-                yield from mode_rows(res, v, step)
+                # gradient-accuracy rows carry the reference's warning when it did not converge
+                yield from mode_rows(res, v, step, note=rnote)
             if p.memory_series:
                 df = memory_vs_iterations(
                     ctx.model,

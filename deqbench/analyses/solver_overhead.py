@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import Tensor
 
 from ..deq import CellMap, deq_layers
@@ -177,6 +177,20 @@ class SolverOverhead(PerfAnalysis):
         f_loop: int = Field(10, ge=1)
         #: a worker process per solver x tol is slow on CPU: off by default there
         memory_cpu: bool = False
+
+        @field_validator("solvers")
+        @classmethod
+        def _registered(cls, v: list[SolverSpec]) -> list[SolverSpec]:
+            """Solver names are checked with the suite, before anything runs."""
+            from ..registry import solvers as registry
+
+            for spec in v:
+                if isinstance(spec, dict) and "name" not in spec:
+                    raise ValueError(f"{spec}: an entry needs name (name, label?, **options)")
+                name = solver_entry(spec)[1]
+                if name not in registry:
+                    raise ValueError(str(registry.unknown(name)))
+            return v
 
     def _measure(self, ctx: CellContext, phase: str):
         from .. import solvers as registry

@@ -9,11 +9,14 @@ After training, for the cell's backward mode, measures on the test set:
   averaged over test batches (papers/003 section 7.4), and the canonical per-sample residual
   ``rel_residual_mean`` / ``rel_residual_max`` (||T(z) - z|| / ||T(z)||);
 * ``inference_ms`` (no-grad forward of one batch), ``train_forward_ms`` and ``backprop_ms``
-  (forward with grad and ``loss.backward()``), every repeat stored, medians over the timed
-  batches; ``inference_samples_per_s``;
+  (forward with grad and ``loss.backward()``): per repeat the median over the timed batches,
+  every repeat stored, then ``*_median``, ``*_iqr`` and ``*_spread`` over the repeats (a spread
+  above 10% is noted); ``inference_samples_per_s``; ``threads``;
 * ``activation_memory``: bytes of the distinct tensors autograd saves during one training
-  forward (device-independent; grows with K for unrolled training, O(1) for IFT), and on CUDA
-  ``peak_memory`` (max_memory_allocated over one training step, above the baseline);
+  forward (device-independent; grows with K for unrolled training, O(1) for IFT), and
+  ``peak_memory`` of one training step (forward and parameter gradients) in its own pass: on
+  CUDA max_memory_allocated above the baseline, on CPU the peak RSS of a fresh worker process
+  (``memory_cpu``);
 * configuration rows ``gamma``, ``alpha``, ``unroll_k``, ``threshold`` and the model's
   ``weight_norm_max`` / ``contraction_bound`` when it has them (OptEq).
 
@@ -47,9 +50,13 @@ from torch import Tensor
 
 from .. import plots
 from ..deq import DEQLayer, deq_layers
-from ..measure import is_cuda, sync
-from ..memory import saved_tensor_bytes  # noqa: F401  (re-exported: public name of this module)
+from ..measure import Timing, is_cuda, sync
+from ..memory import (
+    peak_memory,
+    saved_tensor_bytes,  # noqa: F401  (re-exported: public name of this module)
+)
 from ..registry import analyses
+from ._perf import GradStep
 from .base import Analysis, CellContext, Row
 
 FLOOR = 1e-6  # residuals below this are at float32 round-off; excluded from rate fits
@@ -179,6 +186,9 @@ class UnrollCompare(Analysis):
         warmup: int = Field(1, ge=0)
         tie_ift_tol: bool = True
         memory: bool = True
+        memory_cpu: bool = Field(
+            True, description="on CPU, peak RSS of a training step in a fresh worker process"
+        )
         sam_prior: str | None = Field(
             None, description="also compare SAM with this prior (l2, l1) to plain iteration"
         )
@@ -246,10 +256,14 @@ class UnrollCompare(Analysis):
             "forward_nstep", _median(nsteps) if nsteps else (k if k is not None else math.nan)
         )
 
-        # timing
+        # timing: per repeat the median over the timed batches; every repeat is stored, then
+        # median, IQR and spread over the repeats (Timing.rows; a spread > 10% is noted)
         nb = min(self.params.timing_batches, max(1, X.shape[0] // bs))
         batches = [(X[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs]) for i in range(nb)]
         dev = ctx.device
+        threads = torch.get_num_threads()
+        method = "perf_counter, cuda synchronize" if is_cuda(dev) else "perf_counter"
+        inf: list[float] = []
         for r in range(self.params.warmup + self.params.repeats):
             times = []
             for xb, _ in batches:
@@ -260,17 +274,20 @@ class UnrollCompare(Analysis):
                 sync(dev)
                 times.append(time.perf_counter() - t0)
             if r >= self.params.warmup:
-                rep = r - self.params.warmup
-                med = _median(times)
-                yield row("inference_ms", 1e3 * med, "ms", repeat=rep)
-                yield row(
-                    "inference_samples_per_s", bs / med if med > 0 else math.nan, "1/s", repeat=rep
-                )
+                inf.append(_median(times))
+        t_inf = Timing(inf, method=method, threads=threads, warmup=self.params.warmup)
+        yield from t_inf.rows("inference_ms", variant=variant)
+        for rep, med in enumerate(inf):
+            yield row(
+                "inference_samples_per_s", bs / med if med > 0 else math.nan, "1/s", repeat=rep
+            )
 
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         model.train()
         loss_fn = ctx.loss_fn or torch.nn.functional.cross_entropy
         bnsteps: list[float] = []
+        fwd_reps: list[float] = []
+        bwd_reps: list[float] = []
         for r in range(self.params.warmup + self.params.repeats):
             fwd, bwd = [], []
             for xb, yb in batches:
@@ -288,9 +305,12 @@ class UnrollCompare(Analysis):
                 if layer.last_backward_stats is not None:
                     bnsteps.append(layer.last_backward_stats.nstep)
             if r >= self.params.warmup:
-                rep = r - self.params.warmup
-                yield row("train_forward_ms", 1e3 * _median(fwd), "ms", repeat=rep)
-                yield row("backprop_ms", 1e3 * _median(bwd), "ms", repeat=rep)
+                fwd_reps.append(_median(fwd))
+                bwd_reps.append(_median(bwd))
+        for metric, reps in (("train_forward_ms", fwd_reps), ("backprop_ms", bwd_reps)):
+            t = Timing(reps, method=method, threads=threads, warmup=self.params.warmup)
+            yield from t.rows(metric, variant=variant)
+        yield row("threads", threads, "threads", note=method)
         if bnsteps:
             yield row("backward_nstep", _median(bnsteps))
 
@@ -308,23 +328,17 @@ class UnrollCompare(Analysis):
             nbytes, loss = saved_tensor_bytes(lambda: loss_fn(model(xb), yb))
             loss.backward()
             yield row("activation_memory", nbytes, "bytes")
-            if is_cuda(dev):
-                model.zero_grad(set_to_none=True)
-                torch.cuda.synchronize(dev)
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-                loss_fn(model(xb), yb).backward()
-                torch.cuda.synchronize(dev)
-                yield row("peak_memory", torch.cuda.max_memory_allocated(dev) - base, "bytes")
-            else:
-                yield row(
-                    "peak_memory",
-                    math.nan,
-                    "bytes",
-                    status="skipped",
-                    note="CPU: no allocator peak; see activation_memory",
-                )
+            # peak memory of one training step (forward + parameter gradients) in its own pass:
+            # CUDA max_memory_allocated above the baseline, CPU peak RSS of a fresh worker
+            model.zero_grad(set_to_none=True)
+            mem = peak_memory(GradStep(model, xb, yb, ctx.task), dev, cpu=self.params.memory_cpu)
+            yield row(
+                "peak_memory",
+                mem.peak_bytes,
+                "bytes",
+                status="ok" if math.isfinite(mem.peak_bytes) else "skipped",
+                note="; ".join(x for x in (mem.method, mem.note) if x),
+            )
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             for name, b in model.named_buffers():
