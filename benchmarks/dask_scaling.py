@@ -126,7 +126,9 @@ def cmd_report(args: argparse.Namespace) -> None:
     same = compare(base["run_dir"], other["run_dir"], args.rtol)
     gpus = ", ".join(sorted(set(base["gpus"] + other["gpus"]))) or "cpu"
     print(f"{gpus}; suite {base['suite']} {' '.join(base['extra'])}\n")
-    print("| executor | GPUs | tasks | not ok | wall s | sum of task times s | cells/hour | ratio |")
+    print(
+        "| executor | GPUs | tasks | not ok | wall s | sum of task times s | cells/hour | ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r, x in ((base, 1.0), (other, ratio)):
         n = len(r["gpus"]) if r["gpus"] else 0

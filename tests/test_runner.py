@@ -408,10 +408,16 @@ def test_suite_numeric_flags_are_applied_recorded_and_hashed(tmp_path):
     assert plain.numeric_flags() == {}
     flagged_path = write_suite(
         tmp_path / "b",
-        replace={"threads: 1": "threads: 1\ntf32: false\ncudnn_benchmark: true\ndeterministic: true"},
+        replace={
+            "threads: 1": "threads: 1\ntf32: false\ncudnn_benchmark: true\ndeterministic: true"
+        },
     )
     flagged = load_suite(flagged_path)
-    assert flagged.numeric_flags() == {"tf32": False, "cudnn_benchmark": True, "deterministic": True}
+    assert flagged.numeric_flags() == {
+        "tf32": False,
+        "cudnn_benchmark": True,
+        "deterministic": True,
+    }
     assert flagged.hash != plain.hash
     old = (
         torch.backends.cuda.matmul.allow_tf32,
