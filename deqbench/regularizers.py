@@ -213,7 +213,8 @@ class HSIC(Regularizer):
     random variable observed over the batch. With K~_i = H K_i H,
     sum_{i<j} <K~_i, K~_j> = 0.5 (||sum_i K~_i||^2 - sum_i ||K~_i||^2), computed in O(m B^2).
     The bandwidth ``sigma`` (None: each feature's batch standard deviation, clamped below by
-    ``min_sigma``) is held fixed when differentiating. Non-convex: SAM's guarantee does not apply.
+    ``min_sigma``) depends on z in the default case, and :meth:`grad` differentiates through it
+    (so it is the gradient of :meth:`value`). Non-convex: SAM's guarantee does not apply.
     """
 
     name = "hsic"
@@ -227,11 +228,11 @@ class HSIC(Regularizer):
     def _kernels(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
         Z = _flat(z).t()  # (m, B)
         B = Z.shape[1]
-        if self.sigma is None:
-            s = Z.detach().std(dim=1, keepdim=True).clamp_min(self.min_sigma)
+        if self.sigma is None:  # the batch variance (differentiable; no 1/std at var = 0)
+            s2 = Z.var(dim=1, keepdim=True).clamp_min(self.min_sigma**2).unsqueeze(-1)
         else:
-            s = torch.full((Z.shape[0], 1), self.sigma, dtype=Z.dtype, device=Z.device)
-        s2 = s.pow(2).unsqueeze(-1)  # (m, 1, 1)
+            s2 = torch.full((Z.shape[0], 1, 1), self.sigma**2, dtype=Z.dtype, device=Z.device)
+        # s2: (m, 1, 1)
         diff = Z.unsqueeze(2) - Z.unsqueeze(1)  # (m, B, B): a_p - a_q
         K = torch.exp(-diff.pow(2) / (2 * s2))
         return K, diff, s2, B
@@ -259,8 +260,17 @@ class HSIC(Regularizer):
         S = Kc.sum(0, keepdim=True)
         M = self._center(S - Kc) / (B - 1) ** 2  # dR/dK_i (symmetric)
         MK = M * K
-        # dR/da_p = -(2 / s^2) sum_q (M o K)[p, q] (a_p - a_q)
+        # dR/da_p = -(2 / s^2) sum_q (M o K)[p, q] (a_p - a_q)   (s held fixed)
         g = -(2.0 / s2.squeeze(-1)) * (MK * diff).sum(-1)  # (m, B)
+        if self.sigma is None:
+            # + dR/ds^2 * ds^2/da_p with s^2 the unbiased batch variance of feature i (zero where
+            # it is clamped at min_sigma): dK/ds^2 = K d^2 / (2 s^4), ds^2/da_p = 2 (a_p - mean)
+            # / (B - 1)
+            Z = _flat(z).t()
+            var = Z.var(dim=1, keepdim=True)  # (m, 1)
+            c = (MK * diff.pow(2)).sum((-1, -2)).unsqueeze(-1) / (2.0 * var.pow(2))
+            free = var > self.min_sigma**2
+            g = g + torch.where(free, c * 2.0 * (Z - Z.mean(1, keepdim=True)) / (B - 1), 0.0)
         return (self.weight * g.t()).reshape(z.shape)
 
 

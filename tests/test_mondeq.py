@@ -300,3 +300,24 @@ def test_splitting_lowest_step_is_where_the_residual_was_lowest():
     assert st.nstep == 40 and int(per_sample.max()) < 39  # the residual did grow at the end
     assert st.lowest_step == int(per_sample.max())
     assert st.extra["lowest_steps"].tolist() == per_sample.tolist()
+
+
+@pytest.mark.parametrize("name", ["mondeq_fc_tiny", "mondeq_conv_tiny"])
+@pytest.mark.parametrize("m", [0.0, -1.0])
+def test_margin_must_be_positive(name, m):
+    """m <= 0 would make W lose strong monotonicity (and the FB step bound negative)."""
+    from deqbench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="margin m must be > 0"):
+        deqbench.models.create(name, in_shape=(1, 8, 8), num_outputs=10, m=m)
+
+
+@pytest.mark.parametrize("alpha", ["atuo", 0, -0.5, None])
+def test_bad_alpha_names_the_option(alpha):
+    from deqbench.solvers.base import SolverOptionError
+
+    torch.manual_seed(0)
+    model = deqbench.models.create("mondeq_fc_tiny", in_shape=(1, 8, 8), num_outputs=10)
+    configure(model, SolverConfig("peaceman_rachford", options={"alpha": alpha}))
+    with pytest.raises(SolverOptionError, match="alpha must be a number > 0 or 'auto'"):
+        model(torch.randn(2, 1, 8, 8))

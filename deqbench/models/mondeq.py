@@ -44,6 +44,18 @@ def default_solver(alpha: float | str = 1.0) -> SolverConfig:
     return SolverConfig("peaceman_rachford", max_iter=300, tol=1e-4, options={"alpha": alpha})
 
 
+def _margin(m: float) -> float:
+    """The monotonicity margin m (I - W >= m I): must be > 0."""
+    if not float(m) > 0:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"monotone DEQ: the monotonicity margin m must be > 0 (W = (1 - m) I - A^T A + B - "
+            f"B^T is then strongly monotone with I - W >= m I), got m={m}"
+        )
+    return float(m)
+
+
 def default_backward(alpha: float | str = 1.0) -> BackwardConfig:
     return BackwardConfig(
         "ift", solver="peaceman_rachford", max_iter=300, tol=1e-5, options={"alpha": alpha}
@@ -55,7 +67,7 @@ class MonFCCell(nn.Module):
 
     def __init__(self, width: int, m: float = 1.0) -> None:
         super().__init__()
-        self.m = float(m)
+        self.m = _margin(m)
         bound = 1.0 / math.sqrt(width)  # nn.Linear's default range
         self.A = nn.Parameter(torch.empty(width, width).uniform_(-bound, bound))
         self.B = nn.Parameter(torch.empty(width, width).uniform_(-bound, bound))
@@ -127,7 +139,7 @@ class MonConvCell(nn.Module):
 
     def __init__(self, channels: int, size: int, m: float = 1.0, kernel: int = 3) -> None:
         super().__init__()
-        self.m = float(m)
+        self.m = _margin(m)
         self.size = int(size)  # padded spatial size N
         conv = nn.Conv2d(channels, channels, kernel, bias=False)
         self.A_w = nn.Parameter(conv.weight.detach().clone())

@@ -45,7 +45,14 @@ import torch
 from torch import Tensor
 
 from ..registry import solvers
-from .base import SolverStats, check_options, check_stop_mode, make_stats, residuals
+from .base import (
+    SolverStats,
+    check_options,
+    check_stop_mode,
+    make_stats,
+    option_error,
+    residuals,
+)
 
 OPTIONS = {"alpha", "returns", "check_every", "residual", "tune_every", "protect_thres"}
 TUNE_ALPHAS = tuple(2.0**-k for k in range(7))  # 1 ... 1/64
@@ -231,6 +238,15 @@ def _solve(
     check_every = max(1, int(options.get("check_every", 1)))
     protect = float(options.get("protect_thres", 1e6))
     alpha_opt = options.get("alpha", 1.0)
+    if alpha_opt != "auto":
+        try:
+            alpha_opt = float(alpha_opt)
+        except (TypeError, ValueError):
+            alpha_opt = math.nan
+        if not alpha_opt > 0:
+            raise option_error(
+                name, f"alpha must be a number > 0 or 'auto', got {options.get('alpha')!r}"
+            )
     adjoint = hasattr(f, "g") and hasattr(f, "z")
     kw = dict(
         max_iter=max_iter,
@@ -257,8 +273,6 @@ def _solve(
             alpha = _auto_alpha(cell, method, run, adjoint, int(options.get("tune_every", 0)))
         else:
             alpha = float(alpha_opt)
-            if not alpha > 0:
-                raise ValueError(f"{name}: alpha must be > 0, got {alpha}")
         return run(alpha)
 
 
