@@ -70,7 +70,7 @@ class _Schedule:
             raise option_error("sam", f"prior: {exc}") from None
         assert self.prior is not None
         self.rho = float(options.get("rho", 0.5))
-        self.c = float(options.get("c", 0.25))
+        self.c = float(options.get("c", 0.2))
         if not 0 < self.rho <= 1:
             raise option_error("sam", f"rho must be in (0, 1], got {self.rho}")
         if not self.c > 0:
@@ -130,7 +130,7 @@ def sam(
             ``min_iter`` steps); 0 runs ``max_iter`` steps.
         stop_mode: "rel" or "abs".
         prior: the regulariser R (name or dict, e.g. ``{name: l1, weight: 1}``); default "l2".
-        rho, c: beta_k = lambda_k = rho / k^c (defaults 0.5, 0.25; Theorem 5 wants rho + 2c < 1).
+        rho, c: beta_k = lambda_k = rho / k^c (defaults 0.5, 0.2: rho + 2c = 0.9 < 1, as Theorem 5 wants).
         eta: step of S (default 1 / (2 L) with L the prior's gradient Lipschitz constant, 0.5
             when unknown).
         lam_scale: lambda_k = lam_scale * beta_k (default 1, as in Theorem 5).
