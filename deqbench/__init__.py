@@ -8,6 +8,9 @@ Public API::
     deqbench.inits.get("spectral")(model, seed=0, target=0.9)
     suite = deqbench.load_suite("suites/smoke.yaml"); deqbench.run_suite(suite, out="results/")
     deqbench.load_results("results/smoke/<run_id>")
+    deqbench.spectral.conv_spectral_norm(conv.weight, (32, 32))     # exact, circular (Sedghi)
+    deqbench.spectral.jacobian_spectral_radius(cell, z_star, x)
+    deqbench.kernels.make_kernel("periodic_se"); deqbench.klr.fit_klr(K, y, lam)
 
 Importing deqbench does not import torch; the registries load their built-ins on first use.
 """
@@ -29,6 +32,12 @@ __all__ = [
     "load_suite",
     "run_suite",
     "load_results",
+    "spectral",
+    "kernels",
+    "klr",
+    "landscape",
+    "hessian",
+    "ntk",
 ]
 
 _LAZY = {
@@ -38,10 +47,16 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+#: submodules with public plain functions, imported on first attribute access (they import torch)
+_SUBMODULES = ("spectral", "kernels", "klr", "landscape", "hessian", "ntk")
 
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"deqbench.{name}")
     raise AttributeError(f"module 'deqbench' has no attribute '{name}'")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-KINDS = ("models", "solvers", "inits", "analyses", "datasets", "plots")
+KINDS = ("models", "solvers", "inits", "analyses", "kernels", "datasets", "plots")
 
 
 def err_console() -> Any:
@@ -97,8 +97,10 @@ def list_names(kind: str | None, pattern: str | None) -> list[str]:
         kinds = [k]
     rows: list[tuple[str, str, str]] = []
     for k in kinds:
-        if k in REGISTRIES:
-            reg = REGISTRIES[k]
+        reg = REGISTRIES.get(k)
+        if k == "kernels":  # the kGLM kernels (their own entry-point group)
+            from .kernels import kernels as reg
+        if reg is not None:
             rows += [(k, n, reg.origin(n)) for n in reg.names(pattern)]
             for e in reg.plugin_errors:
                 err_console().print(f"[yellow]warning:[/yellow] {esc(e)}", markup=True)

@@ -170,7 +170,16 @@ def _hw(input_hw: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     t = tuple(int(s) for s in input_hw)
     if len(t) != 2:
         raise ConfigError(f"input_hw must be n or (h, w); got {input_hw!r}")
+    if min(t) < 1:
+        raise ConfigError(f"input_hw must be positive sizes; got {input_hw!r}")
     return t  # type: ignore[return-value]
+
+
+def _filters(weight: Tensor) -> Tensor:
+    if not isinstance(weight, Tensor) or weight.dim() != 4:
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ConfigError(f"a conv weight must have shape (C_out, C_in, k1, k2); got {shape}")
+    return weight.detach()
 
 
 def conv_spectral_norm(weight: Tensor, input_hw: int | tuple[int, int]) -> float:
@@ -179,7 +188,8 @@ def conv_spectral_norm(weight: Tensor, input_hw: int | tuple[int, int]) -> float
     Sedghi, Gupta & Long (2018): zero-pad the taps to n1 x n2 (taps beyond the input size wrap
     around and add), take the 2-D FFT over the tap axes, and return the largest singular value
     of the C_out x C_in matrices over all frequencies. For zero-padded convolutions this is an
-    upper bound.
+    upper bound, and so it is for a strided convolution (a subsampling of the stride-1 output:
+    ||S C|| <= ||C||).
 
     Args:
         weight: (C_out, C_in, k1, k2) filter bank.
@@ -191,7 +201,7 @@ def conv_spectral_norm(weight: Tensor, input_hw: int | tuple[int, int]) -> float
         9.0
     """
     n1, n2 = _hw(input_hw)
-    w = weight.detach().double()
+    w = _filters(weight).double()
     k1, k2 = w.shape[-2:]
     if k1 > n1 or k2 > n2:  # fold taps modulo n (circular wrap-around)
         f = torch.zeros(*w.shape[:2], n1, n2, dtype=w.dtype, device=w.device)
@@ -226,7 +236,7 @@ def conv_operator(
 ) -> Callable[[Tensor], Tensor]:
     """v -> conv(v) (bias-free) as a function on (B, C_in, H, W) tensors."""
     k = tuple(weight.shape[-2:])
-    p = _pad_int(k[0] // 2 if padding is None else padding, k)  # type: ignore[arg-type]
+    p = _pad_int("same" if padding is None else padding, k)  # type: ignore[arg-type]
     w = weight.detach()
     if padding_mode == "zeros":
         return lambda v: nn.functional.conv2d(
@@ -263,7 +273,7 @@ def conv_power_norm(
     n1, n2 = _hw(input_hw)
     w = weight.detach().double()
     k = tuple(w.shape[-2:])
-    p = _pad_int(k[0] // 2 if padding is None else padding, k)  # type: ignore[arg-type]
+    p = _pad_int("same" if padding is None else padding, k)  # type: ignore[arg-type]
     apply = conv_operator(w, padding=p, padding_mode=padding_mode, stride=stride, dilation=dilation)
     adjoint = None
     if padding_mode == "zeros" and nn.modules.utils._pair(stride) == (1, 1):
@@ -314,9 +324,10 @@ def spectral_norm(
     Args:
         matrix_or_module: 2-D tensor, Linear, Conv2d, or a 4-D filter bank.
         input_hw: input size for convolutions (required for them).
-        method: ``exact`` (dense: SVD; conv: Sedghi FFT, exact for circular padding, upper
-            bound for zero padding) or ``power`` (power iteration of the operator as applied,
-            i.e. with the module's padding).
+        method: ``exact`` (dense: SVD; conv: Sedghi FFT of the stride-1 circular convolution,
+            exact for circular padding and stride 1, an upper bound for zero padding or a
+            stride > 1) or ``power`` (power iteration of the operator as applied, i.e. with the
+            module's padding and stride).
 
     Example:
         >>> import torch

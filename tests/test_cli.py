@@ -111,8 +111,12 @@ def test_ls_lists_names_with_origin():
     )
     r = invoke("ls")
     kinds = {ln.split()[0] for ln in r.output.strip().splitlines()}
-    assert kinds == {"models", "solvers", "inits", "analyses", "datasets", "plots"}
+    assert kinds == {"models", "solvers", "inits", "analyses", "kernels", "datasets", "plots"}
     assert "solver_stats" in invoke("ls", "analysis").output
+    # the unknown-kernel error points here: `deqbench ls kernels`
+    assert ["kernels", "periodic_se", "built-in"] in [
+        ln.split() for ln in invoke("ls", "kernels").output.splitlines()
+    ]
     r = invoke("ls", "modles")
     assert r.exit_code == 2 and "did you mean 'models'" in r.output
 

@@ -315,3 +315,33 @@ def test_init_cost_and_outcomes(tmp_path):
 
     summary = check(df, "kglm_init_cost")
     assert set(summary["held"]) <= {"yes", "no", "info"} and len(summary) == len(checks)
+
+
+def test_white_noise_on_coinciding_points_keeps_v1_equal_to_w1():
+    """Theorem 3 with X~ = X needs V1 = W1 with the white-noise term too; torch.cdist's matmul
+    path misses exact zeros on such coordinates (the old code added the noise only there)."""
+    from deqbench.inits.kglm import kernel_weights
+
+    torch.manual_seed(0)
+    X = torch.rand(200, 3, dtype=torch.float64) * 10
+    assert int((torch.cdist(X, X) == 0).sum()) < 200  # the trap this guards against
+    p = kernel_weights("se", X, X, white_noise=1e-3)
+    assert torch.equal(p["V1"], p["W1"])
+
+
+@pytest.mark.parametrize(
+    "init,params,bad",
+    [
+        ("kglm_informed", {"scale": 0.0}, "scale"),
+        ("kglm_informed", {"scale": -1.0}, "scale"),
+        ("kglm_informed", {"white_noise": -1.0}, "white_noise"),
+        ("kglm_naive", {"scale": -2.0}, "scale"),
+        ("kglm_random", {"scale": 0.0}, "scale"),
+    ],
+)
+def test_bad_init_scales_are_config_errors(init, params, bad):
+    for model_name in ("kglm_deq_tiny", "kglm_conv_deq_tiny"):
+        shape = (1, 8, 8)
+        model = deqbench.models.create(model_name, in_shape=shape, num_outputs=64)
+        with pytest.raises(ConfigError, match=f"{init}: {bad} must be"):
+            deqbench.inits.get(init)(model, **params)

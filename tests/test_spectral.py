@@ -74,6 +74,24 @@ def test_spectral_norm_errors():
         sp.spectral_norm(nn.Conv2d(1, 1, 3))
     with pytest.raises(ConfigError, match="method"):
         sp.spectral_norm(torch.eye(2), method="lanczos")
+    with pytest.raises(ConfigError, match=r"shape \(C_out, C_in, k1, k2\); got \(1, 3, 3\)"):
+        sp.conv_spectral_norm(torch.ones(1, 3, 3), (4, 4))
+    for bad in ((0, 0), (-4, 4)):
+        with pytest.raises(ConfigError, match="positive sizes"):
+            sp.conv_spectral_norm(torch.ones(1, 1, 3, 3), bad)
+
+
+def test_rectangular_kernel_circular_operator_and_strided_bound():
+    """A 3x5 kernel: the default padding is (1, 2), so the circular operator keeps the input
+    size and its FFT norm is exact; a stride-2 conv is bounded by the stride-1 FFT norm."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 3, 3, 5, generator=g, dtype=torch.float64)
+    M = sp.conv_matrix(w, (6, 6), padding_mode="circular")
+    assert M.shape == (2 * 36, 3 * 36)
+    dense = float(torch.linalg.matrix_norm(M, ord=2))
+    assert sp.conv_spectral_norm(w, (6, 6)) == pytest.approx(dense, rel=1e-10)
+    strided = float(torch.linalg.matrix_norm(sp.conv_matrix(w, (6, 6), stride=2), ord=2))
+    assert strided <= sp.conv_spectral_norm(w, (6, 6)) + 1e-12
 
 
 def test_monotonicity_margin_uses_largest_algebraic_eigenvalue():
@@ -216,3 +234,13 @@ def test_jacobian_tools_with_a_zero_jacobian_sample_in_float32():
     assert float(rho[0]) == 0.0 and float(sn[0]) == 0.0
     assert float(rho[1]) == pytest.approx(float(torch.linalg.eigvals(A).abs().max()), rel=1e-4)
     assert float(sn[1]) == pytest.approx(float(torch.linalg.matrix_norm(A, 2)), rel=1e-4)
+
+
+def test_public_functions_reachable_from_the_package():
+    import deqbench
+
+    assert deqbench.spectral is sp
+    assert deqbench.spectral.conv_spectral_norm(torch.ones(1, 1, 3, 3), (8, 8)) == 9.0
+    assert callable(deqbench.klr.fit_klr) and callable(deqbench.kernels.make_kernel)
+    with pytest.raises(AttributeError, match="no attribute 'spectrall'"):
+        deqbench.spectrall  # noqa: B018

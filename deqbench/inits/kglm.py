@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ..kernels import make_kernel
+from ..kernels import make_kernel, sqdist
 from ..registry import inits
 
 _NUM = re.compile(r"^\s*([+-]?\d*\.?\d*(?:e[+-]?\d+)?)\s*\*?\s*pi\s*$")
@@ -126,6 +126,7 @@ def kernel_weights(
     (= K/lam), and if ``X_out`` is given ``V1`` (= -k(X_out, X)/lam), ``V2`` (= k(X_out, X)/lam),
     all float64.
     """
+    _check("kglm_informed", scale=scale, white_noise=white_noise)
     k = make_kernel(kernel)
     X = X.double()
     K = k(X, X)
@@ -137,10 +138,23 @@ def kernel_weights(
     if X_out is not None:
         Kx = k(X_out.double(), X)
         if white_noise:
-            Kx = Kx + white_noise * (torch.cdist(X_out.double(), X) == 0).double()
+            # exactly coinciding points (cdist's matmul path can miss exact zeros)
+            Kx = Kx + white_noise * (sqdist(X_out, X) == 0).double()
         out["V1"] = -Kx / lam
         out["V2"] = Kx / lam
     return out
+
+
+def _check(init: str, **values: float | None) -> None:
+    """``scale`` and ``std`` must be > 0 and ``white_noise`` >= 0 (a ConfigError naming it):
+    a negative scale would flip the signs of Theorem 3, zero divides by zero."""
+    for name, v in values.items():
+        if v is None:
+            continue
+        ok = float(v) >= 0 if name == "white_noise" else float(v) > 0
+        if not ok:
+            bound = ">= 0" if name == "white_noise" else "> 0"
+            raise ConfigError(f"{init}: {name} must be {bound}, got {v}")
 
 
 def _copy(lin: nn.Module | None, value: Tensor) -> None:
@@ -284,6 +298,7 @@ def kglm_informed(
             l^2 ~ U(0, max)).
     """
     kind = _check_model(model, "kglm_informed")
+    _check("kglm_informed", scale=scale, white_noise=white_noise)
     if kind == "conv":
         _conv_informed(
             model,
@@ -320,6 +335,7 @@ def kglm_naive(
     for images); sets W1 (= W3) and W2 only; V1 keeps the default init (redrawn from ``seed``),
     V2 = 0 (trainable). Conv: fixed-lengthscale SE filters for conv1/conv2 only."""
     kind = _check_model(model, "kglm_naive")
+    _check("kglm_naive", scale=scale, lengthscale=lengthscale)
     if kind == "conv":
         _conv_informed(
             model,
@@ -358,6 +374,7 @@ def kglm_random(
     Conv: every conv ~ N(0, std^2), std = ``std`` or ``scale`` / 19 (papers/001 section 4).
     """
     kind = _check_model(model, "kglm_random")
+    _check("kglm_random", scale=scale, std=std)
     gen = torch.Generator().manual_seed(int(seed))
     if kind == "conv":
         if std is None:
