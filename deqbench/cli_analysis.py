@@ -172,14 +172,21 @@ def landscape_command(
             "--points-per-batch", min=1, help="Grid points per vmapped forward (explicit models)."
         ),
     ] = None,
-    norm: Annotated[str, typer.Option("--norm", help="filter | layer | weight | none.")] = "filter",
+    norm: Annotated[
+        str | None,
+        typer.Option(
+            "--norm",
+            help="filter | layer | weight | none (default filter; with --directions the file's).",
+        ),
+    ] = None,
     include_1d: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--include-1d/--ignore-1d",
-            help="Perturb biases and norm layers too (default: zero direction).",
+            help="Perturb biases and norm layers too (default: zero direction; with "
+            "--directions the file's).",
         ),
-    ] = False,
+    ] = None,
     dir_seed: Annotated[int, typer.Option("--dir-seed", help="Seed of the random directions.")] = 0,
     epochs: Epochs = None,
     lr: Lr = 1e-3,
@@ -204,8 +211,6 @@ def landscape_command(
         "dims": dims,
         "split": split,
         "max_samples": max_samples,
-        "norm": norm,
-        "include_1d": include_1d,
         "seed": dir_seed,
         "progress": progress is not False,
     }
@@ -214,6 +219,8 @@ def landscape_command(
         batch_size=batch_size,
         points_per_batch=points_per_batch,
         directions=None if directions is None else str(directions),
+        norm=norm,
+        include_1d=include_1d,
     )
     _run_analysis(
         "landscape",

@@ -408,6 +408,11 @@ def landscape(
             f"landscape: {dims} dimensions need {dims} directions, the file has {directions.ndim}"
         )
     resolved = resolve_directions(model, directions, renormalize=renormalize)[:dims]
+    if grid % 2 == 0:
+        raise ConfigError(
+            f"landscape.grid must be odd so that the trained parameters are a grid point, "
+            f"got {grid}"
+        )
     ax = axis(grid, *range_)
     df = evaluate_grid(
         model, resolved, X, y, alphas=ax, betas=ax if dims == 2 else None, task=task, **kwargs

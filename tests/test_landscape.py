@@ -213,6 +213,30 @@ def test_landscape_analysis_hook_and_directions_file(tmp_path):
     pd.testing.assert_frame_equal(first, pd.read_csv(series))
     with pytest.raises(ValueError, match="odd"):
         Landscape({"grid": 4})
+    with pytest.raises(ConfigError, match="odd"):
+        ls.landscape(m, X, y, grid=4)  # the library call too: theta* must be a grid point
+
+    # an explicit norm / include_1d overrides the file's own settings (and the note says so)
+    explicit = Landscape(
+        {"grid": 3, "max_samples": 32, "directions": str(dfile), "progress": False,
+         "norm": "layer", "include_1d": True}
+    )  # fmt: skip
+    rows = list(explicit.after_training(ctx))
+    assert "norm=layer ignore=none" in next(r.note for r in rows if r.metric == "loss_center")
+    other = pd.read_csv(series)
+    assert not other["loss"].equals(first["loss"])
+    dirs = ls.load_directions(dfile)
+    want = ls.resolve_directions(m, dirs, norm="layer", include_1d=True)
+    got_default = ls.resolve_directions(m, dirs)
+    assert any(not torch.equal(want[0][n], got_default[0][n]) for n in want[0])
+
+    # a missing or mismatched directions file fails before training, not after it
+    with pytest.raises(ConfigError, match="not found"):
+        list(Landscape({"directions": str(tmp_path / "nope.pt")}).before_training(ctx))
+    wide = deqbench.models.create("fc_deq_tiny", in_shape=(4,), width=9, num_outputs=3).double()
+    wctx = CellContext(wide, data, torch.device("cpu"), torch.float64, 0, "w", {}, tmp_path)
+    with pytest.raises(ConfigError, match="shape of"):
+        list(Landscape({"directions": str(dfile)}).before_training(wctx))
 
 
 def test_landscape_command_through_runner(tmp_path):

@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import plots
 from ..registry import analyses
@@ -132,6 +132,19 @@ class Hessian(Analysis):
         )
         seed: int = 0
         checkpoint: str | None = None
+
+        @model_validator(mode="after")
+        def _power_is_top_1(self) -> Hessian.Params:
+            """Power iteration gives the top eigenvalue only: an explicit top_k > 1 with it is
+            an error (Lanczos gives the top k), not silently one value."""
+            if self.method == "power":
+                if "top_k" in self.model_fields_set and self.top_k > 1:
+                    raise ValueError(
+                        f"method power gives the top eigenvalue only (top_k 1, got {self.top_k});"
+                        " use method lanczos for the top k"
+                    )
+                self.top_k = 1
+            return self
 
     params: Params  # narrowed for type checkers
 

@@ -180,26 +180,49 @@ class Landscape(Analysis):
     def before_training(self, ctx: CellContext) -> Iterable[Row]:
         if self.params.checkpoint:
             load_checkpoint(ctx.model, self.params.checkpoint, ctx.device)
+        if self.params.directions:  # a missing or mismatched file fails now, not after training
+            self._file_directions(ctx)
         return ()
+
+    def _explicit(self) -> dict[str, Any]:
+        """``norm`` / ``include_1d`` when given explicitly: with a directions file they override
+        the file's own settings (else the file's are used)."""
+        p = self.params
+        return {k: getattr(p, k) for k in ("norm", "include_1d") if k in p.model_fields_set}
+
+    def _file_directions(self, ctx: CellContext) -> Any:
+        from .. import landscape as ls
+        from ..errors import ConfigError
+
+        p = self.params
+        cached = getattr(self, "_dirs", None)
+        if cached is not None:
+            return cached
+        dirs = ls.load_directions(p.directions)
+        if dirs.ndim < p.dims:
+            raise ConfigError(
+                f"landscape.directions: {p.dims} dims need {p.dims} directions; "
+                f"{p.directions} has {dirs.ndim}"
+            )
+        ls.resolve_directions(ctx.model, dirs, renormalize=p.renormalize, **self._explicit())
+        self._dirs = dirs
+        return dirs
 
     def after_training(self, ctx: CellContext) -> Iterable[Row]:
         from .. import landscape as ls
 
         p = self.params
         X, y = eval_split(ctx, p.split, p.max_samples)
+        explicit = self._explicit() if p.directions else {}
         if p.directions:
-            dirs = ls.load_directions(p.directions)
-            if dirs.ndim < p.dims:
-                from ..errors import ConfigError
-
-                raise ConfigError(
-                    f"landscape.directions: {p.dims} dims need {p.dims} directions; {p.directions} has {dirs.ndim}"
-                )
+            dirs = self._file_directions(ctx)
         else:
             dirs = ls.random_directions(
                 ctx.model, p.dims, seed=p.seed, norm=p.norm, include_1d=p.include_1d
             )
-        resolved = ls.resolve_directions(ctx.model, dirs, renormalize=p.renormalize)[: p.dims]
+        resolved = ls.resolve_directions(ctx.model, dirs, renormalize=p.renormalize, **explicit)[
+            : p.dims
+        ]
         ax = ls.axis(p.grid, *p.range)
         total = len(ax) ** p.dims
         with _Bar(total, f"landscape {ctx.cell_id}", p.progress) as bar:
@@ -224,7 +247,9 @@ class Landscape(Analysis):
                 / f"landscape_directions__{ctx.cell_id}__seed{ctx.seed}.pt"
             )
             ls.save_directions(dirs, path)
-        note = f"norm={dirs.meta.get('norm')} ignore={'none' if dirs.meta.get('include_1d') else 'biasbn'} seed={dirs.meta.get('seed')}"
+        norm = explicit.get("norm", dirs.meta.get("norm"))
+        inc = explicit.get("include_1d", dirs.meta.get("include_1d"))
+        note = f"norm={norm} ignore={'none' if inc else 'biasbn'} seed={dirs.meta.get('seed')}"
         if df.attrs.get("note"):
             note += "; " + df.attrs["note"]
         summary = ls.summarize(df, p.level)
