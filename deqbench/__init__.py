@@ -30,6 +30,7 @@ __all__ = [
     "inits",
     "analyses",
     "load_suite",
+    "load_suites",
     "run_suite",
     "load_results",
     "spectral",
@@ -42,6 +43,7 @@ __all__ = [
 
 _LAZY = {
     "load_suite": ("deqbench.suite", "load_suite"),
+    "load_suites": ("deqbench.suite", "load_suites"),
     "run_suite": ("deqbench.runner", "run_suite"),
     "load_results": ("deqbench.results", "load_results"),
 }

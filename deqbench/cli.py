@@ -108,8 +108,10 @@ def execute(
     plots: bool = True,
     out: Path | None = None,
     executor: Any = None,
+    summaries: list[Any] | None = None,
 ) -> int:
-    """Run ``suite`` through the runner, print the summary; return the exit code."""
+    """Run ``suite`` through the runner, print the summary; return the exit code (the
+    :class:`~deqbench.runner.RunSummary` is appended to ``summaries`` when given)."""
     from .console import print_summary
     from .runner import run_suite
 
@@ -122,6 +124,8 @@ def execute(
         command=sys.argv,
         executor=executor,
     )
+    if summaries is not None:
+        summaries.append(summary)
     from .results import load_results
 
     print_summary(load_results(summary.run_dir))
@@ -211,21 +215,48 @@ def run(
         ),
     ] = None,
 ) -> None:
-    """Run a suite: every cell x seed; writes results/<suite>/<run_id>/."""
+    """Run a suite: every cell x seed; writes results/<suite>/<run_id>/. A collection file
+    (``suites: [a.yaml, ...]``) runs its suites one after another, each into its own run
+    directory; the exit code is the worst of theirs."""
     with handle_errors():
-        from .suite import load_suite
+        from .errors import ConfigError
+        from .suite import load_suites
 
-        s = load_suite(
+        suites = load_suites(
             suite,
             overrides=set_ or (),
             device=device,
             seeds=parse_seeds(seeds),
             output=str(out) if out else None,
         )
+        if resume is not None and len(suites) > 1:
+            raise ConfigError(
+                f"--resume continues one suite's run directory; {suite} is a collection of "
+                f"{len(suites)} suites: resume a part with its own file, e.g. deqbench run "
+                "RUN_DIR/suite.yaml --resume RUN_DIR"
+            )
         from .executors import open_executor
 
-        with open_executor(executor, scheduler=scheduler, workers=workers, suite=s) as ex:
-            code = execute(s, resume=resume, progress=progress, plots=plots, executor=ex)
+        code, summaries = 0, []
+        for i, s in enumerate(suites):
+            if len(suites) > 1:
+                err_console().print(f"[bold]{i + 1}/{len(suites)}[/bold] suite {esc(s.name)}")
+            with open_executor(executor, scheduler=scheduler, workers=workers, suite=s) as ex:
+                c = execute(
+                    s,
+                    resume=resume,
+                    progress=progress,
+                    plots=plots,
+                    executor=ex,
+                    summaries=summaries,
+                )
+            code = max(code, c)
+            if c == 130:  # interrupted: the later parts do not start
+                break
+        if len(suites) > 1:
+            from .console import print_collection
+
+            print_collection(summaries, len(suites))
     raise typer.Exit(code)
 
 
@@ -238,17 +269,18 @@ def validate(
 ) -> None:
     """Check a suite without running it; list its cells."""
     with handle_errors():
-        from .suite import format_cells, load_suite
+        from .suite import format_cells, load_suites
 
-        s = load_suite(suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds))
-        n = len(s.cells)
-        print(
-            f"{suite}: ok: {n} cell{'s' * (n != 1)} x {len(s.seeds)} seed"
-            f"{'s' * (len(s.seeds) != 1)} = {n * len(s.seeds)} tasks; device {s.device}; "
-            f"analyses: {', '.join(a for a, _ in s.analyses) or 'none'}"
-        )
-        for line in format_cells(s):
-            print(line)
+        for s in load_suites(suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds)):
+            n = len(s.cells)
+            name = suite if s.source == str(suite) else f"{suite} > {s.source}"
+            print(
+                f"{name}: ok: {n} cell{'s' * (n != 1)} x {len(s.seeds)} seed"
+                f"{'s' * (len(s.seeds) != 1)} = {n * len(s.seeds)} tasks; device {s.device}; "
+                f"analyses: {', '.join(a for a, _ in s.analyses) or 'none'}"
+            )
+            for line in format_cells(s):
+                print(line)
 
 
 @app.command("ls", epilog="Example: deqbench ls models 'conv*'")

@@ -78,6 +78,28 @@ def compare_table(summary: Any, title: str) -> Any:
     return t
 
 
+def print_collection(summaries: list[Any], total: int) -> None:
+    """One line per suite of a collection run: run directory, tasks failed, and how many of its
+    expected-behaviour checks held (``summary.csv``, when the suite has a checker)."""
+    import csv
+
+    from rich.table import Table
+
+    table = Table(title=f"{len(summaries)} of {total} suites run", title_justify="left")
+    for col in ("suite", "tasks failed", "checks held", "run directory"):
+        table.add_column(col)
+    for sm in summaries:
+        held = "-"
+        path = sm.run_dir / "summary.csv"
+        if path.exists():
+            with open(path, newline="", encoding="utf-8") as fh:
+                rows = list(csv.DictReader(fh))
+            held = f"{sum(r.get('held') == 'yes' for r in rows)} / {len(rows)}"
+        failed = f"{len(sm.failed)}" + (" (interrupted)" if sm.interrupted else "")
+        table.add_row(esc(sm.run_dir.parent.name), failed, held, esc(sm.run_dir))
+    out_console().print(table)
+
+
 def list_names(kind: str | None, pattern: str | None) -> list[str]:
     """``deqbench ls`` lines: ``KIND  NAME  ORIGIN`` (origin: built-in or plugin distribution
     and version). Plugin import problems are printed on stderr."""

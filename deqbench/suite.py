@@ -54,6 +54,7 @@ __all__ = [
     "Cell",
     "Suite",
     "load_suite",
+    "load_suites",
     "suite_from_dict",
     "one_cell_suite",
     "apply_overrides",
@@ -235,7 +236,66 @@ def load_suite(
         ConfigError: every problem, one ``FILE:LINE:COL: path: message`` line each.
     """
     raw, loc = read_yaml(path)
+    if isinstance(raw, dict) and "suites" in raw:
+        raise ConfigError(
+            f"{loc.where(('suites',), prefer_key=True)}: {path} is a collection of suites "
+            "(suites: [...]): load it with load_suites(), or run it with `deqbench run`"
+        )
     return _from_raw(raw, loc, overrides, device, seeds, output)
+
+
+class CollectionFile(_Strict):
+    """A collection of suites: ``deqbench run`` runs them one after another, each into its own
+    run directory (``out/<suite>/<run_id>``), with the same overrides."""
+
+    schema_: Literal[1] = Field(1, alias="schema")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    suites: list[str] = Field(min_length=1)
+
+
+def load_suites(
+    path: str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    device: str | None = None,
+    seeds: Sequence[int] | None = None,
+    output: str | None = None,
+) -> list[Suite]:
+    """The suites of a file: one for a suite file; every member, in order, for a collection
+    file (``suites: [a.yaml, b.yaml]``, paths relative to the collection file), each loaded by
+    :func:`load_suite` with the same overrides. All members are checked before anything runs;
+    their problems are raised together.
+
+    Example:
+        >>> [s.name for s in load_suites("suites/kglm.yaml")]                  # doctest: +SKIP
+        ['kglm_klr', 'kglm_smooth', 'kglm_denoise', 'kglm_init_cost', 'kglm_pcdeq_sigma']
+    """
+    raw, loc = read_yaml(path)
+    if not (isinstance(raw, dict) and "suites" in raw):
+        return [_from_raw(raw, loc, overrides, device, seeds, output)]
+    try:
+        top = CollectionFile.model_validate(raw)
+    except ValidationError as exc:
+        keys = ["schema", "name", "description", "suites"]
+        raise ConfigError("\n".join(pydantic_lines(exc, loc, (), keys))) from None
+    base = Path(path).parent
+    suites: list[Suite] = []
+    errors: list[str] = []
+    for i, member in enumerate(top.suites):
+        target = base / member
+        if target.resolve() == Path(path).resolve():
+            errors.append(f"{loc.where(('suites', i))}: suites[{i}]: {member} is this file")
+            continue
+        try:
+            suites.append(
+                load_suite(target, overrides=overrides, device=device, seeds=seeds, output=output)
+            )
+        except ConfigError as exc:
+            errors.append(f"{loc.where(('suites', i))}: suites[{i}]: {member}:\n{exc}")
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return suites
 
 
 def suite_from_dict(

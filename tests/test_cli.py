@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -13,6 +14,8 @@ from conftest import TINY_SUITE, write_suite
 from typer.testing import CliRunner
 
 from deqbench.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = ["run", "validate", "ls", "info", "plot", "compare"]
 
@@ -207,3 +210,46 @@ def test_failed_cell_exits_1_and_interrupt_exits_130(tmp_path, monkeypatch):
     monkeypatch.setattr(deqbench.runner, "run_task", interrupted)
     r = invoke("run", write_suite(tmp_path, name="ok.yaml"), "--no-plots")
     assert r.exit_code == 130 and "interrupted" in r.output and "--resume" in r.output
+
+
+def test_collection_file_runs_its_suites_one_after_another(tmp_path):
+    """A collection (suites: [...]) is validated as a whole, then each part runs into its own
+    run directory with the same overrides; --resume is refused; its problems name the part."""
+    write_suite(tmp_path, name="a.yaml")
+    write_suite(tmp_path, name="b.yaml", replace={"name: tiny": "name: tiny_b"})
+    coll = tmp_path / "all.yaml"
+    coll.write_text("schema: 1\nname: both\nsuites: [a.yaml, b.yaml]\n")
+    r = invoke("validate", coll)
+    assert r.exit_code == 0, r.output
+    assert r.output.count(": ok: 2 cells x 1 seed") == 2
+    r = invoke("run", coll, "--no-plots", "--no-progress", "--set", "matrix.backward=[ift]")
+    assert r.exit_code == 0, r.output
+    runs = sorted(p.parent.parent.name for p in (tmp_path / "results").glob("*/*/run.json"))
+    assert runs == ["tiny", "tiny_b"]
+    for name in runs:
+        df = pd.read_csv(next((tmp_path / "results" / name).glob("*/results.csv")))
+        assert set(df.cell_id) == {"fc_deq_tiny-fixed_point-ift"}  # the override reached both
+    assert "2 of 2 suites run" in r.output
+    r = invoke("run", coll, "--resume", tmp_path)
+    assert r.exit_code == 2 and "collection of 2 suites" in r.output
+    # a broken part: the collection's line, the part and the part's own located error
+    coll.write_text("schema: 1\nname: both\nsuites: [a.yaml, missing.yaml, all.yaml]\n")
+    r = invoke("validate", coll)
+    assert r.exit_code == 2
+    assert "all.yaml:3:" in r.output and "missing.yaml: no such file" in r.output
+    assert "all.yaml is this file" in r.output
+    coll.write_text("schema: 1\nname: both\nsuite: [a.yaml]\n")
+    r = invoke("validate", coll)
+    assert r.exit_code == 2  # not a collection (no `suites`): a suite with an unknown key
+
+
+def test_shipped_kglm_collection_names_the_five_parts():
+    from deqbench.suite import load_suite, load_suites
+
+    root = ROOT / "suites"
+    parts = load_suites(root / "kglm.yaml", device="cpu")
+    assert [s.name for s in parts] == [
+        "kglm_klr", "kglm_smooth", "kglm_denoise", "kglm_init_cost", "kglm_pcdeq_sigma",
+    ]  # fmt: skip
+    with pytest.raises(Exception, match="collection of suites"):
+        load_suite(root / "kglm.yaml")

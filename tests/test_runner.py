@@ -331,26 +331,42 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_shipped_suites_validate():
+    from deqbench.registry import models
+
     smoke = load_suite("suites/smoke.yaml")
-    assert len(smoke.cells) == 20 and smoke.seeds == [0, 1] and smoke.device == "cpu"
+    assert len(smoke.cells) == 24 and smoke.seeds == [0, 1] and smoke.device == "cpu"
     assert {"fixed_point", "anderson", "broyden"} <= {c.solver["name"] for c in smoke.cells}
-    # one cell of every built-in model family runs in the smoke suite
+    # every built-in tiny model variant (one per model of every family) runs in the smoke suite
+    builtin_tiny = {n for n in models.names("*_tiny") if models.entry(n).is_builtin}
+    assert builtin_tiny <= {c.model["name"] for c in smoke.cells}
     families = {c.model["name"].split("_")[0] for c in smoke.cells}
     assert {"fc", "conv", "tied", "pcdeq", "mondeq", "opteq", "kglm"} <= families
     assert {c.backward["name"] for c in smoke.cells} == {"ift", "unrolled"}
     assert len(load_suite("suites/solvers.yaml").cells) == 12
+    # pcdeq: L (64-d input) and MC (28x28) cells, four activations and a control each, one run
+    pcdeq = load_suite("suites/pcdeq.yaml")
+    by_model = {
+        m: [c for c in pcdeq.cells if c.model["name"] == m] for m in ("pcdeq_l", "pcdeq_mc")
+    }
+    assert len(pcdeq.cells) == 10 and all(len(v) == 5 for v in by_model.values())
+    for cells in by_model.values():
+        acts = {c.model.get("activation") for c in cells}
+        assert acts == {"tanh", "softsign", "relu6", "sigmoid"}
+        assert [c.model.get("nonneg", True) for c in cells].count(False) == 1
+    assert {c.data.get("size", 8) for c in by_model["pcdeq_l"]} == {8}
+    assert {c.data["size"] for c in by_model["pcdeq_mc"]} == {28}
 
 
 @pytest.mark.slow
 def test_smoke_suite_writes_every_declared_row(tmp_path):
-    """The whole smoke suite (about 30 s on 2 cores): every (cell, seed) ok, and every cell has
+    """The whole smoke suite (about a minute on 2 cores): every (cell, seed) ok, and every cell has
     the rows its analyses declare for every seed."""
     summary = run_suite(load_suite("suites/smoke.yaml"), out=tmp_path, progress=False)
-    assert summary.exit_code == 0 and summary.tasks == 40
+    assert summary.exit_code == 0 and summary.tasks == 48
     df = load_results(summary.run_dir)
-    assert (df[df.analysis == RUNNER].status == "ok").sum() == 40
-    per_epoch = {("metrics", v, m) for v in ("train", "test") for m in ("loss", "accuracy")}
-    per_epoch |= {
+    assert (df[df.analysis == RUNNER].status == "ok").sum() == 48
+    metrics = {("metrics", v, m) for v in ("train", "test") for m in ("loss", "accuracy")}
+    solver = {
         ("solver_stats", v, m)
         for v in ("train", "test")
         for m in (
@@ -367,6 +383,10 @@ def test_smoke_suite_writes_every_declared_row(tmp_path):
     for (cell, seed), g in df.groupby(["cell_id", "seed"]):
         got = set(zip(g.analysis, g.variant, g.metric, g.step.fillna(-1)))
         epochs = range(1, int(cells[cell].train["epochs"]) + 1)
+        per_epoch = metrics | solver
+        if cells[cell].data["name"] == "denoise":  # regression (kglm_conv_deq_tiny): mse
+            per_epoch = {("metrics", v, m) for v in ("train", "test") for m in ("loss", "mse")}
+            per_epoch |= solver
         if cell.startswith("tied_repeat"):  # explicit network: metrics only, solver_stats skipped
             for epoch in (0, *epochs):
                 assert {(*k, epoch) for k in per_epoch if k[0] == "metrics"} <= got
@@ -388,14 +408,15 @@ def test_every_shipped_suite_validates(path):
     vs_torchdeq.yaml needs the TorchDEQ plugin, and says so before anything runs without it
     (with it: tests/test_torchdeq_plugin.py)."""
     from deqbench.registry import solvers
+    from deqbench.suite import load_suites
 
     root = Path(__file__).resolve().parents[1] / "suites"
     if path == "vs_torchdeq.yaml" and "torchdeq_anderson" not in solvers:
         with pytest.raises(ConfigError, match="unknown solver 'torchdeq_"):
             load_suite(root / path, device="cpu")
         return
-    suite = load_suite(root / path, device="cpu")
-    assert suite.cells
+    for suite in load_suites(root / path, device="cpu"):  # a collection: every part
+        assert suite.cells
 
 
 def test_suite_numeric_flags_are_applied_recorded_and_hashed(tmp_path):
