@@ -175,3 +175,19 @@ def test_gpu_peak_memory_counts_the_step_only():
     assert mem.method == "cuda_max_memory_allocated"
     assert 32 * MIB <= mem.peak_bytes < 40 * MIB
     del keep
+
+
+def test_cpu_peak_rss_of_a_train_step_counts_its_gradients():
+    """The step's own .grad (8 MiB here, everything else tiny) is in its peak, not in the
+    baseline: gradients left by the warm-up step must not be freed inside the measured step."""
+    from deqbench.analyses._perf import TrainStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 2048, bias=False)  # weight and its gradient: 8 MiB each
+    x, y = torch.randn(1, 1024), torch.randn(1, 2048)
+    step = TrainStep(model, x, y, "regression", {"optimizer": "sgd", "momentum": 0.0})
+    step()
+    assert all(p.grad is None for p in model.parameters())  # nothing held between steps
+    mem = cpu_peak_rss(step, warmup=1, threads=1, timeout=300)
+    assert mem.method == "rss_fresh_worker", mem.note
+    assert 7.5 <= mem.peak_mib < 20, mem  # before the fix: ~0 (grads in the baseline)

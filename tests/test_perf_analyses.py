@@ -209,6 +209,62 @@ def test_solver_overhead_rows_and_skip(digits):
     assert row.status == "skipped" and "DEQ layer" in row.note
 
 
+# -- CPU peak memory on: the fresh-worker path through each analysis (one worker ~2-3 s) ---------
+
+
+def _fresh_worker_row(row):
+    """A CPU peak-memory row measured as the peak RSS of a fresh worker process."""
+    assert row.status == "ok", row.note
+    assert row.unit == "MiB" and math.isfinite(row.value) and row.value >= 0, row
+    assert "rss_fresh_worker" in row.note, row.note
+
+
+def test_throughput_cpu_peak_memory_in_a_fresh_worker(digits):
+    a = deqbench.analyses.get("throughput")(
+        {"batch_size": 8, "repeats": 1, "warmup": 0, "at": ["init"], "threads": 1}
+    )
+    rows = list(a.before_training(_ctx(_fc(), digits)))
+    for kind in ("eval", "train"):
+        (mem,) = _by(rows, f"{kind}_peak_memory")
+        _fresh_worker_row(mem)
+
+
+def test_backward_cpu_peak_memory_in_a_fresh_worker(digits):
+    a = deqbench.analyses.get("backward")(
+        {
+            "modes": [{"name": "ift"}],
+            "batch_size": 8,
+            "repeats": 1,
+            "warmup": 0,
+            "reference": False,
+            "memory_series": [],
+            "at": ["init"],
+        }
+    )
+    rows = list(a.before_training(_ctx(_fc(), digits)))
+    (mem,) = _by(rows, "peak_memory", "ift-tol=1e-06")
+    _fresh_worker_row(mem)
+
+
+def test_solver_overhead_cpu_peak_memory_in_a_fresh_worker(digits):
+    a = deqbench.analyses.get("solver_overhead")(
+        {
+            "solvers": ["anderson"],
+            "tols": [1e-4],
+            "batch_size": 8,
+            "repeats": 1,
+            "warmup": 0,
+            "f_repeats": 1,
+            "f_loop": 1,
+            "memory_cpu": True,  # off by default for this analysis
+            "at": ["init"],
+        }
+    )
+    rows = list(a.before_training(_ctx(_fc(), digits)))
+    (mem,) = _by(rows, "peak_memory", "anderson-tol=0.0001")
+    _fresh_worker_row(mem)
+
+
 SUITE = """\
 schema: 1
 name: perf_tiny

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib
 import io
+import math
 import sys
 from pathlib import Path
 
@@ -198,3 +199,43 @@ def test_backward_analysis_side_by_side_with_wrapper(plugin):
     (skip,) = [r for r in rows if r.variant == "torchdeq_deq:unrolled-k=5"]
     assert skip.status == "skipped" and "unrolled" in skip.note
     assert type(model.deq).__name__ == "DEQLayer"  # the cell's model was not converted
+
+
+def test_solver_overhead_analysis_with_torchdeq_solvers(plugin):
+    from deqbench.analyses.base import CellContext
+    from deqbench.data import DataBundle
+
+    torch.manual_seed(0)
+    X, y = torch.randn(24, 16), torch.randint(0, 3, (24,))
+    data = DataBundle("toy", (X, y), (X[:8], y[:8]), (16,), 3)
+    model = deqbench.models.create("fc_deq_tiny", in_shape=(16,), num_outputs=3, width=12)
+    deqbench.inits.get("spectral")(model, seed=0, target=0.5)  # contractive: both converge
+    cell = {"model": {"name": "fc_deq_tiny"}, "train": {"epochs": 0, "batch_size": 8}}
+    ctx = CellContext(model, data, torch.device("cpu"), torch.float32, 0, "c", cell)
+    a = deqbench.analyses.get("solver_overhead")(
+        {
+            "solvers": ["anderson", "torchdeq_anderson"],
+            "tols": [1e-4],
+            "max_iter": 100,
+            "repeats": 2,
+            "warmup": 0,
+            "f_repeats": 2,
+            "f_loop": 2,
+            "memory": False,
+            "at": ["init"],
+        }
+    )
+    rows = list(a.before_training(ctx))
+    for label, origin in (("anderson", "built-in"), ("torchdeq_anderson", "deqbench-torchdeq")):
+        v = f"{label}-tol=0.0001"
+        by = {
+            m: [r for r in rows if r.metric == m and r.variant == v]
+            for m in {r.metric for r in rows}
+        }
+        assert by["converged"][0].value == 1.0, by["converged"][0].note
+        assert by["rel_residual"][0].value < 1e-4
+        fe = [r.value for r in by["f_evals"]]
+        assert len(fe) == 2 and fe[0] == fe[1] > 0  # counted by wrapping f, for both solvers
+        ov = [r.value for r in by["overhead"]] + [by["overhead_median"][0].value]
+        assert all(math.isfinite(o) and o > 0 for o in ov), ov
+        assert origin in by["overhead_median"][0].note

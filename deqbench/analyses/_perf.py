@@ -199,7 +199,11 @@ class GradStep:
 class TrainStep:
     """A full optimiser step on ``model`` (zero_grad, forward, loss, backward, step) with the
     cell's optimiser; the optimiser is built on first call. Returns (forward, backward)
-    f-evaluations."""
+    f-evaluations.
+
+    The gradients are dropped after the step (``zero_grad(set_to_none=True)``), so no ``.grad``
+    of a warm-up step is in a peak-memory baseline and freed inside the measured step (which
+    would leave the step's own gradients out of its peak)."""
 
     def __init__(
         self, model: nn.Module, x: Tensor, y: Tensor, task: Any, train: dict[str, Any] | None = None
@@ -225,6 +229,7 @@ class TrainStep:
             loss = loss_for(self.task)(self.model(self.x), self.y)
             loss.backward()
         self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return forward_nstep(self.model), backward_nstep(self.model)
 
 
