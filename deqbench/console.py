@@ -94,7 +94,9 @@ def print_collection(summaries: list[Any], total: int) -> None:
         if path.exists():
             with open(path, newline="", encoding="utf-8") as fh:
                 rows = list(csv.DictReader(fh))
-            held = f"{sum(r.get('held') == 'yes' for r in rows)} / {len(rows)}"
+            yes = sum(r.get("held") == "yes" for r in rows)
+            no = sum(r.get("held") == "no" for r in rows)
+            held = f"{yes} / {yes + no}"  # informational rows (held: info) aside
         failed = f"{len(sm.failed)}" + (" (interrupted)" if sm.interrupted else "")
         table.add_row(esc(sm.run_dir.parent.name), failed, held, esc(sm.run_dir))
     out_console().print(table)
