@@ -230,3 +230,46 @@ def test_family_stats_rows_and_pcdeq_outcome(tmp_path):
     df.to_csv(tmp_path / "results.csv", index=False)
     summary = summarize(tmp_path)
     assert (tmp_path / "summary.csv").exists() and len(summary) == len(out)
+
+
+def test_pcdeq_outcome_accuracy_bar_per_architecture():
+    """suites/pcdeq.yaml runs L and MC cells in one run: the accuracy bar follows each cell's
+    model (L >= 0.9, MC >= 0.8); every other check is the same for both."""
+    from deqbench.outcomes import check
+
+    def row(cell, model, metric, value, step=None, analysis="family_stats", variant=""):
+        return {
+            "cell_id": cell,
+            "model": model,
+            "seed": 0,
+            "analysis": analysis,
+            "variant": variant,
+            "metric": metric,
+            "step": step,
+            "value": value,
+            "status": "ok",
+            "note": "",
+        }
+
+    rows = []
+    for cell, model in (("l", "pcdeq_l"), ("mc", "pcdeq_mc")):
+        rows += [row(cell, model, "nonneg_constraint", 1.0), row(cell, model, "weight_min", 0.0, 1)]
+        for epoch, (it, sig) in enumerate([(4.0, 0.2), (5.0, 0.3), (6.0, 0.4)], start=1):
+            rows += [
+                row(cell, model, "forward_nstep", it, epoch),
+                row(cell, model, "backward_nstep", it, epoch),
+                row(cell, model, "forward_not_converged", 0.0, epoch),
+                row(cell, model, "backward_not_converged", 0.0, epoch),
+                row(cell, model, "forward_diverged", 0.0, epoch),
+                row(cell, model, "sigma_max", sig, epoch, variant="layer0"),
+                row(cell, model, "sigma_max", sig, epoch, variant="max"),
+                row(cell, model, "test_accuracy", 0.85, epoch),
+            ]
+        rows.append(row(cell, model, "wall_time", 1.0, analysis="runner"))
+    out = check(pd.DataFrame(rows), "pcdeq").set_index(["cell_id", "check"])
+    assert out.loc[("l", "test accuracy"), "held"] == "no"
+    assert out.loc[("l", "test accuracy"), "expected"] == ">= 0.9"
+    assert out.loc[("mc", "test accuracy"), "held"] == "yes"
+    assert out.loc[("mc", "test accuracy"), "expected"] == ">= 0.8"
+    others = out[out.index.get_level_values("check") != "test accuracy"]
+    assert set(others.held) == {"yes"}
