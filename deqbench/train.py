@@ -253,6 +253,8 @@ def train(
             rec = {"loss": lv, **st}
             if data.task == "classification":
                 rec["accuracy"] = float((out.detach().argmax(1) == yb).float().mean())
+            else:  # the loss is the MSE (as in evaluate), so every epoch has a train MSE row
+                rec["mse"] = lv
             for k, v in rec.items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1

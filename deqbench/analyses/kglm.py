@@ -500,8 +500,8 @@ def denoise_figure(df: Any) -> Any | None:
     from ..plots import new_figure
 
     p = denoise_points(df)
-    if p.empty:
-        return None
+    if p.empty or not np.isfinite(p["spectral_norm"].astype(float)).any():
+        return None  # no spectral-norm rows (a suite without the spectral analysis)
     epochs = sorted(p["epoch"].unique())
     fig = new_figure(3.2, 3.0, ncols=len(epochs))
     ok = p["test_mse"][np.isfinite(p["test_mse"])]
