@@ -416,7 +416,12 @@ def denoise_points(df: Any) -> Any:
     """
     import pandas as pd
 
-    base = df[df["model"].astype(str).str.startswith("kglm_conv_deq")]
+    # the kGLM-vs-random study: conv denoisers under a kGLM scheme (a default-init denoiser, as
+    # in the smoke suite, is not part of it)
+    base = df[
+        df["model"].astype(str).str.startswith("kglm_conv_deq")
+        & df["init"].astype(str).isin(["kglm_informed", "kglm_naive", "kglm_random"])
+    ]
     if base.empty:
         return pd.DataFrame()
     sn = _metric(base, "spectral", "sigma_max", "mean")
