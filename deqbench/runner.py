@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import results as res
 from .errors import ConfigError
-from .task import Listener, Task, TaskResult, apply_numeric_flags, run_task
+from .task import (
+    Listener,
+    Task,
+    TaskResult,
+    apply_numeric_flags,
+    numeric_state,
+    restore_numeric_state,
+    run_task,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .suite import Suite
@@ -217,8 +225,25 @@ def run_suite(
     Returns:
         :class:`RunSummary` (``exit_code`` 0, 1 if a task failed, 130 if interrupted).
         KeyboardInterrupt is caught: rows of finished tasks are on disk, ``run.json`` says
-        ``interrupted``.
+        ``interrupted``. The suite's ``threads`` and numeric flags hold for the run; the
+        process's own settings are restored afterwards.
     """
+    state = numeric_state()
+    try:
+        return _run_suite(suite, out, resume, executor, progress, plots, command)
+    finally:
+        restore_numeric_state(state)
+
+
+def _run_suite(
+    suite: Suite,
+    out: str | Path | None,
+    resume: str | Path | None,
+    executor: Executor | None,
+    progress: bool | None,
+    plots: bool,
+    command: list[str] | None,
+) -> RunSummary:
     if suite.threads:
         import torch
 

@@ -217,6 +217,7 @@ def test_landscape_analysis_hook_and_directions_file(tmp_path):
         ls.landscape(m, X, y, grid=4)  # the library call too: theta* must be a grid point
 
     # an explicit norm / include_1d overrides the file's own settings (and the note says so)
+    orig = ls.load_directions(dfile)
     explicit = Landscape(
         {"grid": 3, "max_samples": 32, "directions": str(dfile), "progress": False,
          "norm": "layer", "include_1d": True}
@@ -225,10 +226,13 @@ def test_landscape_analysis_hook_and_directions_file(tmp_path):
     assert "norm=layer ignore=none" in next(r.note for r in rows if r.metric == "loss_center")
     other = pd.read_csv(series)
     assert not other["loss"].equals(first["loss"])
-    dirs = ls.load_directions(dfile)
-    want = ls.resolve_directions(m, dirs, norm="layer", include_1d=True)
-    got_default = ls.resolve_directions(m, dirs)
+    want = ls.resolve_directions(m, orig, norm="layer", include_1d=True)
+    got_default = ls.resolve_directions(m, orig)
     assert any(not torch.equal(want[0][n], got_default[0][n]) for n in want[0])
+    saved = ls.load_directions(dfile)  # the run's artifact records what was used
+    assert saved.meta["norm"] == "layer" and saved.meta["include_1d"] is True
+    with pytest.raises(ValueError, match="renormalize: true"):
+        Landscape({"directions": str(dfile), "renormalize": False, "norm": "layer"})
 
     # a missing or mismatched directions file fails before training, not after it
     with pytest.raises(ConfigError, match="not found"):

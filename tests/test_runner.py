@@ -452,13 +452,22 @@ def test_suite_numeric_flags_are_applied_recorded_and_hashed(tmp_path):
     try:
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = False
+        torch.use_deterministic_algorithms(False)
+        threads_before = torch.get_num_threads()
         summary = run_suite(flagged, progress=False, plots=False)
         meta = json.loads((summary.run_dir / "run.json").read_text())
         text = json.dumps(meta)
         assert '"tf32_cudnn": false' in text and '"cudnn_benchmark": true' in text
         assert '"tf32_matmul": false' in text
         assert '"cudnn_deterministic": true' in text and '"deterministic_algorithms": true' in text
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", old[6])
+        # afterwards the process is as before (the next run, e.g. a collection's next part,
+        # does not inherit the flags)
+        assert torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert not torch.backends.cudnn.deterministic
+        assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == old[6]
+        assert torch.get_num_threads() == threads_before
         # the resolved suite written next to the results keeps the flags (resume reloads it)
         assert load_suite(summary.run_dir / "suite.yaml").hash == flagged.hash
     finally:

@@ -19,6 +19,7 @@ Example (suite YAML)::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -26,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .. import plots
 from ..registry import analyses
@@ -166,6 +167,16 @@ class Landscape(Analysis):
                 return parse_range(v)
             return v
 
+        @model_validator(mode="after")
+        def _explicit_norm_needs_renormalize(self) -> Landscape.Params:
+            given = [k for k in ("norm", "include_1d") if k in self.model_fields_set]
+            if self.directions and not self.renormalize and given:
+                raise ValueError(
+                    f"{' and '.join(given)} with a directions file take effect by renormalising "
+                    "its raw draw: drop them or set renormalize: true"
+                )
+            return self
+
         @field_validator("grid")
         @classmethod
         def _odd(cls, v: int) -> int:
@@ -220,9 +231,14 @@ class Landscape(Analysis):
             dirs = ls.random_directions(
                 ctx.model, p.dims, seed=p.seed, norm=p.norm, include_1d=p.include_1d
             )
-        resolved = ls.resolve_directions(ctx.model, dirs, renormalize=p.renormalize, **explicit)[
-            : p.dims
-        ]
+        resolved = ls.resolve_directions(ctx.model, dirs, renormalize=p.renormalize, **explicit)
+        if explicit:  # the saved artifact records the normalisation actually used
+            dirs = dataclasses.replace(
+                dirs,
+                normalized=[{n: t.detach().double().cpu() for n, t in d.items()} for d in resolved],
+                meta={**dirs.meta, **explicit},
+            )
+        resolved = resolved[: p.dims]
         ax = ls.axis(p.grid, *p.range)
         total = len(ax) ** p.dims
         with _Bar(total, f"landscape {ctx.cell_id}", p.progress) as bar:
