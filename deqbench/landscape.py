@@ -384,8 +384,8 @@ def landscape(
     range_: tuple[float, float] = (-1.0, 1.0),
     dims: int = 2,
     seed: int = 0,
-    norm: str = "filter",
-    include_1d: bool = False,
+    norm: str | None = None,
+    include_1d: bool | None = None,
     directions: Directions | str | Path | None = None,
     renormalize: bool = True,
     **kwargs: Any,
@@ -393,21 +393,32 @@ def landscape(
     """Directions plus grid in one call: returns (DataFrame, Directions).
 
     ``directions`` may be a :class:`Directions` or a file from :func:`save_directions`; else
-    ``dims`` new ones are drawn with ``seed``. Other keyword arguments go to
-    :func:`evaluate_grid`.
+    ``dims`` new ones are drawn with ``seed``. ``norm`` / ``include_1d``: for new directions
+    (default ``filter`` / False); with given ones the stored settings unless these are given
+    (they then renormalise the raw draw, so they need ``renormalize``). Other keyword
+    arguments go to :func:`evaluate_grid`.
 
     Example:
         >>> df, dirs = landscape(model, X, y, grid=21)      # doctest: +SKIP
     """
     if isinstance(directions, (str, Path)):
         directions = load_directions(directions)
+    explicit = {k: v for k, v in (("norm", norm), ("include_1d", include_1d)) if v is not None}
     if directions is None:
-        directions = random_directions(model, dims, seed=seed, norm=norm, include_1d=include_1d)
+        directions = random_directions(
+            model, dims, seed=seed, norm=norm or "filter", include_1d=bool(include_1d)
+        )
+        explicit = {}
+    elif explicit and not renormalize:
+        raise ConfigError(
+            "landscape: norm/include_1d with given directions take effect by renormalising "
+            "their raw draw: drop them or pass renormalize=True"
+        )
     if directions.ndim < dims:
         raise ConfigError(
             f"landscape: {dims} dimensions need {dims} directions, the file has {directions.ndim}"
         )
-    resolved = resolve_directions(model, directions, renormalize=renormalize)[:dims]
+    resolved = resolve_directions(model, directions, renormalize=renormalize, **explicit)[:dims]
     if grid % 2 == 0:
         raise ConfigError(
             f"landscape.grid must be odd so that the trained parameters are a grid point, "

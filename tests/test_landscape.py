@@ -302,3 +302,17 @@ def test_landscape_command_through_runner(tmp_path):
     with torch.no_grad():
         expect = float(nn.functional.cross_entropy(net(X[:32]), y[:32]))
     assert centre == pytest.approx(expect, rel=1e-5)
+
+
+def test_library_call_takes_the_directions_settings_unless_given(tmp_path):
+    m = _fc_deq()
+    X, y = _data(16)
+    df0, dirs = ls.landscape(m, X, y, grid=3, dims=1, norm="filter")
+    path = ls.save_directions(dirs, tmp_path / "d.pt")
+    same, _ = ls.landscape(m, X, y, grid=3, dims=1, directions=path)
+    pd.testing.assert_frame_equal(same.drop(columns="seconds", errors="ignore"),
+                                  df0.drop(columns="seconds", errors="ignore"))  # fmt: skip
+    other, _ = ls.landscape(m, X, y, grid=3, dims=1, directions=path, include_1d=True)
+    assert not other["loss"].equals(df0["loss"])
+    with pytest.raises(ConfigError, match="renormalize=True"):
+        ls.landscape(m, X, y, grid=3, dims=1, directions=path, norm="layer", renormalize=False)
