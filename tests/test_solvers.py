@@ -285,3 +285,59 @@ def test_chunked_layout_matches(name, monkeypatch):
         z, st = get(name)(f, z0, max_iter=100, tol=1e-10, **opts)
         assert st.converged and abs(st.nstep - st_ref.nstep) <= 1
         torch.testing.assert_close(z, z_ref, rtol=0, atol=1e-9)
+
+
+def _dense_broyden_iterates(A, b, x0, memory, steps):
+    """Broyden's first method with a dense inverse-Jacobian estimate per sample, restarting
+    from B = -I (then updated with the step that was just taken) when ``memory`` updates are
+    stored: the points f is evaluated at."""
+    n = x0.shape[1]
+    out = []
+    for x in x0:
+        B = -torch.eye(n, dtype=x.dtype)
+        g = A @ x + b - x
+        dx = -B @ g
+        pts, k = [x.clone()], 0
+        for _ in range(steps):
+            xn = x + dx
+            pts.append(xn.clone())
+            gn = A @ xn + b - xn
+            if k >= memory:
+                B, k = -torch.eye(n, dtype=x.dtype), 0
+            dg = gn - g
+            v = B.T @ dx
+            B = B + torch.outer((dx - B @ dg) / (v @ dg), v)
+            k += 1
+            x, g, dx = xn, gn, -B @ gn
+        out.append(torch.stack(pts))
+    return torch.stack(out, 1)  # (steps + 1, batch, n)
+
+
+@pytest.mark.parametrize(
+    "memory,line_search", [(2, False), (3, False), (5, False), (3, True), (5, True)]
+)
+def test_broyden_iterates_match_dense_broyden_through_restarts(memory, line_search):
+    """Every point f is evaluated at equals a dense Broyden's, before and after restarts (the
+    first update after a restart used the old matrix's step shortcuts: wrong from there on).
+    With line search, cases where every full step decreases ||g|| enough (no backtracking,
+    which the reference does not model)."""
+    g = torch.Generator().manual_seed(1)
+    n = 12
+    M = torch.randn(n, n, generator=g, dtype=torch.float64)
+    A = 0.5 * (M + M.T)
+    A *= 0.9 / torch.linalg.matrix_norm(A, 2)
+    b = torch.randn(n, generator=g, dtype=torch.float64)
+    x0 = torch.zeros(2, n, dtype=torch.float64)
+    seen = []
+
+    def f(z):
+        seen.append(z.detach().clone())
+        return z @ A.T + b
+
+    steps = 3 * memory + 2
+    opts = {"memory": memory, "stagnation": False, "line_search": line_search}
+    deqbench.solvers.get("broyden")(f, x0, max_iter=steps + 1, tol=1e-30, **opts)
+    ref = _dense_broyden_iterates(A, b, x0, memory, steps)
+    got = torch.stack(seen)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)

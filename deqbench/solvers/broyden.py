@@ -20,7 +20,9 @@ Implementation notes (derived from these equations):
   q+ = B+ g+ = B g+ (dx.dx) / (v.dg): a per-sample scale of B g+, no extra state pass.
 * A pair whose denominator v.dg is non-finite or lost in rounding (below sqrt(eps) times
   |e| + dx.dx) is stored as u = 0: it then contributes nothing, and the step uses B g+. The pairs live in a buffer of at most ``memory`` pairs, allocated on the first
-  update. When it is full the default is to restart from B = -I: overwriting the oldest pair
+  update. When it is full the default is to restart from B = -I, with this step's own Broyden
+  update of -I as the first new pair (the step came from the old matrix, so that update is
+  formed from g before and after the step, not from the shortcuts above): overwriting the oldest pair
   (``on_full="ring"``) leaves later pairs built on a matrix that no longer exists, and that
   diverged on a 32-dim linear problem (memory 20) and on the conv cell (memory 5), where the
   restart converged.
@@ -162,7 +164,11 @@ def broyden(
     gnorm2 = None
     s = None
     done = tracker.stop() or nstep >= max_iter
+    g_prev: Tensor | None = None
     while not done:
+        restart = A is not None and npairs >= cap and on_full == "restart"
+        if restart:  # the update after this step starts from B = -I: it needs g itself
+            g_prev = W[:, :, 0].clone()
         # -- step x+ = x + dx, dx = -s q ---------------------------------------------------
         if not line_search:
             xn = x + W[:, :, 1]
@@ -201,9 +207,35 @@ def broyden(
             C[:, 0, 0] = -1.0
             C[:, 1, 1] = -1.0
         assert C is not None
-        if npairs >= cap and on_full == "restart":
-            npairs = 0
+        if restart:
+            # B = -I again, and its first update from this step. The step came from the old B,
+            # so the shortcuts below (B dg = B g+ - q) do not hold: with B = -I,
+            # v = -dx, B dg = -dg, u = (dx + dg) / (v . dg), and q+ = -g+ + u (v . g+).
+            assert g_prev is not None
             restarts += 1
+            gp, dxv = W[:, :, 0], W[:, :, 1]
+            dg = gp - g_prev
+
+            def dot(a: Tensor, b: Tensor) -> Tensor:
+                return torch.linalg.vecdot(a, b).sum(1)  # (B, nc, cd) -> (B,)
+
+            den = -dot(dxv, dg)  # v . dg
+            dxg = dot(dxv, gp)  # dx . g+ (= -v . g+)
+            inv = 1.0 / den
+            ok = torch.isfinite(inv) & (den.abs() > tiny * (dxg.abs() + dot(dxv, g_prev).abs()))
+            skipped += ~ok
+            inv = torch.where(ok, inv, 0.0).view(bsz, 1, 1)
+            u, v = A[:, :, 2], A[:, :, 3]
+            torch.neg(dxv, out=v)
+            torch.add(dxv, dg, out=u).mul_(inv)
+            # q+ = -g+ - u (dx . g+); the next step is dx+ = -q+ (line search: -s q+)
+            if not line_search:
+                torch.addcmul(gp, u, dxg.view(bsz, 1, 1), out=W[:, :, 1])
+            else:
+                q = torch.addcmul(-gp, u, dxg.view(bsz, 1, 1), value=-1.0)
+            npairs = 1
+            x = xn
+            continue
         used = 2 + 2 * min(npairs, cap)
         An = rows(A, 0, used)
         P = torch.bmm(An, rows(A, 0, 2).transpose(1, 2))  # products with g+ and dx
