@@ -48,7 +48,11 @@ class BackwardConfig:
         name: ift | unrolled | jfb | phantom.
         solver: adjoint solver for ``ift`` (default: fixed_point).
         max_iter, tol, stop_mode: adjoint budget and tolerance (``ift``).
-        k: steps for ``unrolled`` (K, from z0) and ``phantom`` (from z*).
+        k: steps for ``unrolled`` (K, from z0) and ``phantom`` (from z*). ``unrolled``
+            backpropagates through K steps of plain iteration z <- f(z) (or through the
+            forward solver's own ``unroll`` when it defines one, e.g. SAM), whatever the
+            forward solver; its reported residual is ||z_K - z_{K-1}||, that of z_{K-1} (no
+            extra f-evaluation).
         tau: damping of ``phantom`` steps.
         b_init: adjoint initial guess, "grad" (saves one VJP) or "zeros".
         second_order: how a double backward (Hessian-vector products) differentiates the
@@ -70,6 +74,34 @@ class BackwardConfig:
     second_order: str = "implicit"
     refine: int = 100
     options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Bad values are a ConfigError here (the suite schema checks the same for suites): a
+        typo in ``second_order`` silently took the refine path (an HVP 61% off), ``b_init``
+        "gard" meant "zeros", ``k = 0`` became 1."""
+        from .errors import ConfigError
+
+        choices = {
+            "name": BACKWARD_MODES,
+            "b_init": ("grad", "zeros"),
+            "second_order": ("implicit", "refine"),
+            "stop_mode": ("rel", "abs"),
+        }
+        bad = [
+            f"{k} must be one of {', '.join(v)}, got {getattr(self, k)!r}"
+            for k, v in choices.items()
+            if getattr(self, k) not in v
+        ]
+        for k, lo in (("k", 1), ("max_iter", 1), ("refine", 0)):
+            v = getattr(self, k)
+            if isinstance(v, bool) or int(v) != v or v < lo:
+                bad.append(f"{k} must be an integer >= {lo}, got {v!r}")
+        if not 0 < float(self.tau) <= 1:
+            bad.append(f"tau must be in (0, 1], got {self.tau!r}")
+        if not float(self.tol) >= 0:
+            bad.append(f"tol must be >= 0, got {self.tol!r}")
+        if bad:
+            raise ConfigError("backward: " + "; ".join(bad))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -74,6 +74,7 @@ def specs() -> dict[str, type[BaseModel]]:
                 "refine": nonneg,
                 "tau": Annotated[float, Field(gt=0, le=1)],
                 "b_init": Literal["grad", "zeros"],
+                "second_order": Literal["implicit", "refine"],
             },
         ),
         "train": _from_dataclass(

@@ -134,3 +134,36 @@ def test_unknown_backward_mode_is_config_error():
     m = tiny_tanh_deq()
     with pytest.raises(ConfigError, match="backward mode"):
         configure(m, backward=BackwardConfig("ifft"))
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"second_order": "exact"}, "second_order must be one of implicit, refine"),
+        ({"b_init": "gard"}, "b_init must be one of grad, zeros"),
+        ({"k": 0}, "k must be an integer >= 1"),
+        ({"tau": 0.0}, r"tau must be in \(0, 1\]"),
+        ({"name": "ifft"}, "name must be one of ift"),
+        ({"stop_mode": "relative"}, "stop_mode must be one of rel, abs"),
+    ],
+)
+def test_backward_config_rejects_bad_values(kw, msg):
+    """A typo must not silently pick another behaviour (second_order 'exact' took the refine
+    path: an HVP 61% off)."""
+    from deqbench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=msg):
+        BackwardConfig(**kw)
+
+
+def test_suite_rejects_unknown_second_order():
+    from deqbench.errors import ConfigError
+    from deqbench.suite import suite_from_dict
+
+    raw = {
+        "schema": 1, "name": "x", "device": "cpu", "data": {"name": "digits"},
+        "defaults": {"model": {"name": "fc_deq_tiny"},
+                     "backward": {"name": "ift", "second_order": "exact"}},
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="second_order"):
+        suite_from_dict(raw)
