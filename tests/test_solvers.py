@@ -341,3 +341,16 @@ def test_broyden_iterates_match_dense_broyden_through_restarts(memory, line_sear
     got = torch.stack(seen)
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", ["fixed_point", "anderson", "broyden", "sam"])
+def test_bad_map_or_start_is_a_solver_error_naming_the_solver(name):
+    from deqbench.solvers.base import SolverOptionError
+
+    solve = deqbench.solvers.get(name)
+    with pytest.raises(
+        SolverOptionError, match=rf"solver '{name}': f maps .* \(2, 4\) to .* \(2, 3\)"
+    ):
+        solve(lambda z: z[:, :3], torch.zeros(2, 4), max_iter=5, tol=1e-3)
+    with pytest.raises(SolverOptionError, match=rf"solver '{name}': z0 must be a floating-point"):
+        solve(lambda z: z, torch.zeros(2, 4, dtype=torch.long), max_iter=5, tol=1e-3)

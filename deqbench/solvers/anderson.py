@@ -37,6 +37,7 @@ from .base import (
     Tracker,
     check_budget,
     check_options,
+    check_output,
     chunking,
     flat,
     graph_loop,
@@ -145,6 +146,8 @@ def anderson(
     while True:
         fx = f(x)
         nstep += 1
+        if nstep == 1:
+            check_output("anderson", x, fx)
         slot = (nstep - 1) % m
         n = min(nstep, m)
         Fs, Gs = Fb[:, :, slot], Gb[:, :, slot]  # (B, nc, cd) views

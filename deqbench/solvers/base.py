@@ -249,6 +249,16 @@ def check_budget(solver: str, max_iter: int, tol: float, stop_mode: str) -> None
         raise option_error(solver, f"tol must be >= 0, got {tol!r}")
 
 
+def check_output(solver: str, z: Tensor, fz: Tensor) -> None:
+    """f must map an iterate to a tensor of the same shape (checked on the first call)."""
+    if fz.shape != z.shape:
+        raise option_error(
+            solver,
+            f"f maps an iterate of shape {tuple(z.shape)} to shape {tuple(fz.shape)}; a "
+            "fixed-point map must keep the shape",
+        )
+
+
 def batch_norm(x: Tensor, out: Tensor | None = None) -> Tensor:
     """Per-sample 2-norm over all non-batch dims of ``x`` (B, ...) without reshaping copies."""
     if x.dim() == 1:
@@ -315,6 +325,8 @@ class Tracker:
         common: CommonOptions,
         stagnation: tuple[int, float, float] | None = None,
     ) -> None:
+        if not z0.is_floating_point():
+            raise option_error(solver, f"z0 must be a floating-point tensor, got {z0.dtype}")
         self.solver = solver
         self.shape = z0.shape
         self.B = int(z0.shape[0])

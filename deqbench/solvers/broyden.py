@@ -48,6 +48,7 @@ from .base import (
     batch_norm,
     check_budget,
     check_options,
+    check_output,
     chunking,
     flat,
     option_error,
@@ -155,6 +156,7 @@ def broyden(
 
     x = z0.reshape(bsz, nc, cd)
     fx = f(z0)
+    check_output("broyden", z0, fx)
     nstep = 1
     torch.sub(fx.reshape(bsz, nc, cd), x, out=W[:, :, 0])
     tracker.record(z0, fx, W[:, :, 0])

@@ -21,6 +21,7 @@ from .base import (
     Tracker,
     check_budget,
     check_options,
+    check_output,
     graph_loop,
     graph_mode,
     graph_state,
@@ -117,6 +118,8 @@ def fixed_point(
     while True:
         fz = f(z)
         nstep += 1
+        if nstep == 1:
+            check_output("fixed_point", z, fz)
         if tau == 1.0:
             tracker.record(z, fz, None)
             if tracker.stop() or nstep >= max_iter:

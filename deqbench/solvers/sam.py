@@ -35,6 +35,7 @@ from .base import (
     Tracker,
     check_budget,
     check_options,
+    check_output,
     option_error,
     residuals,
 )
@@ -167,6 +168,8 @@ def sam(
     while True:
         tz = f(z)
         nstep += 1
+        if nstep == 1:
+            check_output("sam", z, tz)
         tracker.record(z, tz, tz - z)
         stop = tracker.stop()
         if tracker.status == "diverged" or nstep >= max_iter:
