@@ -69,6 +69,7 @@ OUTPUT_KINDS = ("sum", "scalar", "full")
 __all__ = [
     "empirical_ntk",
     "ntk_summary",
+    "ntk_budget",
     "naive_ntk",
     "gram_ntk",
     "prepare",
@@ -117,9 +118,11 @@ def empirical_ntk(
         chunk_size: ``vmap`` chunk size for the per-sample gradients (None: all rows at once).
         method: ``"batched"`` (default), ``"naive"`` (one backward per probe through the model,
             a reference) or ``"gram"`` (closed form; ``fc_deq``-type models only).
-        tol: forward and adjoint solver tolerance for DEQs (None: the model's configured ones).
-            In float64 use <= 1e-8: the lambda_min error is about tol * cond / (1 - L).
-        max_iter: forward and adjoint iteration budget (None: the model's configured ones).
+        tol: forward and adjoint solver tolerance for DEQs (None: 1e-10 in float64, 1e-6 in
+            float32, not the model's training tolerance: the lambda_min error is about
+            tol * cond / (1 - L)); see :func:`ntk_budget`.
+        max_iter: forward and adjoint iteration budget (None: the largest configured one, at
+            least 1000).
         block_bytes: memory budget of one per-sample gradient block (float64 copy included);
             default 256 MiB on CPU, a quarter of the free memory (<= 8 GiB) on CUDA.
         adjoint: how the batched adjoint (I - J^T) w = g is solved: "solver" (the layer's
@@ -136,12 +139,18 @@ def empirical_ntk(
     Example:
         >>> K = empirical_ntk(model, X, output=3, method="batched")   # doctest: +SKIP
     """
-    if method not in METHODS:
-        from .errors import ConfigError
+    from .errors import ConfigError
 
+    if method not in METHODS:
         raise ConfigError(
             f"ntk.method: unknown method '{method}'; choose from {', '.join(METHODS)}"
         )
+    if inputs.dim() < 2 or inputs.shape[0] < 1:
+        raise ConfigError(
+            f"ntk: inputs must be a batch (N, ...) with N >= 1 probes, got shape "
+            f"{tuple(inputs.shape)}"
+        )
+    tol, max_iter = ntk_budget(model, inputs.dtype, tol, max_iter)
     t0 = time.perf_counter()
     with _numerics(), _eval_mode(model):
         if method == "naive":
@@ -176,6 +185,31 @@ def empirical_ntk(
     return (K, info) if return_info else K
 
 
+def ntk_budget(
+    model: nn.Module, dtype: torch.dtype, tol: float | None, max_iter: int | None
+) -> tuple[float | None, int | None]:
+    """Solver tolerance and budget of the NTK's solves for a DEQ (unchanged for other models).
+
+    ``tol`` None: 1e-10 in float64, 1e-6 in float32, unless the model is configured tighter
+    (then its own tolerances and budgets are kept: None, ``max_iter``). The lambda_min error is
+    about tol * cond / (1 - L) (REFERENCE 8.3), so a training tolerance is far too loose. When
+    the tolerance is tighter than the configured ones and ``max_iter`` is None, the budget is
+    the largest configured one, at least 1000."""
+    layers = list(deq_layers(model))
+    if not layers:
+        return tol, max_iter
+    cfgs = [c for lay in layers for c in (lay.solver_cfg, lay.backward_cfg)]
+    configured = min(float(c.tol) for c in cfgs)
+    if tol is None:
+        default = 1e-10 if dtype == torch.float64 else 1e-6
+        if configured <= default:
+            return None, max_iter
+        tol = default
+    if max_iter is None and tol < configured:
+        max_iter = max([1000] + [int(c.max_iter) for c in cfgs])
+    return tol, max_iter
+
+
 def ntk_summary(K: Tensor, *, eps: float | None = None, c: float = 1.0) -> dict[str, Any]:
     """Spectrum summary of an NTK matrix, computed in float64 on ``(K + K^T)/2``.
 
@@ -195,11 +229,27 @@ def ntk_summary(K: Tensor, *, eps: float | None = None, c: float = 1.0) -> dict[
         >>> ntk_summary(torch.eye(3))["condition"]
         1.0
     """
+    from .errors import ConfigError
+
+    if K.dim() != 2 or K.shape[0] != K.shape[1]:
+        raise ConfigError(f"ntk_summary: K must be a square (N, N) matrix, got {tuple(K.shape)}")
     K64 = K.detach().to(torch.float64)
     K64 = 0.5 * (K64 + K64.T)
     n = int(K64.shape[0])
     if n == 0:
-        raise ValueError("ntk_summary: empty kernel")
+        raise ConfigError("ntk_summary: empty kernel")
+    if not bool(torch.isfinite(K64).all()):  # e.g. a diverged solve: nothing is resolved
+        trace = float(torch.diagonal(K64).sum())
+        return {
+            "lambda_min": math.nan,
+            "lambda_max": math.nan,
+            "condition": math.inf,
+            "trace": trace,
+            "trace_per_n": trace / n,
+            "noise_floor": math.nan,
+            "resolved": False,
+            "n": n,
+        }
     with _numerics():
         ev = torch.linalg.eigvalsh(K64)
     lmin, lmax = float(ev[0]), float(ev[-1])

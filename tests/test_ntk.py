@@ -364,3 +364,70 @@ def test_params_are_validated():
         deqbench.analyses.get("ntk")({"n": 8, "evry": 2})
     with pytest.raises(ValidationError):
         deqbench.analyses.get("ntk")({"output": "mean"})
+
+
+def test_predicted_slope_formula_and_step_size_limit():
+    """2 log max(|1 - q_min|, |1 - q_max|), q = 2 lr lambda / N: the lambda_min form while
+    lr (lambda_min + lambda_max) <= N; no decay guaranteed (>= 0) once 2 lr lambda_max / N >= 2."""
+    from deqbench.analyses.ntk import predicted_log_loss_slope as slope
+
+    assert slope(1.0, 0.1, 10) == pytest.approx(2 * math.log(0.98), rel=1e-15)
+    assert slope(1.0, 0.1, 10, lambda_max=50.0) == pytest.approx(2 * math.log(0.98))
+    assert slope(1.0, 0.1, 10, lambda_max=150.0) == pytest.approx(2 * math.log(2.0))
+    assert slope(1.0, 0.1, 10, lambda_max=120.0) == pytest.approx(2 * math.log(1.4))
+    assert math.isnan(slope(-1.0, 0.1, 10))
+    # a linear model (its NTK is exact): the measured per-step slope of GD is never slower
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 1, bias=False).double()
+    X, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    s = ntk_summary(empirical_ntk(lin, X))
+    assert s["resolved"]
+    for lr in (0.5 * 4 / (s["lambda_min"] + s["lambda_max"]), 1.2 * 4 / s["lambda_max"]):
+        opt = torch.optim.SGD(lin.parameters(), lr=lr)
+        losses = []
+        for _ in range(6):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(lin(X), y)
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+        measured = max(math.log(b / a) for a, b in zip(losses, losses[1:]))
+        bound = slope(s["lambda_min"], lr, 4, lambda_max=s["lambda_max"])
+        assert measured <= bound + 1e-9
+
+
+def test_tf32_off_and_highest_precision_during_the_computation():
+    m = tiny_tanh_deq()
+    seen = []
+    hook = m.register_forward_hook(
+        lambda *_: seen.append(
+            (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
+        )
+    )
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        empirical_ntk(m, torch.randn(3, 6, dtype=torch.float64), method="naive")
+    finally:
+        torch.set_float32_matmul_precision(prev)
+        hook.remove()
+    assert seen and all(s == ("highest", False) for s in seen)
+
+
+def test_bad_inputs_are_config_errors_and_default_tolerance_is_tight():
+    from deqbench.errors import ConfigError
+
+    m = tiny_tanh_deq()
+    for X in (torch.randn(0, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)):
+        with pytest.raises(ConfigError, match="N >= 1 probes"):
+            empirical_ntk(m, X)
+    with pytest.raises(ConfigError, match="square"):
+        ntk_summary(torch.ones(3, 4))
+    bad = ntk_summary(torch.full((2, 2), math.nan))
+    assert not bad["resolved"] and math.isnan(bad["lambda_min"])
+    # a model trained at loose tolerances: the NTK's own solves are tight by default
+    X = torch.randn(5, 6, dtype=torch.float64)
+    ref = empirical_ntk(m, X)  # TIGHT: 1e-14
+    configure(m, SolverConfig("anderson", max_iter=50, tol=1e-4), BackwardConfig("ift", tol=1e-4))
+    assert rel(empirical_ntk(m, X), ref) < 1e-9
+    assert rel(empirical_ntk(m, X, tol=1e-4), ref) > 1e-8  # what the old default gave

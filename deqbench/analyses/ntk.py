@@ -66,13 +66,35 @@ def select_probes(X: Any, n: int, seed: int) -> Any:
     return cand[keep]
 
 
-def predicted_log_loss_slope(lambda_min: float, lr: float, entries: int) -> float:
-    """Per-step slope of log(MSE loss) that lambda_min guarantees for linearised full-batch GD:
-    ``2 log(1 - 2 lr lambda_min / entries)`` (NaN if undefined)."""
+def predicted_log_loss_slope(
+    lambda_min: float, lr: float, entries: int, lambda_max: float | None = None
+) -> float:
+    """Per-step slope of log(MSE loss) that the NTK spectrum guarantees for linearised full-batch
+    GD: every eigen-direction of the residual shrinks by |1 - 2 lr lambda / entries| per step, so
+    the bound is ``2 log max(|1 - q_min|, |1 - q_max|)`` with q = 2 lr lambda / entries. It is
+    ``2 log(1 - q_min)`` only while lr (lambda_min + lambda_max) <= entries; a value >= 0 means
+    no decay is guaranteed (the step is too large for the top eigenvalue). Without
+    ``lambda_max`` the lambda_min form is returned (a bound only under that step-size
+    condition). NaN if undefined.
+
+    Example:
+        >>> round(predicted_log_loss_slope(1.0, 0.1, 10), 6)             # 2 log(0.98)
+        -0.040405
+        >>> predicted_log_loss_slope(1.0, 0.1, 10, lambda_max=150.0) > 0   # step too large
+        True
+    """
     q = 2.0 * lr * lambda_min / entries
-    if not (math.isfinite(q) and 0 <= q < 1):
+    if not (math.isfinite(q) and q >= 0):
         return math.nan
-    return 2.0 * math.log1p(-q)
+    worst = abs(1.0 - q)
+    if lambda_max is not None:
+        qmax = 2.0 * lr * lambda_max / entries
+        if not math.isfinite(qmax):
+            return math.nan
+        worst = max(worst, abs(1.0 - qmax))
+    if worst == 0.0:
+        return -math.inf
+    return 2.0 * math.log(worst)
 
 
 @analyses.register("ntk")
@@ -220,7 +242,7 @@ class NTK(Analysis):
         elapsed = time.perf_counter() - t0
         loss = float(ctx.evaluate("train")["loss"])
         rows_k = int(K.shape[0])
-        pred, why = self._predicted(ctx, s["lambda_min"], info)
+        pred, why = self._predicted(ctx, s["lambda_min"], s["lambda_max"], info)
         self._note = why
         rec: dict[str, Any] = {
             "step": step,
@@ -288,27 +310,14 @@ class NTK(Analysis):
 
     def _budget(self, ctx: CellContext) -> tuple[float | None, int | None]:
         """NTK solve tolerance and budget: tight by default (lambda_min error ~ tol * cond)."""
-        import torch
-
-        from ..deq import deq_layers
+        from ..ntk import ntk_budget
 
         p = self.params
-        layers = list(deq_layers(ctx.model))
-        if not layers:
-            return p.tol, p.max_iter
-        tol = p.tol
-        if tol is None:
-            tol = 1e-10 if self._X.dtype == torch.float64 else 1e-6
-        max_iter = p.max_iter
-        if max_iter is None:
-            max_iter = max(
-                [1000]
-                + [lay.solver_cfg.max_iter for lay in layers]
-                + [lay.backward_cfg.max_iter for lay in layers]
-            )
-        return tol, max_iter
+        return ntk_budget(ctx.model, self._X.dtype, p.tol, p.max_iter)
 
-    def _predicted(self, ctx: CellContext, lmin: float, info: dict[str, Any]) -> tuple[float, str]:
+    def _predicted(
+        self, ctx: CellContext, lmin: float, lmax: float, info: dict[str, Any]
+    ) -> tuple[float, str]:
         """Predicted log-loss slope, or NaN and the reason it does not apply."""
         opt = ctx.optimizer
         if ctx.task != "regression":
@@ -329,7 +338,16 @@ class NTK(Analysis):
         if n_out > 1 and self.params.output != "full":
             return math.nan, "needs output: full for a model with several outputs"
         entries = int(self._X.shape[0]) * n_out
-        return predicted_log_loss_slope(lmin, float(g["lr"]), entries), ""
+        lr = float(g["lr"])
+        pred = predicted_log_loss_slope(lmin, lr, entries, lambda_max=lmax)
+        if math.isfinite(pred) and pred >= 0:
+            return pred, (
+                f"no decay guaranteed: 2 lr lambda_max / N = {2 * lr * lmax / entries:.3g} >= 2 "
+                "(the step is too large for the top eigenvalue)"
+            )
+        if lr * (lmin + lmax) > entries:
+            return pred, "lambda_max limits the guarantee: lr (lambda_min + lambda_max) > N"
+        return pred, ""
 
     def _write(self, ctx: CellContext) -> None:
         import pandas as pd
@@ -353,8 +371,9 @@ def _fit_slope(records: list[dict[str, Any]]) -> float:
 def plot_ntk(series: Any, title: str = "") -> Any:
     """Figure of ``ntk`` series: lambda_min (with its noise floor), the training loss and the
     per-step decay rate of the loss, ``-d log(loss)/d step``, measured between evaluations
-    (markers) beside the rate lambda_min guarantees for linearised full-batch GD,
-    ``-2 log(1 - 2 lr lambda_min / N)`` (dashed).
+    (markers; on a symlog axis, so that intervals where the loss rose show below 0) beside the
+    rate the NTK spectrum guarantees for linearised full-batch GD,
+    ``-2 log max|1 - 2 lr lambda / N|`` over lambda_min and lambda_max (dashed).
 
     Args:
         series: DataFrame with columns step, lambda_min, noise_floor, train_loss, log_loss_slope,
@@ -373,6 +392,7 @@ def plot_ntk(series: Any, title: str = "") -> Any:
     ax1, ax2, ax3 = fig.subplots(3, 1, sharex=True)
     keys = [k for k in ("cell_id", "seed") if k in series.columns]
     groups = list(series.groupby(keys)) if keys else [("", series)]
+    rates: list[float] = []
     for i, (label, df) in enumerate(groups):
         df = df.sort_values("step")
         col = f"C{i % 10}"
@@ -383,17 +403,19 @@ def plot_ntk(series: Any, title: str = "") -> Any:
         if "noise_floor" in df and (df["noise_floor"] > 0).any():
             ax1.plot(df["step"], df["noise_floor"], ":", color=col, lw=1)
         ax2.plot(df["step"], df["train_loss"], "s-", color=col, ms=3, label=lab)
-        if "log_loss_slope" in df:
-            ax3.plot(df["step"], -df["log_loss_slope"], "o", color=col, ms=4)
-        if "pred_log_loss_slope" in df and df["pred_log_loss_slope"].notna().any():
-            ax3.plot(df["step"], -df["pred_log_loss_slope"], "--", color=col)
+        for name, style in (("log_loss_slope", "o"), ("pred_log_loss_slope", "--")):
+            if name in df and df[name].notna().any():
+                ax3.plot(df["step"], -df[name], style, color=col, ms=4)
+                rates += [abs(float(v)) for v in df[name] if v == v and v != 0]
     ax1.set_yscale("log")
     ax1.set_ylabel("lambda_min(K)\n(dotted: noise floor)")
     ax1.legend(fontsize=7, loc="best")
     ax2.set_yscale("log")
     ax2.set_ylabel("train loss")
-    ax3.set_yscale("log")
-    ax3.set_ylabel("loss decay rate per step\n-d log(loss)/d step")
+    # symlog: a rise of the loss (negative rate) stays visible instead of dropping off a log axis
+    ax3.set_yscale("symlog", linthresh=min(rates) if rates else 1e-6)
+    ax3.axhline(0.0, color="0.5", lw=0.8)
+    ax3.set_ylabel("loss decay rate per step\n-d log(loss)/d step (< 0: loss rose)")
     ax3.set_xlabel("step")
     from matplotlib.lines import Line2D
 
@@ -401,7 +423,7 @@ def plot_ntk(series: Any, title: str = "") -> Any:
         [Line2D([], [], color="0.3", marker="o", ls=""), Line2D([], [], color="0.3", ls="--")],
         [
             "measured between evaluations",
-            "guaranteed by lambda_min: -2 log(1 - 2 lr lambda_min / N)",
+            "guaranteed by the NTK: -2 log max|1 - 2 lr lambda / N|, lambda_min and lambda_max",
         ],
         fontsize=7,
         loc="best",
