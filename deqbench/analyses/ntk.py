@@ -13,7 +13,10 @@ target entries, with the probes equal to the whole train split and the kernel of
 (``output: full``, or a one-output model), the linearised dynamics are
 ``r_{k+1} = (I - 2 eta K / R) r_k``, so the loss falls at least as fast as the slope
 
-    pred_log_loss_slope = 2 log(1 - 2 eta lambda_min / R)      (per step)
+    pred_log_loss_slope = 2 log max(|1 - 2 eta lambda_min / R|, |1 - 2 eta lambda_max / R|)
+
+per step: ``2 log(1 - 2 eta lambda_min / R)`` while eta (lambda_min + lambda_max) <= R, and no
+decay at all (a value >= 0, the note says so) once 2 eta lambda_max / R >= 2.
 
 The series holds it next to the measured slope of log(loss) between evaluations
 (``log_loss_slope``); :func:`plot_ntk` draws both. Outside that setting the predicted slope is
