@@ -82,7 +82,6 @@ class BackwardConfig:
         from .errors import ConfigError
 
         choices = {
-            "name": BACKWARD_MODES,
             "b_init": ("grad", "zeros"),
             "second_order": ("implicit", "refine"),
             "stop_mode": ("rel", "abs"),
@@ -92,6 +91,10 @@ class BackwardConfig:
             for k, v in choices.items()
             if getattr(self, k) not in v
         ]
+        if self.name not in BACKWARD_MODES:
+            bad.insert(
+                0, f"unknown backward mode {self.name!r}; modes: {', '.join(BACKWARD_MODES)}"
+            )
         for k, lo in (("k", 1), ("max_iter", 1), ("refine", 0)):
             v = getattr(self, k)
             if isinstance(v, bool) or int(v) != v or v < lo:
