@@ -201,8 +201,14 @@ def resolve_directions(
     With ``renormalize`` (the default, Li et al.'s semantics) the stored raw draw is normalised
     against ``model``'s own weights, so two checkpoints or two models are compared on the same
     random plane, each measured in its own filter norms; otherwise the stored normalised
-    directions are used as they are.
+    directions are used as they are. ``norm`` / ``include_1d`` (default: the stored settings)
+    choose that normalisation, so they need ``renormalize``.
     """
+    if not renormalize and (norm is not None or include_1d is not None):
+        raise ConfigError(
+            "landscape: norm/include_1d with given directions take effect by renormalising "
+            "their raw draw: drop them or pass renormalize=True"
+        )
     weights = _weights(model)
     have = set(dirs.names)
     missing = [n for n in weights if n not in have]

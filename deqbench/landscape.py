@@ -409,11 +409,6 @@ def landscape(
             model, dims, seed=seed, norm=norm or "filter", include_1d=bool(include_1d)
         )
         explicit = {}
-    elif explicit and not renormalize:
-        raise ConfigError(
-            "landscape: norm/include_1d with given directions take effect by renormalising "
-            "their raw draw: drop them or pass renormalize=True"
-        )
     if directions.ndim < dims:
         raise ConfigError(
             f"landscape: {dims} dimensions need {dims} directions, the file has {directions.ndim}"

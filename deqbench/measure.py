@@ -66,28 +66,54 @@ def sync(device: Any) -> None:
 
 
 @contextlib.contextmanager
-def numeric_flags(
-    tf32: bool = False, cudnn_benchmark: bool | None = None
-) -> Iterator[dict[str, Any]]:
-    """Set TF32 (matmul and cuDNN) and optionally ``cudnn.benchmark`` for the block, then
-    restore them. Reference numbers keep TF32 off. Yields the flags in effect."""
-    old = (
+def preserved_numerics() -> Iterator[None]:
+    """Restore, after the block, the process-wide settings a run or a measurement may change:
+    TF32 (matmul, cuDNN), ``cudnn.benchmark`` / ``.deterministic``, deterministic algorithms,
+    torch threads and ``CUBLAS_WORKSPACE_CONFIG`` (so that one suite's flags do not carry over
+    into the next run of the process, e.g. the parts of a collection)."""
+    import os
+
+    saved = (
         torch.backends.cuda.matmul.allow_tf32,
         torch.backends.cudnn.allow_tf32,
         torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_num_threads(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     )
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    if cudnn_benchmark is not None:
-        torch.backends.cudnn.benchmark = cudnn_benchmark
     try:
-        yield flags()
+        yield
     finally:
         (
             torch.backends.cuda.matmul.allow_tf32,
             torch.backends.cudnn.allow_tf32,
             torch.backends.cudnn.benchmark,
-        ) = old
+            torch.backends.cudnn.deterministic,
+        ) = saved[:4]
+        torch.use_deterministic_algorithms(saved[4], warn_only=saved[5])
+        if torch.get_num_threads() != saved[6]:
+            torch.set_num_threads(saved[6])
+        if saved[7] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[7]
+
+
+@contextlib.contextmanager
+def numeric_flags(
+    tf32: bool = False, cudnn_benchmark: bool | None = None
+) -> Iterator[dict[str, Any]]:
+    """Set TF32 (matmul and cuDNN) and optionally ``cudnn.benchmark`` for the block, then
+    restore them (:func:`preserved_numerics`). Reference numbers keep TF32 off. Yields the flags
+    in effect."""
+    with preserved_numerics():
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        if cudnn_benchmark is not None:
+            torch.backends.cudnn.benchmark = cudnn_benchmark
+        yield flags()
 
 
 def flags() -> dict[str, Any]:
@@ -505,6 +531,7 @@ __all__ = [
     "is_cuda",
     "sync",
     "numeric_flags",
+    "preserved_numerics",
     "flags",
     "flag_rows",
     "Timing",

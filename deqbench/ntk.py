@@ -238,21 +238,11 @@ def ntk_summary(K: Tensor, *, eps: float | None = None, c: float = 1.0) -> dict[
     n = int(K64.shape[0])
     if n == 0:
         raise ConfigError("ntk_summary: empty kernel")
-    if not bool(torch.isfinite(K64).all()):  # e.g. a diverged solve: nothing is resolved
-        trace = float(torch.diagonal(K64).sum())
-        return {
-            "lambda_min": math.nan,
-            "lambda_max": math.nan,
-            "condition": math.inf,
-            "trace": trace,
-            "trace_per_n": trace / n,
-            "noise_floor": math.nan,
-            "resolved": False,
-            "n": n,
-        }
-    with _numerics():
-        ev = torch.linalg.eigvalsh(K64)
-    lmin, lmax = float(ev[0]), float(ev[-1])
+    lmin = lmax = math.nan  # a non-finite K (e.g. a diverged solve): nothing is resolved
+    if bool(torch.isfinite(K64).all()):
+        with _numerics():
+            ev = torch.linalg.eigvalsh(K64)
+        lmin, lmax = float(ev[0]), float(ev[-1])
     eps = float(torch.finfo(torch.float64).eps) if eps is None else float(eps)
     floor = c * eps * n * max(abs(lmax), 0.0)
     finite = math.isfinite(lmin) and math.isfinite(lmax)
@@ -275,21 +265,17 @@ def ntk_summary(K: Tensor, *, eps: float | None = None, c: float = 1.0) -> dict[
 
 @contextmanager
 def _numerics() -> Iterator[None]:
-    """TF32 off (matmul and cuDNN) and 'highest' float32 matmul precision; restored after."""
-    prev = (
-        torch.get_float32_matmul_precision(),
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-    )
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(prev[0])
-        torch.backends.cuda.matmul.allow_tf32 = prev[1]
-        torch.backends.cudnn.allow_tf32 = prev[2]
+    """TF32 off (matmul and cuDNN) and 'highest' float32 matmul precision; restored after
+    (the precision here, the flags by :func:`~deqbench.measure.numeric_flags`)."""
+    from .measure import numeric_flags
+
+    prev = torch.get_float32_matmul_precision()  # read before the legacy flags are set
+    with numeric_flags(tf32=False):
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(prev)
 
 
 @contextmanager

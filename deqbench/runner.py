@@ -25,15 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import results as res
 from .errors import ConfigError
-from .task import (
-    Listener,
-    Task,
-    TaskResult,
-    apply_numeric_flags,
-    numeric_state,
-    restore_numeric_state,
-    run_task,
-)
+from .task import Listener, Task, TaskResult, apply_numeric_flags, run_task
 
 if TYPE_CHECKING:  # pragma: no cover
     from .suite import Suite
@@ -228,11 +220,10 @@ def run_suite(
         ``interrupted``. The suite's ``threads`` and numeric flags hold for the run; the
         process's own settings are restored afterwards.
     """
-    state = numeric_state()
-    try:
+    from .measure import preserved_numerics
+
+    with preserved_numerics():
         return _run_suite(suite, out, resume, executor, progress, plots, command)
-    finally:
-        restore_numeric_state(state)
 
 
 def _run_suite(

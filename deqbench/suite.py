@@ -277,7 +277,7 @@ def load_suites(
     try:
         top = CollectionFile.model_validate(raw)
     except ValidationError as exc:
-        keys = ["schema", "name", "description", "suites"]
+        keys = [f.alias or n for n, f in CollectionFile.model_fields.items()]
         raise ConfigError("\n".join(pydantic_lines(exc, loc, (), keys))) from None
     base = Path(path).parent
     suites: list[Suite] = []

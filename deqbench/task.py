@@ -116,41 +116,6 @@ def apply_numeric_flags(suite: Any) -> None:
         torch.backends.cudnn.deterministic = on
 
 
-def numeric_state() -> dict[str, Any]:
-    """The process-wide torch settings a suite may change (numeric flags, threads, cuBLAS
-    workspace), for :func:`restore_numeric_state` after a run."""
-    import torch
-
-    return {
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "threads": torch.get_num_threads(),
-        "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    }
-
-
-def restore_numeric_state(state: dict[str, Any]) -> None:
-    """Put back what :func:`numeric_state` saved (so that one suite's flags do not carry over
-    into the next run of the same process, e.g. the parts of a collection)."""
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = state["tf32_matmul"]
-    torch.backends.cudnn.allow_tf32 = state["tf32_cudnn"]
-    torch.backends.cudnn.benchmark = state["cudnn_benchmark"]
-    torch.backends.cudnn.deterministic = state["cudnn_deterministic"]
-    torch.use_deterministic_algorithms(state["deterministic"], warn_only=state["warn_only"])
-    if torch.get_num_threads() != state["threads"]:
-        torch.set_num_threads(state["threads"])
-    if state["cublas"] is None:
-        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    else:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = state["cublas"]
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices)."""
     import numpy as np

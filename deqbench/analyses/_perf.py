@@ -107,17 +107,13 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
 
 @contextlib.contextmanager
 def measuring(params: PerfParams) -> Iterator[None]:
-    """Threads and TF32 for the measurement block, restored afterwards."""
+    """Threads and TF32 for the measurement block, restored afterwards (by numeric_flags)."""
     from ..measure import numeric_flags
 
-    old = torch.get_num_threads()
-    if params.threads is not None:
-        torch.set_num_threads(params.threads)
-    try:
-        with numeric_flags(tf32=params.tf32):
-            yield
-    finally:
-        torch.set_num_threads(old)
+    with numeric_flags(tf32=params.tf32):
+        if params.threads is not None:
+            torch.set_num_threads(params.threads)
+        yield
 
 
 class PerfAnalysis(Analysis):

@@ -263,9 +263,8 @@ class Landscape(Analysis):
                 / f"landscape_directions__{ctx.cell_id}__seed{ctx.seed}.pt"
             )
             ls.save_directions(dirs, path)
-        norm = explicit.get("norm", dirs.meta.get("norm"))
-        inc = explicit.get("include_1d", dirs.meta.get("include_1d"))
-        note = f"norm={norm} ignore={'none' if inc else 'biasbn'} seed={dirs.meta.get('seed')}"
+        meta = dirs.meta  # with an explicit norm / include_1d: the ones used (above)
+        note = f"norm={meta.get('norm')} ignore={'none' if meta.get('include_1d') else 'biasbn'} seed={meta.get('seed')}"
         if df.attrs.get("note"):
             note += "; " + df.attrs["note"]
         summary = ls.summarize(df, p.level)

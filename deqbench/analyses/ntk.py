@@ -211,7 +211,6 @@ class NTK(Analysis):
             return []
         self._done.add(step)
         p = self.params
-        tol, max_iter = self._budget(ctx)
         t0 = time.perf_counter()
         try:
             K, info = empirical_ntk(
@@ -221,8 +220,8 @@ class NTK(Analysis):
                 method=p.method,
                 chunk_size=p.chunk_size,
                 adjoint=p.adjoint,
-                tol=tol,
-                max_iter=max_iter,
+                tol=p.tol,  # None: tight by default (ntk_budget), lambda_min error ~ tol * cond
+                max_iter=p.max_iter,
                 return_info=True,
             )
         except Exception as exc:  # noqa: BLE001 - reported as a row, training goes on
@@ -310,13 +309,6 @@ class NTK(Analysis):
             if k in rec:
                 out.append(Row(k, rec[k], step=at))
         return out
-
-    def _budget(self, ctx: CellContext) -> tuple[float | None, int | None]:
-        """NTK solve tolerance and budget: tight by default (lambda_min error ~ tol * cond)."""
-        from ..ntk import ntk_budget
-
-        p = self.params
-        return ntk_budget(ctx.model, self._X.dtype, p.tol, p.max_iter)
 
     def _predicted(
         self, ctx: CellContext, lmin: float, lmax: float, info: dict[str, Any]

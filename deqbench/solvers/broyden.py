@@ -65,6 +65,11 @@ OPTIONS = COMMON_OPTIONS | {
 }
 
 
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Per-sample dot products of chunked vectors: (B, nc, cd) x (B, nc, cd) -> (B,)."""
+    return torch.linalg.vecdot(a, b).sum(1)
+
+
 @solvers.register("broyden")
 @torch.no_grad()
 def broyden(
@@ -217,14 +222,10 @@ def broyden(
             restarts += 1
             gp, dxv = W[:, :, 0], W[:, :, 1]
             dg = gp - g_prev
-
-            def dot(a: Tensor, b: Tensor) -> Tensor:
-                return torch.linalg.vecdot(a, b).sum(1)  # (B, nc, cd) -> (B,)
-
-            den = -dot(dxv, dg)  # v . dg
-            dxg = dot(dxv, gp)  # dx . g+ (= -v . g+)
+            den = -_dot(dxv, dg)  # v . dg
+            dxg = _dot(dxv, gp)  # dx . g+ (= -v . g+)
             inv = 1.0 / den
-            ok = torch.isfinite(inv) & (den.abs() > tiny * (dxg.abs() + dot(dxv, g_prev).abs()))
+            ok = torch.isfinite(inv) & (den.abs() > tiny * (dxg.abs() + _dot(dxv, g_prev).abs()))
             skipped += ~ok
             inv = torch.where(ok, inv, 0.0).view(bsz, 1, 1)
             u, v = A[:, :, 2], A[:, :, 3]
