@@ -291,13 +291,19 @@ def ls(
     pattern: Annotated[
         str | None, typer.Argument(help="Glob or substring filter on names.")
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="Models: also their declared solver, backward and init."
+        ),
+    ] = False,
 ) -> None:
     """List registered names and where they come from (built-in or plugin distribution)."""
     with handle_errors():
         from .console import list_names
 
-        for line in list_names(kind, pattern):
-            print(line)
+        for line in list_names(kind, pattern, verbose):
+            print(line.rstrip())
 
 
 @app.command(epilog="Example: deqbench info --device cuda")

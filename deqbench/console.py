@@ -32,16 +32,18 @@ def esc(text: Any) -> str:
 
 
 def print_summary(df: Any) -> None:
-    """One table row per cell: tasks ok, last-epoch test accuracy (or MSE), forward/backward
-    f-evaluations per training batch, median wall time."""
+    """One table row per cell: tasks ok (and flagged/failed), last-epoch test accuracy (or MSE),
+    forward/backward f-evaluations per training batch, the share of training batches whose
+    forward / adjoint solve converged, median wall time; then one line of totals."""
     from rich.table import Table
 
-    from .results import RUNNER
+    from .results import CONVERGENCE, FLAGGED, RUNNER
 
     if df.empty:
         return
     t = Table(title="deqbench results (median over seeds)")
-    for col in ("cell", "ok", "test acc/mse", "fwd f-evals", "bwd f-evals", "time [s]"):
+    for col in ("cell", "status", "test acc/mse", "fwd f-evals", "bwd f-evals",
+                "converged fwd/bwd", "time [s]"):  # fmt: skip
         t.add_column(col, overflow="fold")
 
     def last(g: Any, analysis: str, metric: str, variant: str) -> str:
@@ -51,16 +53,37 @@ def print_summary(df: Any) -> None:
             return ""
         return f"{d[d.step == d.step.max()].value.median():.4g}"
 
+    def converged(g: Any, kind: str) -> str:
+        d = g[(g.analysis == CONVERGENCE) & (g.metric == f"{kind}_unconverged_batches")]
+        if d.empty:
+            return "-"
+        text = f"{100 * (1 - d.value.max()):.0f}%"  # worst seed
+        return f"[yellow]{text}[/yellow]" if (d.status == FLAGGED).any() else text
+
+    counts: dict[str, int] = {}
     for cell, g in df.groupby("cell_id", sort=False):
-        r = g[g.analysis == RUNNER]
-        ok = f"{int((r.status == 'ok').sum())}/{len(r)}"
-        if (r.status != "ok").any():
-            ok += " " + ",".join(sorted(set(r.status) - {"ok"}))
+        r = g[(g.analysis == RUNNER) & (g.metric == "wall_time")]
+        for st in r.status:
+            counts[st] = counts.get(st, 0) + 1
+        ok = f"ok {int((r.status == 'ok').sum())}/{len(r)}"
+        bad = sorted(set(r.status) - {"ok"})
+        if bad:
+            ok = " ".join(f"[yellow]{b}[/yellow]" if b == FLAGGED else f"[red]{b}[/red]"
+                          for b in bad) + f" {int((r.status != 'ok').sum())}/{len(r)}"  # fmt: skip
         acc = last(g, "metrics", "accuracy", "test") or last(g, "metrics", "mse", "test")
         fwd = last(g, "solver_stats", "forward_nstep", "train")
         bwd = last(g, "solver_stats", "backward_nstep", "train")
-        t.add_row(esc(cell), ok, acc, fwd, bwd, f"{r.value.median():.2f}")
+        conv = f"{converged(g, 'forward')}/{converged(g, 'adjoint')}"
+        t.add_row(esc(cell), ok, acc, fwd, bwd, conv, f"{r.value.median():.2f}")
     out_console().print(t)
+    total = sum(counts.values())
+    parts = [f"{counts.get('ok', 0)} ok"]
+    if counts.get(FLAGGED):
+        parts.append(f"[yellow]{counts[FLAGGED]} flagged[/yellow]")
+    failed = total - counts.get("ok", 0) - counts.get(FLAGGED, 0)
+    if failed:
+        parts.append(f"[red]{failed} failed[/red]")
+    out_console().print(f"{total} tasks: " + ", ".join(parts))
 
 
 def compare_table(summary: Any, title: str) -> Any:
@@ -73,7 +96,10 @@ def compare_table(summary: Any, title: str) -> Any:
     for r in summary.itertuples():
         t.add_row(
             esc(r.analysis), esc(r.metric), esc(r.variant), str(r.n), f"{r.median_a:.4g}",
-            f"{r.median_b:.4g}", f"{r.ratio:.4g}", "[red]CHANGED[/red]" if r.changed else "",
+            f"{r.median_b:.4g}", f"{r.ratio:.4g}",
+            " ".join(x for x in ("[red]CHANGED[/red]" if r.changed else "",
+                                 f"[yellow]flagged {r.flagged}/{r.n}[/yellow]"
+                                 if getattr(r, "flagged", 0) else "") if x),
         )  # fmt: skip
     return t
 
@@ -102,9 +128,23 @@ def print_collection(summaries: list[Any], total: int) -> None:
     out_console().print(table)
 
 
-def list_names(kind: str | None, pattern: str | None) -> list[str]:
+def declared_text(name: str) -> str:
+    """A model's declared defaults in one line: ``solver=anderson(max_iter=100, tol=0.0001, m=5)
+    backward=ift(solver=anderson, ...) init=default`` (empty when it declares none)."""
+    from . import models
+
+    parts = []
+    for section, d in models.defaults(name).items():
+        rest = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in d.items() if k != "name")  # fmt: skip
+        parts.append(f"{section}={d['name']}" + (f"({rest})" if rest else ""))
+    return " ".join(parts)
+
+
+def list_names(kind: str | None, pattern: str | None, verbose: bool = False) -> list[str]:
     """``deqbench ls`` lines: ``KIND  NAME  ORIGIN`` (origin: built-in or plugin distribution
-    and version). Plugin import problems are printed on stderr."""
+    and version); with ``verbose``, models also show their declared defaults. Plugin import
+    problems are printed on stderr."""
     import fnmatch
 
     from .errors import UnknownNameError
@@ -144,7 +184,12 @@ def list_names(kind: str | None, pattern: str | None) -> list[str]:
         ]
     w1 = max((len(r[0]) for r in rows), default=0)
     w2 = max((len(r[1]) for r in rows), default=0)
-    return [f"{k:<{w1}}  {n:<{w2}}  {o}" for k, n, o in rows]
+    w3 = max((len(r[2]) for r in rows), default=0) if verbose else 0
+    return [
+        f"{k:<{w1}}  {n:<{w2}}  {o:<{w3}}"
+        + (f"  {declared_text(n)}" if verbose and k == "models" else "")
+        for k, n, o in rows
+    ]
 
 
 def info_lines(device: str | None, as_json: bool = False) -> list[str]:

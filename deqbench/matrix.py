@@ -27,6 +27,7 @@ import copy
 import itertools
 import re
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 SECTIONS = ("model", "init", "solver", "backward", "train", "data")
@@ -195,12 +196,32 @@ def _apply(
     block[section] = path
 
 
+def fill_declared(
+    sections: dict[str, dict[str, Any]],
+    decl: dict[str, dict[str, Any]],
+    generic: dict[str, set[str]],
+) -> None:
+    """Fill the keys a cell leaves unset from a model's declared defaults (in place). Where the
+    cell names another solver/mode/init than the declared one, only the declared generic fields
+    carry over (not the declared one's own options)."""
+    for section, values in decl.items():
+        cur = sections.setdefault(section, {})
+        # a backward's extra options belong to its adjoint solver
+        ident = ("name", "solver") if section == "backward" else ("name",)
+        same = all(cur.get(k, values.get(k)) == values.get(k) for k in ident)
+        keep = generic.get(section, set())
+        for k, v in values.items():
+            if k not in cur and (same or k in keep):
+                cur[k] = copy.deepcopy(v)
+
+
 def expand(
     base: dict[str, dict[str, Any]],
     matrix: dict[str, list[Any]] | None,
     base_src: dict[str, tuple[Any, ...]],
     generic: dict[str, set[str]] | None = None,
     default_names: dict[str, str] | None = None,
+    declared: Callable[[str], dict[str, dict[str, Any]]] | None = None,
 ) -> list[Draft]:
     """Cartesian product of the matrix axes over ``base`` (section -> dict).
 
@@ -210,6 +231,9 @@ def expand(
         base_src: section -> YAML path of its defaults block (``("defaults", "solver")``).
         generic: section -> field names kept when an axis changes the section's name.
         default_names: section -> the name a cell gets when no default or axis sets one.
+        declared: model name -> the defaults that model declares (section -> dict; see
+            :func:`deqbench.models.declare_defaults`); they fill what the suite leaves unset,
+            before ``default_names``.
 
     Returns:
         One :class:`Draft` per cell, in product order (first axis slowest).
@@ -280,6 +304,9 @@ def expand(
             for k, v in parts_by_axis[ax][idx]:
                 label = k if not k or short_count.get(k, 0) <= 1 else f"{section}.{k}"
                 id_parts.append(_clean(f"{label}={fmt_value(v)}" if label else fmt_value(v)))
+        mname = sections.get("model", {}).get("name")
+        if declared is not None and isinstance(mname, str):
+            fill_declared(sections, declared(mname), generic)
         head = [
             _clean(fmt_value(sections.get(s, {}).get("name", default_names.get(s, "none"))))
             for s in ID_BASE

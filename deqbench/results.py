@@ -41,8 +41,15 @@ COLUMNS = [
     "status",
     "note",
 ]
-STATUSES = ("ok", "diverged", "nan", "oom", "error", "skipped")
+#: ``flagged``: the measurement finished but its own quality checks failed (solves that missed
+#: tolerance in more than 1% of the training batches, failed gates, a reference that did not
+#: converge, estimates flagged unreliable); never counted as ``ok``, the reason is in ``note``.
+FLAGGED = "flagged"
+STATUSES = ("ok", FLAGGED, "diverged", "nan", "oom", "error", "skipped")
 RUNNER = "runner"  # analysis name of the per-task status row
+#: analysis name of the rows ``forward_unconverged_batches`` / ``adjoint_unconverged_batches``
+#: (share of training batches whose solve missed tolerance; flagged above 1%)
+CONVERGENCE = "convergence"
 JOIN_KEYS = ["cell_id", "seed", "analysis", "variant", "metric", "step", "repeat"]
 
 
@@ -202,17 +209,22 @@ def task_status(df: Any) -> Any:
 def compare(a: Any, b: Any, factor: float = 1.1) -> tuple[Any, Any]:
     """Join two runs on :data:`JOIN_KEYS`; per (analysis, metric, variant) the median ratio b/a.
 
+    Rows that are ``ok`` or ``flagged`` take part (a flagged measurement is still a number, shown
+    as such); failed rows (error, nan, ...) do not.
+
     Returns:
         (summary, joined): ``summary`` has columns analysis, metric, variant, n, median_a,
-        median_b, ratio, changed (ratio beyond ``factor`` either way); ``joined`` is the row-level
-        join with ``value_a``, ``value_b`` and ``ratio``.
+        median_b, ratio, changed (ratio beyond ``factor`` either way), flagged (joined rows
+        flagged in A or B); ``joined`` is the row-level join with ``value_a``, ``value_b``,
+        ``status_a``, ``status_b`` and ``ratio``.
     """
     import numpy as np
     import pandas as pd
 
-    cols = [*JOIN_KEYS, "value"]
-    ja = a[a["status"] == "ok"][cols]
-    jb = b[b["status"] == "ok"][cols]
+    cols = [*JOIN_KEYS, "value", "status"]
+    kept = ["ok", FLAGGED]
+    ja = a[a["status"].isin(kept)][cols]
+    jb = b[b["status"].isin(kept)][cols]
     for d in (ja, jb):
         d["step"] = d["step"].astype("Int64").astype(str)
     joined = ja.merge(jb, on=JOIN_KEYS, suffixes=("_a", "_b"))
@@ -235,9 +247,8 @@ def compare(a: Any, b: Any, factor: float = 1.1) -> tuple[Any, Any]:
                 "median_b": float(g["value_b"].median()),
                 "ratio": med,
                 "changed": changed,
+                "flagged": int(((g["status_a"] == FLAGGED) | (g["status_b"] == FLAGGED)).sum()),
             }
         )
-    return pd.DataFrame(
-        rows,
-        columns=["analysis", "metric", "variant", "n", "median_a", "median_b", "ratio", "changed"],
-    ), joined
+    columns = ["analysis", "metric", "variant", "n", "median_a", "median_b", "ratio", "changed"]
+    return pd.DataFrame(rows, columns=[*columns, "flagged"]), joined

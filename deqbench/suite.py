@@ -400,7 +400,11 @@ def _from_raw(
         raise ConfigError("\n".join(errors))
 
     analyses, errors = check_analyses(top.analyses, loc)
-    drafts = expand(base, matrix, base_src, generic_fields(), default_names())
+    from . import models
+
+    drafts = expand(
+        base, matrix, base_src, generic_fields(), default_names(), declared=models.defaults
+    )
     cells: list[Cell] = []
     for d in drafts:
         cell = check_cell(d, loc, errors)

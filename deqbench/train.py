@@ -50,12 +50,59 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many optimiser steps
 
 
+#: share of training batches allowed to miss the solver tolerance before a cell is flagged
+MISSED_SHARE = 0.01
+
+
+@dataclass
+class SolveTally:
+    """Training batches whose forward solve / IFT adjoint solve missed its tolerance.
+
+    The forward is counted only where it is a solve (not an ``unrolled`` K-step forward), the
+    adjoint only where one ran (``ift``). ``worst`` is the largest batch-max relative residual
+    among the batches that missed."""
+
+    kind: str  # forward | adjoint
+    batches: int = 0
+    missed: int = 0
+    worst: float = 0.0
+    tol: float = float("nan")
+
+    def add(self, converged: float, residual: float, tol: float) -> None:
+        self.batches += 1
+        self.tol = tol
+        if not converged >= 1.0:
+            self.missed += 1
+            if not residual <= self.worst:  # NaN counts as worst
+                self.worst = residual
+
+    @property
+    def flagged(self) -> bool:
+        return self.batches > 0 and self.missed > MISSED_SHARE * self.batches
+
+    def note(self) -> str:
+        """One line: what missed, by how much, and the fix."""
+        knob = "solver.max_iter" if self.kind == "forward" else "backward.max_iter"
+        alt = "solver" if self.kind == "forward" else "backward.solver (e.g. anderson)"
+        return (
+            f"{self.kind} solve missed tol {self.tol:g} in {self.missed} of {self.batches} "
+            f"training batches ({100 * self.missed / self.batches:.0f}% > "
+            f"{100 * MISSED_SHARE:g}%; worst rel {self.worst:.3g}): raise {knob} or change {alt}"
+        )
+
+
 @dataclass
 class TrainResult:
     status: str = "ok"  # ok | nan | diverged
     note: str = ""
     history: list[dict[str, float]] = field(default_factory=list)
     steps: int = 0
+    forward: SolveTally = field(default_factory=lambda: SolveTally("forward"))
+    adjoint: SolveTally = field(default_factory=lambda: SolveTally("adjoint"))
+
+    def flags(self) -> list[str]:
+        """Notes of the solves that missed tolerance in more than MISSED_SHARE of the batches."""
+        return [t.note() for t in (self.forward, self.adjoint) if t.flagged]
 
 
 def loss_function(task: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -209,7 +256,10 @@ def train(
         epoch_end(0, ev)
 
     step = 0
-    has_deq = any(True for _ in deq_layers(model))
+    layers = list(deq_layers(model))
+    has_deq = bool(layers)
+    # an unrolled K-step forward is not a solve: its tolerance is not a target
+    forward_is_solve = has_deq and all(ly.backward_cfg.name != "unrolled" for ly in layers)
     for epoch in range(1, cfg.epochs + 1):
         model.train()
         sums: dict[str, float] = {}
@@ -250,6 +300,18 @@ def train(
                 sched.step()
             step += 1
             st = last_stats(model) if has_deq else {}
+            if forward_is_solve and "forward_converged" in st:
+                result.forward.add(
+                    st["forward_converged"],
+                    st["forward_rel_residual"],
+                    max(ly.solver_cfg.tol for ly in layers),
+                )
+            if "backward_converged" in st:
+                result.adjoint.add(
+                    st["backward_converged"],
+                    st["backward_rel_residual"],
+                    max(ly.backward_cfg.tol for ly in layers),
+                )
             rec = {"loss": lv, **st}
             if data.task == "classification":
                 rec["accuracy"] = float((out.detach().argmax(1) == yb).float().mean())

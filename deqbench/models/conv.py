@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..deq import DEQLayer, DEQModel
 from ..registry import models
+from . import declare_defaults
 from ._common import as_image_shape
 
 
@@ -63,7 +64,19 @@ class ConvDEQ(DEQModel):
         return self.head(self.pool(self.post(z)).flatten(1))
 
 
+#: Declared defaults (deqbench.models.declare_defaults). The residual conv cell's Jacobian is
+#: unconstrained (its spectral radius exceeds 1 early in training: plain iteration hit max_iter
+#: on most adjoints, REFERENCE.md 3.2), so Anderson (m = 5) on the forward and on the adjoint,
+#: with budgets that leave room for the stiffer cells later in training.
+DEFAULTS = dict(
+    solver={"name": "anderson", "max_iter": 100, "tol": 1e-3, "m": 5},
+    backward={"name": "ift", "solver": "anderson", "max_iter": 100, "tol": 1e-4},
+    init="default",
+)
+
+
 @models.register("conv_deq")
+@declare_defaults(**DEFAULTS)
 def conv_deq(
     in_shape=(3, 32, 32),
     num_outputs: int = 10,
@@ -77,6 +90,7 @@ def conv_deq(
 
 
 @models.register("conv_deq_tiny")
+@declare_defaults(**DEFAULTS)
 def conv_deq_tiny(
     in_shape=(1, 8, 8),
     num_outputs: int = 10,

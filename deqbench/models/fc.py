@@ -6,6 +6,7 @@ from torch import Tensor, nn
 
 from ..deq import DEQLayer, DEQModel
 from ..registry import models
+from . import declare_defaults
 from ._common import activation, numel
 
 
@@ -38,7 +39,19 @@ class FCDEQ(DEQModel):
         return self.head(z)
 
 
+#: Declared defaults (deqbench.models.declare_defaults). W is unconstrained, so the cell's
+#: Jacobian diag(1 - z^2) W can reach spectral radius >= 1 during training: plain iteration would
+#: then diverge on the forward and on the adjoint. Anderson (m = 5) on both; the adjoint to a
+#: tighter tolerance than the forward (its error is amplified into the gradient).
+DEFAULTS = dict(
+    solver={"name": "anderson", "max_iter": 100, "tol": 1e-4, "m": 5},
+    backward={"name": "ift", "solver": "anderson", "max_iter": 100, "tol": 1e-5},
+    init="default",
+)
+
+
 @models.register("fc_deq")
+@declare_defaults(**DEFAULTS)
 def fc_deq(
     in_shape=(64,), num_outputs: int = 10, width: int = 128, activation: str = "tanh"
 ) -> FCDEQ:
@@ -47,6 +60,7 @@ def fc_deq(
 
 
 @models.register("fc_deq_tiny")
+@declare_defaults(**DEFAULTS)
 def fc_deq_tiny(
     in_shape=(64,), num_outputs: int = 10, width: int = 32, activation: str = "tanh"
 ) -> FCDEQ:

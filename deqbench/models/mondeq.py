@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ..deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
 from ..registry import models
+from . import declare_defaults
 from ..solvers.splitting import SplittingOps, fb_step_bound
 from ._common import as_image_shape, numel
 
@@ -282,7 +283,20 @@ class MonDEQConv(_MonDEQBase):
         return self.head(self.pool(z[..., 1:-1, 1:-1]).flatten(1))
 
 
+#: Declared defaults (deqbench.models.declare_defaults): Peaceman-Rachford splitting (alpha 1)
+#: forward and on the adjoint's linear system (papers: monDEQ). The monotone parameterisation
+#: I - W >= m I makes the splitting converge for every alpha > 0, but not plain iteration: the
+#: cell's Jacobian can have spectral radius > 1, so neither forward nor adjoint uses it.
+DEFAULTS = dict(
+    solver={"name": "peaceman_rachford", "max_iter": 300, "tol": 1e-4, "alpha": 1.0},
+    backward={"name": "ift", "solver": "peaceman_rachford", "max_iter": 300, "tol": 1e-5,
+              "alpha": 1.0},
+    init="default",
+)
+
+
 @models.register("mondeq_fc")
+@declare_defaults(**DEFAULTS)
 def mondeq_fc(
     in_shape=(784,),
     num_outputs: int = 10,
@@ -295,6 +309,7 @@ def mondeq_fc(
 
 
 @models.register("mondeq_fc_tiny")
+@declare_defaults(**DEFAULTS)
 def mondeq_fc_tiny(
     in_shape=(64,), num_outputs: int = 10, width: int = 16, m: float = 1.0, alpha: float | str = 1.0
 ) -> MonDEQFC:
@@ -303,6 +318,7 @@ def mondeq_fc_tiny(
 
 
 @models.register("mondeq_conv")
+@declare_defaults(**DEFAULTS)
 def mondeq_conv(
     in_shape=(3, 32, 32),
     num_outputs: int = 10,
@@ -316,6 +332,7 @@ def mondeq_conv(
 
 
 @models.register("mondeq_conv_tiny")
+@declare_defaults(**DEFAULTS)
 def mondeq_conv_tiny(
     in_shape=(1, 8, 8),
     num_outputs: int = 10,

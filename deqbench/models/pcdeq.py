@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from ..deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
 from ..errors import ConfigError
 from ..registry import models
+from . import declare_defaults
 from ..spectral import conv_norm_fft, dense_norm
 from ._common import activation as get_activation
 from ._common import as_image_shape, numel
@@ -300,7 +301,19 @@ def _conv(in_shape, num_outputs, channels, variant, activation, nonneg, pool, re
     return PCDEQConv(in_shape, num_outputs, channels, variant, activation, nonneg, pool, resize)
 
 
+#: Declared defaults (deqbench.models.declare_defaults): the paper's plain iteration, rel 1e-4,
+#: max 200, forward and adjoint. A positive concave map has a unique fixed point that plain
+#: iteration reaches from any start (papers/002), and its Jacobian at that point has spectral
+#: radius < 1, so plain iteration also solves the adjoint (started from the incoming gradient).
+DEFAULTS = dict(
+    solver={"name": "fixed_point", "max_iter": 200, "tol": 1e-4},
+    backward={"name": "ift", "solver": "fixed_point", "max_iter": 200, "tol": 1e-4},
+    init="default",
+)
+
+
 @models.register("pcdeq_l")
+@declare_defaults(**DEFAULTS)
 def pcdeq_l(
     in_shape=(784,),
     num_outputs: int = 10,
@@ -314,6 +327,7 @@ def pcdeq_l(
 
 
 @models.register("pcdeq_l_tiny")
+@declare_defaults(**DEFAULTS)
 def pcdeq_l_tiny(
     in_shape=(64,),
     num_outputs: int = 10,
@@ -327,6 +341,7 @@ def pcdeq_l_tiny(
 
 
 @models.register("pcdeq_sc")
+@declare_defaults(**DEFAULTS)
 def pcdeq_sc(
     in_shape=(1, 28, 28),
     num_outputs: int = 10,
@@ -342,6 +357,7 @@ def pcdeq_sc(
 
 
 @models.register("pcdeq_sc_tiny")
+@declare_defaults(**DEFAULTS)
 def pcdeq_sc_tiny(
     in_shape=(1, 8, 8),
     num_outputs: int = 10,
@@ -357,6 +373,7 @@ def pcdeq_sc_tiny(
 
 
 @models.register("pcdeq_mc")
+@declare_defaults(**DEFAULTS)
 def pcdeq_mc(
     in_shape=(1, 28, 28),
     num_outputs: int = 10,
@@ -372,6 +389,7 @@ def pcdeq_mc(
 
 
 @models.register("pcdeq_mc_tiny")
+@declare_defaults(**DEFAULTS)
 def pcdeq_mc_tiny(
     in_shape=(1, 8, 8),
     num_outputs: int = 10,
