@@ -54,6 +54,15 @@ def ntk(
             help="Tolerance of the NTK forward and adjoint solves (default 1e-10 in float64, 1e-6 in float32).",
         ),
     ] = None,
+    ntk_max_iter: Annotated[
+        int | None,
+        typer.Option(
+            "--ntk-max-iter",
+            min=1,
+            help="Iteration budget of the NTK forward and adjoint solves (default: max(1000, "
+            "the model's)); a solve that misses --tol flags the run (exit 1).",
+        ),
+    ] = None,
     epochs: Annotated[
         int, typer.Option("--epochs", min=0, help="Training epochs (full batch: one step each).")
     ] = 40,
@@ -114,6 +123,8 @@ def ntk(
     }
     if tol is not None:
         params["tol"] = tol
+    if ntk_max_iter is not None:
+        params["max_iter"] = ntk_max_iter
     train = {
         "epochs": epochs,
         "lr": lr,

@@ -27,8 +27,10 @@ Models without DEQ layers (MLP, ``tied_repeat``) get the plain per-sample NTK.
 
 Numerics (REFERENCE.md section 8.3): TF32 is switched off inside (and restored), K is
 accumulated and diagonalised in float64, and :func:`ntk_summary` reports a rounding-noise floor
-``c * eps * N * lambda_max`` next to lambda_min; a lambda_min below it is reported as unresolved
-(NaN, condition = inf), never as a (possibly negative) number.
+next to lambda_min (K's float64 rounding plus that of the per-sample gradients); a lambda_min
+at or below it is reported as K singular to working precision (lambda_min clamped to [0, floor],
+``resolved`` False, condition = inf, ``condition_lower_bound`` = lambda_max / floor), never as
+a negative number or NaN.
 
 Example:
     >>> import torch, deqbench
@@ -71,6 +73,7 @@ __all__ = [
     "ntk_summary",
     "ntk_budget",
     "naive_ntk",
+    "reference_converged",
     "gram_ntk",
     "prepare",
     "jacobian_blocks",
@@ -117,7 +120,8 @@ def empirical_ntk(
         output: ``"sum"`` | ``int`` logit index | ``"scalar"`` | ``"full"`` (module docstring).
         chunk_size: ``vmap`` chunk size for the per-sample gradients (None: all rows at once).
         method: ``"batched"`` (default), ``"naive"`` (one backward per probe through the model,
-            a reference) or ``"gram"`` (closed form; ``fc_deq``-type models only).
+            a reference; a plain fixed-point IFT adjoint is solved by Anderson there, see
+            :func:`naive_ntk`) or ``"gram"`` (closed form; ``fc_deq``-type models only).
         tol: forward and adjoint solver tolerance for DEQs (None: 1e-10 in float64, 1e-6 in
             float32, not the model's training tolerance: the lambda_min error is about
             tol * cond / (1 - L)); see :func:`ntk_budget`.
@@ -181,6 +185,7 @@ def empirical_ntk(
                 K, info = naive_ntk(model, inputs, output, tol, max_iter)
                 info["fallback"] = f"naive ({why[:160]})"
     info["method"] = method
+    info["tol"], info["max_iter"] = tol, max_iter  # None: the model's own (tighter) settings
     info["time_s"] = time.perf_counter() - t0
     return (K, info) if return_info else K
 
@@ -213,17 +218,38 @@ def ntk_budget(
 def ntk_summary(K: Tensor, *, eps: float | None = None, c: float = 1.0) -> dict[str, Any]:
     """Spectrum summary of an NTK matrix, computed in float64 on ``(K + K^T)/2``.
 
+    Noise floor (REFERENCE.md section 8.3): the smallest eigenvalue a computed K can tell
+    apart from 0, ``floor = c * (eps_K * N * lambda_max + (10 * eps)^2 * trace)``:
+
+    * ``eps_K * N * lambda_max``: rounding of K's own arithmetic (contraction and eigvalsh);
+      eps_K is the machine epsilon of ``K.dtype``, float64 for every K of
+      :func:`empirical_ntk`, which accumulates K in float64 whatever the gradients' dtype;
+    * ``(10 * eps)^2 * trace``: rounding of the per-sample gradients J (K = J J^T). Their
+      relative error ``delta ~ 10 eps`` moves each singular value of J by at most
+      ``||dJ||_2 <= delta ||J||_F = delta sqrt(trace)``, so a lambda_min = sigma_min^2 of a
+      singular J shows up as at most ``delta^2 * trace``. With float32 gradients and a float64
+      K this is about 1e-12 * trace, far below ``eps32 * N * lambda_max`` (the floor of a K
+      formed in float32, which the old summary applied to every float32 model and which,
+      at N = 2048, declared a lambda_min accurate to 1e-9 unresolved).
+
+    A lambda_min at or below the floor is reported as what it is, K singular to working
+    precision: ``lambda_min`` is the computed eigenvalue clamped at 0 (never the negative
+    rounding value, never NaN), ``resolved`` False, ``status`` "singular", ``condition``
+    inf, and ``condition_lower_bound = lambda_max / floor`` (what the condition is at least).
+    Only a non-finite K (e.g. a diverged solve) gives NaN (``status`` "non-finite").
+
     Args:
-        K: (N, N) kernel matrix.
-        eps: machine epsilon of the arithmetic that produced K's entries (default float64's;
-            pass ``torch.finfo(torch.float32).eps`` for float32 per-sample gradients, or use
-            ``info["eps"]`` from :func:`empirical_ntk`).
+        K: (N, N) kernel matrix, in the dtype it was accumulated in.
+        eps: machine epsilon of the per-sample gradients that K was contracted from
+            (``info["eps"]`` of :func:`empirical_ntk`; default: that of ``K.dtype``).
         c: safety constant of the noise floor.
 
     Returns:
-        dict with ``lambda_min`` (NaN when unresolved), ``lambda_max``, ``condition``
-        (lambda_max / lambda_min; inf when unresolved), ``trace``, ``trace_per_n``,
-        ``noise_floor`` (``c * eps * N * lambda_max``), ``resolved`` (lambda_min > floor) and ``n``.
+        dict with ``lambda_min`` (>= 0; 0 up to the floor when singular; NaN only when K is
+        non-finite), ``lambda_max``, ``condition`` (lambda_max / lambda_min; inf when
+        singular), ``condition_lower_bound``, ``trace``, ``trace_per_n``, ``noise_floor``,
+        ``resolved`` (lambda_min > floor), ``status`` ("resolved" | "singular" |
+        "non-finite"), ``note`` (one line for a report; "" when resolved) and ``n``.
 
     Example:
         >>> ntk_summary(torch.eye(3))["condition"]
@@ -233,31 +259,55 @@ def ntk_summary(K: Tensor, *, eps: float | None = None, c: float = 1.0) -> dict[
 
     if K.dim() != 2 or K.shape[0] != K.shape[1]:
         raise ConfigError(f"ntk_summary: K must be a square (N, N) matrix, got {tuple(K.shape)}")
+    eps_k = float(torch.finfo(K.dtype).eps) if K.dtype.is_floating_point else 0.0
     K64 = K.detach().to(torch.float64)
     K64 = 0.5 * (K64 + K64.T)
     n = int(K64.shape[0])
     if n == 0:
         raise ConfigError("ntk_summary: empty kernel")
-    lmin = lmax = math.nan  # a non-finite K (e.g. a diverged solve): nothing is resolved
-    if bool(torch.isfinite(K64).all()):
-        with _numerics():
-            ev = torch.linalg.eigvalsh(K64)
-        lmin, lmax = float(ev[0]), float(ev[-1])
-    eps = float(torch.finfo(torch.float64).eps) if eps is None else float(eps)
-    floor = c * eps * n * max(abs(lmax), 0.0)
-    finite = math.isfinite(lmin) and math.isfinite(lmax)
-    resolved = finite and lmin > floor
+    eps_k = max(eps_k, float(torch.finfo(torch.float64).eps))
+    eps = eps_k if eps is None else float(eps)
     trace = float(torch.diagonal(K64).sum())
-    return {
-        "lambda_min": lmin if resolved else math.nan,
-        "lambda_max": lmax,
-        "condition": lmax / lmin if resolved else math.inf,
-        "trace": trace,
-        "trace_per_n": trace / n,
-        "noise_floor": floor,
-        "resolved": bool(resolved),
-        "n": n,
-    }
+    out: dict[str, Any] = {"trace": trace, "trace_per_n": trace / n, "n": n}
+    if not bool(torch.isfinite(K64).all()):  # e.g. a diverged solve: nothing is known
+        bad = int((~torch.isfinite(K64)).sum())
+        out.update(
+            lambda_min=math.nan,
+            lambda_max=math.nan,
+            condition=math.nan,
+            condition_lower_bound=math.nan,
+            noise_floor=math.nan,
+            resolved=False,
+            status="non-finite",
+            note=f"K has {bad} non-finite entries (a diverged solve or overflow)",
+        )
+        return out
+    with _numerics():
+        ev = torch.linalg.eigvalsh(K64)
+    lmin, lmax = float(ev[0]), float(ev[-1])
+    floor = c * (eps_k * n * max(lmax, 0.0) + (10.0 * eps) ** 2 * max(trace, 0.0))
+    resolved = lmin > floor
+    if resolved:
+        cond = bound = lmax / lmin
+    else:  # singular to working precision: the condition is at least lambda_max / floor
+        cond, bound = math.inf, (lmax / floor if floor > 0 else math.inf)
+    out.update(
+        lambda_min=lmin if resolved else max(lmin, 0.0),
+        lambda_max=lmax,
+        condition=cond,
+        condition_lower_bound=bound,
+        noise_floor=floor,
+        resolved=bool(resolved),
+        status="resolved" if resolved else "singular",
+        note=""
+        if resolved
+        else (
+            f"K singular to working precision: lambda_min {max(lmin, 0.0):.3g} <= noise floor "
+            f"{floor:.3g} (lambda_max {lmax:.3g}, N {n}; duplicated probes, N > P or "
+            "cond > 1/eps)"
+        ),
+    )
+    return out
 
 
 # -- numerics guards ----------------------------------------------------------------------------
@@ -288,9 +338,32 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(was)
 
 
+# Adjoint solvers a reference may keep: Anderson and Broyden solve the linear adjoint system
+# whatever the spectral radius of J (a plain fixed-point iteration diverges once it exceeds 1);
+# structured solvers (monDEQ splitting) are the family's own convergent method.
+_ROBUST_ADJOINT = ("anderson", "broyden")
+
+
+def _robust_backward(b: Any) -> Any:
+    """The reference's adjoint: a plain iterative ``ift`` adjoint solver becomes Anderson (its
+    common options kept); other modes, Anderson/Broyden and structured solvers are kept."""
+    from . import solvers
+    from .solvers.base import COMMON_OPTIONS
+
+    if b.name != "ift" or b.solver in _ROBUST_ADJOINT:
+        return b
+    if getattr(solvers.get(b.solver), "needs_structure", False):
+        return b
+    opts = {k: v for k, v in b.options.items() if k in COMMON_OPTIONS}
+    return replace(b, solver="anderson", options=opts)
+
+
 @contextmanager
-def _tolerances(layers: list[DEQLayer], tol: float | None, max_iter: int | None) -> Iterator[None]:
-    """Temporarily override the forward/adjoint tolerance and budget of ``layers``."""
+def _tolerances(
+    layers: list[DEQLayer], tol: float | None, max_iter: int | None, robust: bool = False
+) -> Iterator[None]:
+    """Temporarily override the forward/adjoint tolerance and budget of ``layers`` (and, with
+    ``robust``, a plain iterative adjoint solver by Anderson: :func:`_robust_backward`)."""
     saved = [(lay.solver_cfg, lay.backward_cfg) for lay in layers]
     try:
         for lay in layers:
@@ -299,6 +372,8 @@ def _tolerances(layers: list[DEQLayer], tol: float | None, max_iter: int | None)
                 s, b = replace(s, tol=tol), replace(b, tol=tol)
             if max_iter is not None:
                 s, b = replace(s, max_iter=max_iter), replace(b, max_iter=max_iter)
+            if robust:
+                b = _robust_backward(b)
             lay.solver_cfg, lay.backward_cfg = s, b
         yield
     finally:
@@ -310,17 +385,42 @@ def _tolerances(layers: list[DEQLayer], tol: float | None, max_iter: int | None)
 
 
 def naive_ntk(
-    model: nn.Module, X: Tensor, output: str | int, tol: float | None, max_iter: int | None
+    model: nn.Module,
+    X: Tensor,
+    output: str | int,
+    tol: float | None,
+    max_iter: int | None,
+    *,
+    robust: bool = True,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Reference K: one forward and one backward per probe through the model itself, with its
-    configured backward mode (IFT, unrolled, ...); K = J J^T in float64."""
+    configured backward mode (IFT, unrolled, ...); K = J J^T in float64.
+
+    As a reference it must be solved to its tolerance: with ``robust`` (default) an ``ift``
+    adjoint solved by plain iteration (which diverges once the spectral radius of J exceeds 1)
+    is solved by Anderson instead (Anderson/Broyden and structured solvers are kept). Every
+    probe's forward and adjoint statistics are checked: ``info`` holds ``forward_converged``
+    / ``adjoint_converged`` (1.0 only if every probe's solve met the tolerance), the largest
+    relative residuals and the summed steps, like the batched engine's. A caller using K as a
+    reference must check them (:func:`reference_converged`). ``robust=False`` keeps the
+    configured adjoint solver (e.g. to time the naive loop with the same solver as the batched
+    path)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    layers = list(deq_layers(model))
     n = X.shape[0]
     rows: list[Tensor] = []
-    with _tolerances(list(deq_layers(model)), tol, max_iter), torch.enable_grad():
+    fstats: list[Any] = []
+    bstats: list[Any] = []
+    adjoint_solver = ""
+    with _tolerances(layers, tol, max_iter, robust), torch.enable_grad():
+        if layers and layers[0].backward_cfg.name == "ift":
+            adjoint_solver = layers[0].backward_cfg.solver
         idx = C = None
         for i in range(n):
+            for lay in layers:
+                lay.last_forward_stats = lay.last_backward_stats = None
             out = model(X[i : i + 1]).reshape(-1)
+            fstats += [lay.last_forward_stats for lay in layers]
             if C is None:
                 idx, C = _cotangents(output, n, out.numel(), out)
             sel = (idx == i).nonzero().flatten().tolist()
@@ -329,6 +429,7 @@ def naive_ntk(
                 gs = torch.autograd.grad(
                     F, params, retain_graph=k < len(sel) - 1, allow_unused=True
                 )
+                bstats += [lay.last_backward_stats for lay in layers]
                 rows.append(
                     torch.cat(
                         [
@@ -340,5 +441,22 @@ def naive_ntk(
                     )
                 )
     J = torch.stack(rows)
-    info = {"rows": len(rows), "eps": float(torch.finfo(X.dtype).eps)}
+    info: dict[str, Any] = {"rows": len(rows), "eps": float(torch.finfo(X.dtype).eps)}
+    from .ntk_engine import _stats_info
+
+    info.update(_stats_info("forward", fstats))
+    info.update(_stats_info("adjoint", bstats))
+    if adjoint_solver:
+        info["adjoint_solver"] = adjoint_solver
     return J @ J.T, info
+
+
+def reference_converged(info: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the solves behind a K met their tolerance (``info`` of :func:`empirical_ntk`),
+    and if not, a one-line reason. Models without DEQ layers (no solves) always pass."""
+    bad = [
+        f"{k} solve not converged (rel residual {info.get(f'{k}_rel_residual', math.nan):.3g})"
+        for k in ("forward", "adjoint")
+        if info.get(f"{k}_converged", 1.0) != 1.0
+    ]
+    return (not bad), "; ".join(bad)

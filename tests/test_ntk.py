@@ -208,11 +208,14 @@ def test_summary_noise_floor_and_unresolved():
     assert s["lambda_min"] == pytest.approx(1.0) and s["condition"] == pytest.approx(4.0)
     assert s["trace"] == pytest.approx(7.0) and s["resolved"]
     assert s["noise_floor"] == pytest.approx(torch.finfo(torch.float64).eps * 3 * 4.0)
-    # a rank-deficient kernel (duplicated probes): lambda_min is rounding noise
+    # a rank-deficient kernel (duplicated probes): lambda_min is rounding noise, reported as
+    # K singular to working precision (0 <= lambda_min <= floor), never NaN or negative
     J = torch.randn(6, 40, dtype=torch.float64)
     J[5] = J[4]
     s = ntk_summary(J @ J.T)
-    assert not s["resolved"] and math.isnan(s["lambda_min"]) and s["condition"] == math.inf
+    assert not s["resolved"] and s["status"] == "singular" and s["condition"] == math.inf
+    assert 0.0 <= s["lambda_min"] <= s["noise_floor"] and "singular" in s["note"]
+    assert s["condition_lower_bound"] == pytest.approx(s["lambda_max"] / s["noise_floor"])
     # float32 gradients of near-duplicate probes: below the float32 floor
     m = tiny_tanh_deq().float()
     configure(
@@ -425,9 +428,174 @@ def test_bad_inputs_are_config_errors_and_default_tolerance_is_tight():
         ntk_summary(torch.ones(3, 4))
     bad = ntk_summary(torch.full((2, 2), math.nan))
     assert not bad["resolved"] and math.isnan(bad["lambda_min"])
+    assert bad["status"] == "non-finite" and "non-finite" in bad["note"]
     # a model trained at loose tolerances: the NTK's own solves are tight by default
     X = torch.randn(5, 6, dtype=torch.float64)
     ref = empirical_ntk(m, X)  # TIGHT: 1e-14
     configure(m, SolverConfig("anderson", max_iter=50, tol=1e-4), BackwardConfig("ift", tol=1e-4))
     assert rel(empirical_ntk(m, X), ref) < 1e-9
     assert rel(empirical_ntk(m, X, tol=1e-4), ref) > 1e-8  # what the old default gave
+
+
+# -- issue 13: singular and ill-conditioned K, references that converge, flagged solves --------
+
+
+def small_fc(dtype=torch.float32, width=3, in_dim=2, seed=0):
+    """A tiny fc_deq with P < 32 parameters, solved tightly in ``dtype``."""
+    torch.manual_seed(seed)
+    m = deqbench.models.create("fc_deq_tiny", in_shape=(in_dim,), num_outputs=1, width=width)
+    m = m.to(dtype)
+    with torch.no_grad():
+        W = m.deq.cell.W.weight
+        W.mul_(0.7 / torch.linalg.matrix_norm(W, ord=2))
+    tol = 1e-7 if dtype == torch.float32 else 1e-13
+    configure(
+        m,
+        SolverConfig("anderson", max_iter=300, tol=tol),
+        BackwardConfig("ift", solver="anderson", max_iter=300, tol=tol),
+    )
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_singular_kernel_is_reported_as_singular_never_nan(dtype):
+    """Duplicated probes and N > P make K singular: lambda_min is reported near 0 beside its
+    noise floor with status "singular", never NaN (the N = 2048 benchmark printed NaN)."""
+    m = small_fc(dtype)
+    P = sum(p.numel() for p in m.parameters())
+    X = torch.randn(20, 2, dtype=dtype)
+    X = torch.cat([X, X[:12]])  # 12 duplicated probes; N = 32 > P
+    assert X.shape[0] > P
+    K, info = empirical_ntk(m, X, return_info=True)
+    s = ntk_summary(K, eps=info["eps"])
+    assert s["status"] == "singular" and not s["resolved"]
+    assert math.isfinite(s["lambda_min"]) and 0.0 <= s["lambda_min"] <= s["noise_floor"]
+    assert s["noise_floor"] < 1e-6 * s["lambda_max"]  # a floor near 0, not a blanket NaN
+    assert s["condition"] == math.inf and math.isfinite(s["condition_lower_bound"])
+    assert s["condition_lower_bound"] > 1e5 and "singular" in s["note"]
+
+
+def test_float32_gradients_resolve_an_ill_conditioned_kernel():
+    """The N = 2048 nan: with float32 gradients the floor was eps32 * N * lambda_max although K
+    is accumulated in float64, so any cond > 1 / (eps32 N) read as unresolved (NaN). A K with
+    cond ~ 1e7 from float32 gradients is resolved and matches the float64 lambda_min."""
+    m = small_fc(torch.float32, width=16, in_dim=6)
+    torch.manual_seed(1)
+    X = torch.randn(24, 6, dtype=torch.float64)
+    X = torch.cat([X, X + 3e-3 * torch.randn(24, 6, dtype=torch.float64)])  # near-duplicates
+    K32, info = empirical_ntk(m, X.float(), return_info=True)
+    s32 = ntk_summary(K32, eps=info["eps"])
+    m64 = small_fc(torch.float64, width=16, in_dim=6)
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    s64 = ntk_summary(empirical_ntk(m64, X.float().double()))
+    assert s64["resolved"] and s64["condition"] > 1.0 / (torch.finfo(torch.float32).eps * 48)
+    assert s32["resolved"] and s32["status"] == "resolved"
+    assert s32["lambda_min"] == pytest.approx(s64["lambda_min"], rel=1e-3)
+
+
+def expanding_fc():
+    """fc_deq whose Jacobian has spectral radius ~1.5 at the fixed point: Anderson finds z*, a
+    plain fixed-point adjoint iteration diverges."""
+    torch.manual_seed(0)
+    m = deqbench.models.create("fc_deq_tiny", in_shape=(3,), num_outputs=2, width=5).double()
+    with torch.no_grad():
+        Q, _ = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64))
+        m.deq.cell.W.weight.copy_(1.5 * Q)
+        m.U.weight.mul_(0.05)
+        m.U.bias.zero_()
+    configure(
+        m,
+        SolverConfig("anderson", max_iter=200, tol=1e-12),
+        BackwardConfig("ift", solver="fixed_point", max_iter=200, tol=1e-12),
+    )
+    return m
+
+
+def test_naive_reference_solves_its_adjoint_robustly_and_reports_convergence():
+    """Issue 13 item 4: the naive loop is a reference; a plain fixed-point adjoint (rho(J) > 1
+    here) is solved by Anderson, and every probe's convergence is reported."""
+    from deqbench.ntk import naive_ntk, reference_converged
+
+    m = expanding_fc()
+    X = torch.randn(4, 3, dtype=torch.float64)
+    Kb, info_b = empirical_ntk(m, X, adjoint="direct", return_info=True)
+    Kn, info_n = empirical_ntk(m, X, method="naive", return_info=True)
+    assert info_n["adjoint_solver"] == "anderson" and info_n["adjoint_converged"] == 1.0
+    assert reference_converged(info_n) == (True, "")
+    assert rel(Kn, Kb) < 1e-9
+    # the configured plain iteration diverges: reported, so a caller never compares against it
+    K0, info_0 = naive_ntk(m, X, "sum", None, None, robust=False)
+    ok, why = reference_converged(info_0)
+    assert not ok and "adjoint solve not converged" in why and rel(K0, Kb) > 1e-3
+    assert m.deq.backward_cfg.solver == "fixed_point"  # the model's settings are restored
+
+
+def test_starved_ntk_solves_flag_the_rows_with_cause_and_fix(tmp_path):
+    """Solves that miss their tolerance: the evaluation's rows are "flagged" with a one-line
+    cause and fix (the run then exits 1), never "ok"."""
+    from deqbench.analyses.base import CellContext
+    from deqbench.data import load_data
+
+    data = load_data("digits", flatten=True, target="binary", train_subset=12, test_subset=4)
+    data = data.to(dtype=torch.float64)
+    torch.manual_seed(0)
+    m = deqbench.models.create("fc_deq_tiny", in_shape=data.in_shape, num_outputs=1).double()
+    configure(
+        m,
+        SolverConfig("fixed_point", max_iter=200, tol=1e-10),
+        BackwardConfig("ift", max_iter=200, tol=1e-10),
+    )
+    ctx = CellContext(
+        model=m,
+        data=data,
+        device="cpu",
+        dtype=torch.float64,
+        seed=0,
+        cell_id="c0",
+        cell={"train": {"full_batch": True}},
+        run_dir=tmp_path,
+    )
+    a = deqbench.analyses.get("ntk")({"n": 12, "max_iter": 2, "adjoint": "solver"})
+    rows = list(a.before_training(ctx))
+    lam = next(r for r in rows if r.metric == "lambda_min")
+    assert lam.status == "flagged" and "\n" not in lam.note
+    assert "solves missed" in lam.note and "--ntk-max-iter" in lam.note
+    assert {r.status for r in rows if r.metric in ("lambda_max", "trace")} == {"flagged"}
+    assert next(r for r in rows if r.metric == "train_loss").status == "ok"
+    summary = {r.metric: r for r in a.after_training(ctx)}
+    assert summary["lambda_min_final"].status == "flagged"
+    # the same analysis with its default budget converges: nothing flagged
+    ok = deqbench.analyses.get("ntk")({"n": 12})
+    assert all(r.status == "ok" for r in ok.before_training(ctx))
+
+
+def test_cli_ntk_exits_nonzero_when_its_solves_miss_tolerance(tmp_path):
+    from typer.testing import CliRunner
+
+    from deqbench.cli import app
+
+    args = [
+        "ntk",
+        "--model",
+        "fc_deq_tiny",
+        "--train-subset",
+        "12",
+        "--n",
+        "12",
+        "--epochs",
+        "1",
+        "--every",
+        "1",
+        "--ntk-max-iter",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--set",
+        "data.test_subset=8",
+    ]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 1, r.output
+    assert "flagged" in r.output and "--ntk-max-iter" in r.output

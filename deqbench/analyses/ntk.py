@@ -7,6 +7,13 @@ default) and saved with the run (``series/ntk_probes__...csv``). The NTK on it
 ``condition``, ``trace``, ``noise_floor``, ``resolved`` and ``train_loss`` (the loss on the
 whole train split at the same parameters), and a line of ``series/ntk__...csv``.
 
+Status: a K singular to working precision (duplicated probes, N > P, cond beyond 1/eps) is
+data, not a failure: lambda_min is reported near 0 beside its noise floor, ``resolved`` 0, the
+note says so (series column ``spectrum``: resolved | singular | non-finite). An evaluation
+whose NTK solves missed their tolerance, whose K is non-finite or whose lambda_min lies below
+the solves' own error (residual x lambda_max) is ``flagged``: its K rows carry status
+"flagged" and a one-line cause and fix (series column ``flag``), so the run exits 1.
+
 Linear-convergence check (papers/004 sections 2.6 and 3): for full-batch gradient descent
 (``optimizer: sgd``, ``momentum: 0``, no weight decay) on the mean squared loss over R = N*O
 target entries, with the probes equal to the whole train split and the kernel of every output
@@ -180,26 +187,29 @@ class NTK(Analysis):
         return ()
 
     def after_training(self, ctx: CellContext) -> Iterable[Row]:
-        recs = [r for r in self._records if math.isfinite(r["lambda_min"])]
+        def row(metric: str, value: float, recs: list[dict[str, Any]], note: str = "") -> Row:
+            """A summary row: flagged (with the first cause) if a record it uses was flagged."""
+            flags = [r["flag"] for r in recs if r.get("flag")]
+            if flags:
+                bad = "error" if not math.isfinite(value) else "flagged"
+                return Row(metric, value, variant="summary", status=bad, note=flags[0])
+            return Row(metric, value, variant="summary", note=note)
+
+        # lambda_min is never NaN unless K was non-finite; flagged evaluations are left out
+        recs = [r for r in self._records if math.isfinite(r["lambda_min"]) and not r.get("flag")]
         if recs:
-            yield Row("lambda_min_min", min(r["lambda_min"] for r in recs), variant="summary")
+            yield row("lambda_min_min", min(r["lambda_min"] for r in recs), [])
         if self._records:
-            last = self._records[-1]
-            yield Row("lambda_min_final", last["lambda_min"], variant="summary")
-            yield Row("lambda_min_init", self._records[0]["lambda_min"], variant="summary")
+            first, last = self._records[0], self._records[-1]
+            yield row("lambda_min_final", last["lambda_min"], [last])
+            yield row("lambda_min_init", first["lambda_min"], [first])
             fit = _fit_slope(self._records)
-            yield Row(
-                "log_loss_slope_fit",
-                fit,
-                variant="summary",
-                note="least squares over all evaluations",
-            )
-            pred = [r["pred_log_loss_slope"] for r in self._records]
-            pred = [v for v in pred if math.isfinite(v)]
-            yield Row(
+            yield row("log_loss_slope_fit", fit, [], note="least squares over all evaluations")
+            pred = [r for r in self._records if math.isfinite(r["pred_log_loss_slope"])]
+            yield row(
                 "pred_log_loss_slope_mean",
-                sum(pred) / len(pred) if pred else math.nan,
-                variant="summary",
+                sum(r["pred_log_loss_slope"] for r in pred) / len(pred) if pred else math.nan,
+                pred,
                 note=self._note,
             )
 
@@ -244,7 +254,9 @@ class NTK(Analysis):
         elapsed = time.perf_counter() - t0
         loss = float(ctx.evaluate("train")["loss"])
         rows_k = int(K.shape[0])
-        pred, why = self._predicted(ctx, s["lambda_min"], s["lambda_max"], info)
+        pred, why = self._predicted(
+            ctx, s["lambda_min"], s["lambda_max"], info, resolved=s["resolved"]
+        )
         self._note = why
         rec: dict[str, Any] = {
             "step": step,
@@ -283,35 +295,77 @@ class NTK(Analysis):
         rec["converged"] = float(all(c == 1.0 for c in conv)) if conv else math.nan
         # the solves' error reaches lambda_min at about residual * lambda_max (REFERENCE 8.3)
         rec["solver_floor"] = max(res) * s["lambda_max"] if res else math.nan
+        rec["spectrum"] = s["status"]  # resolved | singular | non-finite
         if self._records:
             prev = self._records[-1]
             ds = step - prev["step"]
             if ds > 0 and math.isfinite(rec["log_loss"]) and math.isfinite(prev["log_loss"]):
                 rec["log_loss_slope"] = (rec["log_loss"] - prev["log_loss"]) / ds
+        flag = self._flag(info, s, rec)
+        rec["flag"] = flag
         self._records.append(rec)
         self._write(ctx)
-        notes = [] if s["resolved"] else [f"unresolved: below noise floor {s['noise_floor']:.3g}"]
-        if rec["converged"] == 0.0:
-            notes.append(f"NTK solves not converged (rel residual {max(res):.3g})")
-        elif s["resolved"] and rec["solver_floor"] > s["lambda_min"]:
-            notes.append(f"solver-limited: residual * lambda_max = {rec['solver_floor']:.3g}")
+        notes = [flag] if flag else []
+        if s["status"] == "singular":
+            notes.append(s["note"])
         if "fallback" in info:
             notes.append(f"batched engine failed, {info['fallback']}")
         note = "; ".join(notes)
         at = epoch if p.per == "epoch" else step  # rows use epochs like `metrics`; series both
-        out = [Row("lambda_min", s["lambda_min"], step=at, note=note)]
+
+        def row(metric: str, value: float, note: str = "", **kw: Any) -> Row:
+            """A row of K's measurement: flagged with the evaluation (error if no value)."""
+            if not flag:
+                return Row(metric, value, step=at, note=note, **kw)
+            bad = "error" if not math.isfinite(value) else "flagged"
+            return Row(metric, value, step=at, status=bad, note=note or flag, **kw)
+
+        out = [row("lambda_min", s["lambda_min"], note)]
         for k in ("lambda_max", "condition", "trace", "noise_floor", "resolved"):
-            out.append(Row(k, rec[k], step=at))
+            out.append(row(k, rec[k]))
         out.append(Row("train_loss", loss, step=at))
-        out.append(Row("pred_log_loss_slope", pred, step=at, note=why))
+        if flag:
+            out.append(row("pred_log_loss_slope", pred))
+        else:
+            out.append(Row("pred_log_loss_slope", pred, step=at, note=why))
         out.append(Row("time", elapsed, step=at, unit="s"))
         for k in ("forward_rel_residual", "adjoint_rel_residual"):
             if k in rec:
-                out.append(Row(k, rec[k], step=at))
+                out.append(row(k, rec[k]))
         return out
 
+    def _flag(self, info: dict[str, Any], s: dict[str, Any], rec: dict[str, Any]) -> str:
+        """One line (cause and fix) when this evaluation's own checks failed, else "". The text
+        carries no per-evaluation numbers, so that repeated causes read as one line in the
+        run's summary (the residuals are rows and series columns of their own)."""
+        f32 = float(info.get("eps", 0.0)) > 1e-10
+        prec = " or use --dtype float64" if f32 else ""
+        if rec["converged"] == 0.0:
+            which = [k for k in ("forward", "adjoint") if info.get(f"{k}_converged", 1.0) != 1.0]
+            tol, budget = info.get("tol"), info.get("max_iter")
+            tol_s = f"tol {tol:.3g}" if isinstance(tol, float) else "the model's tolerance"
+            within = f" within {budget} iterations" if budget else ""
+            return (
+                f"NTK {' and '.join(which)} solve{'s' if len(which) > 1 else ''} missed "
+                f"{tol_s}{within}: raise --ntk-max-iter "
+                f"(ntk.max_iter) or loosen --tol (ntk.tol){prec}"
+            )
+        if s["status"] == "non-finite":
+            return f"{s['note']}: check the NTK solves' residuals{prec}"
+        if s["resolved"] and rec["solver_floor"] > s["lambda_min"]:
+            return (
+                "lambda_min is below the NTK solves' error (residual x lambda_max): lower "
+                f"--tol (ntk.tol){prec}"
+            )
+        return ""
+
     def _predicted(
-        self, ctx: CellContext, lmin: float, lmax: float, info: dict[str, Any]
+        self,
+        ctx: CellContext,
+        lmin: float,
+        lmax: float,
+        info: dict[str, Any],
+        resolved: bool = True,
     ) -> tuple[float, str]:
         """Predicted log-loss slope, or NaN and the reason it does not apply."""
         opt = ctx.optimizer
@@ -335,6 +389,8 @@ class NTK(Analysis):
         entries = int(self._X.shape[0]) * n_out
         lr = float(g["lr"])
         pred = predicted_log_loss_slope(lmin, lr, entries, lambda_max=lmax)
+        if not resolved:
+            return pred, "K singular to working precision: no decay guaranteed (lambda_min ~ 0)"
         if math.isfinite(pred) and pred >= 0:
             return pred, (
                 f"no decay guaranteed: 2 lr lambda_max / N = {2 * lr * lmax / entries:.3g} >= 2 "
@@ -368,66 +424,172 @@ def plot_ntk(series: Any, title: str = "") -> Any:
     per-step decay rate of the loss, ``-d log(loss)/d step``, measured between evaluations
     (markers; on a symlog axis, so that intervals where the loss rose show below 0) beside the
     rate the NTK spectrum guarantees for linearised full-batch GD,
-    ``-2 log max|1 - 2 lr lambda / N|`` over lambda_min and lambda_max (dashed).
+    ``-2 log max|1 - 2 lr lambda / N|`` over lambda_min and lambda_max (dashed; a lower bound on
+    the measured rate, below 0 where no decay is guaranteed).
+
+    An evaluation whose K is singular to working precision is drawn as an open down-triangle
+    at its noise floor (lambda_min <= floor); the floor itself (dotted) is drawn only when it
+    is within three decades of lambda_min, else the axis label gives its largest value. The
+    legend (below the panels) lists only what is drawn.
 
     Args:
         series: DataFrame with columns step, lambda_min, noise_floor, train_loss, log_loss_slope,
-            pred_log_loss_slope (as in ``series/ntk__*.csv``); several cells/seeds may be passed
-            with ``cell_id`` / ``seed`` columns (:func:`deqbench.plots.read_series`).
+            pred_log_loss_slope and optionally resolved (as in ``series/ntk__*.csv``); several
+            cells/seeds may be passed with ``cell_id`` / ``seed`` columns
+            (:func:`deqbench.plots.read_series`).
         title: figure title.
 
     Returns:
         matplotlib Figure (no pyplot).
     """
+    import math
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    fig = Figure(figsize=(7.5, 8.5), layout="constrained")
+    fig = Figure(figsize=(7.5, 9.0), layout="constrained")
     FigureCanvasAgg(fig)
     ax1, ax2, ax3 = fig.subplots(3, 1, sharex=True)
     keys = [k for k in ("cell_id", "seed") if k in series.columns]
     groups = list(series.groupby(keys)) if keys else [("", series)]
+
+    def col_of(df: Any, name: str) -> Any:
+        import pandas as pd
+
+        return pd.to_numeric(df[name], errors="coerce") if name in df else None
+
+    # which evaluations are singular (lambda_min <= floor) and whether the floor is on-scale
+    def singular_mask(df: Any) -> Any:
+        res = col_of(df, "resolved")
+        if res is not None:
+            return res == 0
+        lm, fl = col_of(df, "lambda_min"), col_of(df, "noise_floor")
+        return (lm <= fl) if fl is not None else lm != lm
+
+    lam_vals = [
+        float(v)
+        for _, df in groups
+        for v in col_of(df, "lambda_min")[~singular_mask(df)]
+        if v == v and v > 0
+    ]
+    floors = [
+        float(v)
+        for _, df in groups
+        if "noise_floor" in df
+        for v in col_of(df, "noise_floor")
+        if v == v and v > 0
+    ]
+
+    def flagged_mask(df: Any) -> Any:
+        """Evaluations whose own checks failed (``flag`` column non-empty)."""
+        if "flag" not in df:
+            return (df["step"] != df["step"]).to_numpy()
+        return (df["flag"].fillna("").astype(str) != "").to_numpy()
+
+    any_singular = any(bool(singular_mask(df).any()) for _, df in groups)
+    any_flagged = False
+    floor_on = bool(floors) and (any_singular or not lam_vals or max(floors) * 1e3 >= min(lam_vals))
+    handles: list[Any] = []
+    labels: list[str] = []
     rates: list[float] = []
+    measured = bound = False
     for i, (label, df) in enumerate(groups):
         df = df.sort_values("step")
         col = f"C{i % 10}"
         if isinstance(label, tuple):
             label = " ".join(f"seed {v}" if k == "seed" else str(v) for k, v in zip(keys, label))
-        lab = str(label) if label != "" else None
-        ax1.plot(df["step"], df["lambda_min"], "o-", color=col, ms=4, label=lab)
-        if "noise_floor" in df and (df["noise_floor"] > 0).any():
-            ax1.plot(df["step"], df["noise_floor"], ":", color=col, lw=1)
-        ax2.plot(df["step"], df["train_loss"], "s-", color=col, ms=3, label=lab)
+        steps, lam = df["step"], col_of(df, "lambda_min")
+        sing = singular_mask(df).to_numpy()
+        bad = flagged_mask(df)
+        any_flagged |= bool(bad.any())
+        ax1.plot(steps[~sing & ~bad], lam[~sing & ~bad], "o-", color=col, ms=4)
+        if bad.any():
+            ax1.plot(steps[bad], lam[bad], "x", color="red", ms=7)
+        sing = sing & ~bad
+        if sing.any():
+            ax1.plot(steps[sing], col_of(df, "noise_floor")[sing], "v", color=col, ms=6, mfc="none")
+        if floor_on and "noise_floor" in df:
+            ax1.plot(steps, col_of(df, "noise_floor"), ":", color=col, lw=1)
+        ax2.plot(steps, df["train_loss"], "s-", color=col, ms=3)
+        if label != "":
+            handles.append(Line2D([], [], color=col, marker="o", ms=4))
+            labels.append(str(label))
         for name, style in (("log_loss_slope", "o"), ("pred_log_loss_slope", "--")):
-            if name in df and df[name].notna().any():
-                ax3.plot(df["step"], -df[name], style, color=col, ms=4)
-                rates += [abs(float(v)) for v in df[name] if v == v and v != 0]
+            v = col_of(df, name)
+            if v is None:
+                continue
+            ok = v.notna() & (v.abs() != math.inf)
+            if ok.any():
+                ax3.plot(steps[ok], -v[ok], style, color=col, ms=4)
+                rates += [abs(float(x)) for x in v[ok] if x != 0]
+                measured |= name == "log_loss_slope"
+                bound |= name == "pred_log_loss_slope"
+    gray = "0.3"
+    handles.append(Line2D([], [], color=gray, marker="o", ms=4))
+    labels.append("lambda_min(K) (top)")
+    if any_singular:
+        handles.append(Line2D([], [], color=gray, marker="v", ms=6, mfc="none", ls=""))
+        labels.append("K singular to working precision: lambda_min <= noise floor")
+    if any_flagged:
+        handles.append(Line2D([], [], color="red", marker="x", ms=7, ls=""))
+        labels.append("flagged: NTK solves missed their tolerance (not part of the line)")
+    if floor_on:
+        handles.append(Line2D([], [], color=gray, ls=":", lw=1))
+        labels.append("noise floor of lambda_min")
+    if measured:
+        handles.append(Line2D([], [], color=gray, marker="o", ls=""))
+        labels.append("loss decay rate measured between evaluations (bottom)")
+    if bound:
+        handles.append(Line2D([], [], color=gray, ls="--"))
+        labels.append(
+            "rate guaranteed by the NTK: -2 log max|1 - 2 lr lambda / N| over lambda_min and "
+            "lambda_max (bottom)"
+        )
     ax1.set_yscale("log")
-    ax1.set_ylabel("lambda_min(K)\n(dotted: noise floor)")
-    ax1.legend(fontsize=7, loc="best")
+    ylab = "lambda_min(K)"
+    if floors and not floor_on:
+        ylab += f"\n(noise floor <= {max(floors):.1e}, off-scale)"
+    ax1.set_ylabel(ylab)
     ax2.set_yscale("log")
     ax2.set_ylabel("train loss")
-    # symlog: a rise of the loss (negative rate) stays visible instead of dropping off a log axis
-    ax3.set_yscale("symlog", linthresh=min(rates) if rates else 1e-6)
+    if rates:
+        _symlog_decades(ax3, rates, FixedLocator, FuncFormatter, NullLocator)
     ax3.axhline(0.0, color="0.5", lw=0.8)
     ax3.set_ylabel("loss decay rate per step\n-d log(loss)/d step (< 0: loss rose)")
     ax3.set_xlabel("step")
-    from matplotlib.lines import Line2D
-
-    ax3.legend(
-        [Line2D([], [], color="0.3", marker="o", ls=""), Line2D([], [], color="0.3", ls="--")],
-        [
-            "measured between evaluations",
-            "guaranteed by the NTK: -2 log max|1 - 2 lr lambda / N|, lambda_min and lambda_max",
-        ],
-        fontsize=7,
-        loc="best",
-    )
+    fig.legend(handles, labels, loc="outside lower center", fontsize=7, ncols=1, frameon=False)
     for ax in (ax1, ax2, ax3):
         ax.grid(True, alpha=0.3)
     if title:
         fig.suptitle(title, fontsize=9)
     return fig
+
+
+def _symlog_decades(ax: Any, rates: list[float], fixed: Any, func: Any, null: Any) -> None:
+    """Symlog y axis over the rates with a tick at every decade (every other one past six),
+    at least three decades above the linear range, and no crowded ticks next to 0."""
+    import math
+
+    top = math.ceil(math.log10(max(rates)))
+    low = math.floor(math.log10(min(rates)))
+    low = min(low, top - 3)
+    lt = 10.0**low
+    ax.set_yscale("symlog", linthresh=lt, linscale=0.5)
+    step = 1 if top - low <= 6 else 2
+    pos = [10.0**k for k in range(top, low, -step)]
+    ticks = sorted([-t for t in pos] + [0.0] + pos)
+
+    def fmt(v: float, _: Any) -> str:
+        if v == 0:
+            return "0"
+        k = round(math.log10(abs(v)))
+        return ("-" if v < 0 else "") + f"$10^{{{k}}}$"
+
+    ax.yaxis.set_major_locator(fixed(ticks))
+    ax.yaxis.set_major_formatter(func(fmt))
+    ax.yaxis.set_minor_locator(null())
 
 
 @plots.register("ntk")
