@@ -32,9 +32,11 @@ def esc(text: Any) -> str:
 
 
 def print_summary(df: Any) -> None:
-    """One table row per cell: tasks ok (and flagged/failed), last-epoch test accuracy (or MSE),
-    forward/backward f-evaluations per training batch, the share of training batches whose
-    forward / adjoint solve converged, median wall time; then one line of totals."""
+    """One table row per cell: tasks ok (and flagged/failed), last-epoch test accuracy and test
+    MSE (separate columns, each shown when some cell has it), forward/backward f-evaluations per
+    training batch (last epoch), the share of training batches whose forward / adjoint solve
+    converged (worst seed; "-" where the forward is not a solve or no adjoint ran), median wall
+    time in seconds; then one line of totals."""
     from rich.table import Table
 
     from .results import CONVERGENCE, FLAGGED, RUNNER
@@ -42,8 +44,14 @@ def print_summary(df: Any) -> None:
     if df.empty:
         return
     t = Table(title="deqbench results (median over seeds)")
-    for col in ("cell", "status", "test acc/mse", "fwd f-evals", "bwd f-evals",
-                "converged fwd/bwd", "time [s]"):  # fmt: skip
+    has = {
+        m: bool(((df.analysis == "metrics") & (df.metric == m)).any()) for m in ("accuracy", "mse")
+    }
+    cols = ["cell", "status"]
+    cols += ["test acc"] if has["accuracy"] else []
+    cols += ["test MSE"] if has["mse"] else []
+    cols += ["fwd f-evals/batch", "bwd f-evals/batch", "converged fwd/bwd", "wall s"]
+    for col in cols:
         t.add_column(col, overflow="fold")
 
     def last(g: Any, analysis: str, metric: str, variant: str) -> str:
@@ -70,11 +78,11 @@ def print_summary(df: Any) -> None:
         if bad:
             ok = " ".join(f"[yellow]{b}[/yellow]" if b == FLAGGED else f"[red]{b}[/red]"
                           for b in bad) + f" {int((r.status != 'ok').sum())}/{len(r)}"  # fmt: skip
-        acc = last(g, "metrics", "accuracy", "test") or last(g, "metrics", "mse", "test")
+        metrics = [last(g, "metrics", m, "test") for m in ("accuracy", "mse") if has[m]]
         fwd = last(g, "solver_stats", "forward_nstep", "train")
         bwd = last(g, "solver_stats", "backward_nstep", "train")
         conv = f"{converged(g, 'forward')}/{converged(g, 'adjoint')}"
-        t.add_row(esc(cell), ok, acc, fwd, bwd, conv, f"{r.value.median():.2f}")
+        t.add_row(esc(cell), ok, *metrics, fwd, bwd, conv, f"{r.value.median():.2f}")
     out_console().print(t)
     total = sum(counts.values())
     parts = [f"{counts.get('ok', 0)} ok"]
@@ -87,19 +95,28 @@ def print_summary(df: Any) -> None:
 
 
 def compare_table(summary: Any, title: str) -> Any:
-    """A rich Table of :func:`deqbench.results.compare`'s summary; flagged rows say CHANGED."""
+    """A rich Table of :func:`deqbench.results.compare`'s summary: matched pairs and rows only
+    one run has, medians, the median of the paired ratios B/A, and a status (CHANGED, flagged
+    pairs, the timing check)."""
     from rich.table import Table
 
     t = Table(title=esc(title))
-    for col in ("analysis", "metric", "variant", "n", "median A", "median B", "ratio", ""):
+    cols = ("analysis", "metric", "variant", "pairs", "only A", "only B", "median A", "median B",
+            "B/A (median of pairs)", "status")  # fmt: skip
+    for col in cols:
         t.add_column(col, overflow="fold")
     for r in summary.itertuples():
+        flagged = getattr(r, "flagged", 0)
+        status = [
+            "[red]CHANGED[/red]" if r.changed else "",
+            f"[yellow]flagged {flagged}/{r.n}[/yellow]" if flagged else "",
+            f"[dim]{esc(r.check)}[/dim]" if getattr(r, "check", "") else "",
+        ]
         t.add_row(
-            esc(r.analysis), esc(r.metric), esc(r.variant), str(r.n), f"{r.median_a:.4g}",
-            f"{r.median_b:.4g}", f"{r.ratio:.4g}",
-            " ".join(x for x in ("[red]CHANGED[/red]" if r.changed else "",
-                                 f"[yellow]flagged {r.flagged}/{r.n}[/yellow]"
-                                 if getattr(r, "flagged", 0) else "") if x),
+            esc(r.analysis), esc(r.metric), esc(r.variant), str(r.n),
+            str(getattr(r, "only_a", 0)), str(getattr(r, "only_b", 0)),
+            f"{r.median_a:.4g}", f"{r.median_b:.4g}", f"{r.ratio:.4g}",
+            " ".join(x for x in status if x),
         )  # fmt: skip
     return t
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import copy
 import itertools
 import re
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 SECTIONS = ("model", "init", "solver", "backward", "train", "data")

@@ -122,7 +122,9 @@ def warm_up(device: str, dtype: Any) -> float | None:
         model = models.create("fc_deq_tiny", in_shape=(8,), num_outputs=3)
         model = model.to(device=device, dtype=dtype)
         x = torch.randn(4, 8, device=device, dtype=dtype, generator=None)
+        opt = torch.optim.Adam(model.parameters())  # the first optimizer imports torch._dynamo
         model(x).square().sum().backward()
+        opt.step()
         with torch.no_grad():
             model.eval()
             model(x)
@@ -195,6 +197,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         "cell_id": cell.id,
         "model": cell.model["name"],
         "solver": cell.solver["name"],
+        "backward": cell.backward.get("name", ""),
         "init": cell.init["name"],
         "seed": task.seed,
     }
@@ -219,7 +222,10 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         # recorded on their own rows and kept out of the task's wall_time
         warm = warm_up(task.device, dtype)
         if warm is not None:
-            add(PROCESS, Row("warmup_time", warm, unit="s", note="once per process; not in wall_time"))
+            add(
+                PROCESS,
+                Row("warmup_time", warm, unit="s", note="once per process; not in wall_time"),
+            )
         cpu_data, load_time = _load_data(cell)
         if load_time is not None:
             add(PROCESS, Row("data_load_time", load_time, unit="s",

@@ -42,7 +42,9 @@ def test_unset_fields_come_from_the_models_declaration():
     assert cell.id.startswith("fc_deq_tiny-anderson-ift")
     # monDEQ declares its splitting solver: the cell id and the adjoint say so
     (mon,) = suite_from_dict(_raw({"model": "mondeq_fc_tiny"})).cells
-    assert mon.solver["name"] == "peaceman_rachford" and mon.backward["solver"] == "peaceman_rachford"
+    assert (
+        mon.solver["name"] == "peaceman_rachford" and mon.backward["solver"] == "peaceman_rachford"
+    )
     assert mon.id.startswith("mondeq_fc_tiny-peaceman_rachford-ift")
 
 

@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from ..deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
 from ..registry import models
-from . import declare_defaults
 from ..solvers.splitting import SplittingOps, fb_step_bound
+from . import declare_defaults
 from ._common import as_image_shape, numel
 
 
@@ -289,8 +289,13 @@ class MonDEQConv(_MonDEQBase):
 #: cell's Jacobian can have spectral radius > 1, so neither forward nor adjoint uses it.
 DEFAULTS = dict(
     solver={"name": "peaceman_rachford", "max_iter": 300, "tol": 1e-4, "alpha": 1.0},
-    backward={"name": "ift", "solver": "peaceman_rachford", "max_iter": 300, "tol": 1e-5,
-              "alpha": 1.0},
+    backward={
+        "name": "ift",
+        "solver": "peaceman_rachford",
+        "max_iter": 300,
+        "tol": 1e-5,
+        "alpha": 1.0,
+    },
     init="default",
 )
 

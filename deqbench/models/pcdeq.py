@@ -47,8 +47,8 @@ from torch import Tensor, nn
 from ..deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
 from ..errors import ConfigError
 from ..registry import models
-from . import declare_defaults
 from ..spectral import conv_norm_fft, dense_norm
+from . import declare_defaults
 from ._common import activation as get_activation
 from ._common import as_image_shape, numel
 
