@@ -348,37 +348,69 @@ def compare(
         typer.Option(
             "--factor",
             min=1.0,
-            help="Flag metrics whose median ratio B/A is beyond this factor either way.",
+            help="Mark a metric CHANGED when its ratio B/A (median over the matched rows of "
+            "the paired ratios) is beyond this factor either way.",
         ),
     ] = 1.1,
     csv: Annotated[
         Path | None,
-        typer.Option(
-            "--csv",
-            help="Where to write the comparison CSV (default RUN_B/compare-<RUN_A name>.csv).",
-        ),
+        typer.Option("--csv", help="Also write the comparison table to this CSV file."),
     ] = None,
     fail_on_change: Annotated[
-        bool, typer.Option("--fail-on-change", help="Exit 1 when a metric is flagged.")
+        bool, typer.Option("--fail-on-change", help="Exit 1 when a metric is CHANGED.")
+    ] = False,
+    timing: Annotated[
+        bool,
+        typer.Option(
+            "--timing",
+            help="Also judge timing metrics (unit s, ms or per second): CHANGED only where "
+            "the two runs' IQRs over seeds and repeats lie apart (at least 3 samples a side).",
+        ),
+    ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Compare runs of differently named suites or without a common cell."
+        ),
     ] = False,
 ) -> None:
-    """Compare two runs: median ratio B/A per metric, joined on (cell_id, seed, analysis,
-    variant, metric, step)."""
+    """Compare two runs of one suite: per metric, the median over matched rows of the ratio
+    B/A, rows joined on (cell_id, seed, analysis, variant, metric, step, repeat); rows without a
+    partner are counted, timing metrics left unjudged unless --timing."""
     with handle_errors():
-        from .console import compare_table, out_console
+        from .console import compare_table, err_console, out_console
         from .errors import ConfigError
+        from .results import check_comparable, load_results, match_counts
         from .results import compare as compare_runs
-        from .results import load_results
 
-        summary, _ = compare_runs(load_results(run_a), load_results(run_b), factor)
-        if summary.empty:
-            raise ConfigError(f"{run_a} and {run_b} share no (cell_id, seed, metric) rows")
-        path = csv or Path(run_b) / f"compare-{Path(run_a).name}.csv"
-        summary.to_csv(path, index=False)
+        a, b = load_results(run_a), load_results(run_b)
+        warnings = check_comparable(run_a, run_b, a, b, force)
+        summary, joined = compare_runs(a, b, factor, timing=timing)
+        counts = match_counts(a, b, joined)
+        if not counts["a"]["matched"]:
+            raise ConfigError(
+                f"{run_a} and {run_b} share no (cell_id, seed, analysis, variant, metric, step, "
+                f"repeat) rows ({counts['a']['compared']} vs {counts['b']['compared']} ok/flagged)"
+            )
+        for w in warnings:
+            err_console().print(f"warning: {w}", markup=False)
         out_console().print(
-            compare_table(summary, f"B/A: {run_b} vs {run_a} (flag beyond x{factor:g})")
+            compare_table(
+                summary,
+                f"B: {run_b} vs A: {run_a} (changed: B/A beyond x{factor:g}"
+                + (")" if timing else "; timing metrics judged only with --timing)"),
+            )
         )
-        print(f"wrote {path}")
+        ca, cb = counts["a"], counts["b"]
+        print(
+            f"rows: {ca['matched']} matched pairs; unmatched, left out of the ratios: "
+            f"A {ca['unmatched']} of {ca['compared']}, B {cb['unmatched']} of {cb['compared']}"
+            + (f"; failed, not compared: A {ca['failed']}, B {cb['failed']}"
+               if ca["failed"] or cb["failed"] else "")
+        )  # fmt: skip
+        if csv is not None:
+            summary.to_csv(csv, index=False)
+            print(f"wrote {csv}")
         changed = int(summary["changed"].sum())
     raise typer.Exit(1 if (fail_on_change and changed) else 0)
 

@@ -158,6 +158,13 @@ def _prepare(
         if not meta_path.exists():
             raise ConfigError(f"--resume {resume}: not a run directory (no run.json)")
         meta = res.read_json(meta_path)
+        schema = meta.get("results_schema", 1)
+        if schema != res.RESULTS_SCHEMA:
+            raise ConfigError(
+                f"--resume {resume}: its results.csv has results schema {schema} (this deqbench "
+                f"writes {res.RESULTS_SCHEMA}: a backward column after solver), so rows would not "
+                f"line up; start a new run: deqbench run {run_dir / 'suite.yaml'}"
+            )
         if meta.get("suite_hash") != suite.hash:
             raise ConfigError(
                 f"--resume {resume}: made from a different suite (hash {meta.get('suite_hash')} "
@@ -178,6 +185,7 @@ def _prepare(
     (run_dir / "suite.yaml").write_text(suite.to_yaml(), encoding="utf-8")
     meta = {
         "run_id": run_dir.name,
+        "results_schema": res.RESULTS_SCHEMA,
         "suite": suite.name,
         "suite_source": suite.source,
         "suite_hash": suite.hash,
@@ -245,6 +253,7 @@ def _run_suite(
     if callable(describe):  # e.g. the Dask cluster's layout
         meta["executor"] = describe()
     device = suite.resolved_device()
+    meta["tasks_total"] = len(suite.cells) * len(suite.seeds)  # planned (cells x seeds)
     res.write_json(run_dir / "run.json", meta)
     writer = res.ResultsWriter(run_dir)
     tasks = [
@@ -287,8 +296,10 @@ def _run_suite(
     meta.update(
         status="interrupted" if summary.interrupted else "complete",
         finished=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        tasks_total=len(st),
-        tasks_failed=len(summary.failed),
+        tasks_finished=len(st),
+        tasks_ok=int((st["status"] == "ok").sum()),
+        tasks_flagged=int((st["status"] == res.FLAGGED).sum()),
+        tasks_failed=int((~st["status"].isin(["ok", res.FLAGGED])).sum()),
         exit_code=summary.exit_code,
     )
     res.write_json(run_dir / "run.json", meta)

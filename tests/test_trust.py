@@ -149,7 +149,7 @@ def test_unconverged_forward_is_flagged_and_exits_1(tmp_path):
     row = df[(df.analysis == "convergence") & (df.metric == "forward_unconverged_batches")]
     assert row.status.item() == "flagged" and row.value.item() == 1.0
     meta = json.loads((run_dir / "run.json").read_text())
-    assert meta["tasks_failed"] == 1 and meta["exit_code"] == 1
+    assert meta["tasks_flagged"] == 1 and meta["tasks_failed"] == 0 and meta["exit_code"] == 1
     assert "flagged" in r.output and "1 flagged" in r.output
 
 

@@ -124,6 +124,7 @@ def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.
         "cell_id": cell.id,
         "model": cell.model["name"],
         "solver": cell.solver["name"],
+        "backward": cell.backward.get("name", ""),
         "init": cell.init["name"],
         "seed": task.seed,
         "analysis": RUNNER,
