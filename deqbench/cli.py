@@ -35,6 +35,27 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__  # deqbench/__init__ imports no torch
+
+        print(f"deqbench {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Benchmark and analyse deep equilibrium models: YAML suites in, tidy CSV and plots out."""
+
+
 DeviceOpt = Annotated[
     str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N (overrides the suite).")
 ]
@@ -142,6 +163,31 @@ def execute(
     return summary.exit_code
 
 
+def _option_paths(model: Any, analyses: Sequence[Any], sections: dict[str, Any]) -> dict:
+    """Suite paths -> the command-line option that set them, for one-line errors that name
+    the option (``--grid 4: grid must be odd ...``): every analysis parameter comes from the
+    option of the same name (``points_per_batch`` <- ``--points-per-batch``)."""
+
+    def opt(key: str, value: Any) -> str:
+        return f"--{str(key).replace('_', '-')} {value}"
+
+    paths: dict[tuple[Any, ...], str] = {}
+    for i, a in enumerate(analyses):
+        if isinstance(a, dict):
+            for name, params in a.items():
+                for k, v in (params or {}).items():
+                    paths[("analyses", i, name, k)] = opt(k, v)
+    if isinstance(model, str):
+        paths[("defaults", "model")] = opt("model", model)
+    data = sections.get("data")
+    if isinstance(data, dict) and "name" in data:
+        paths[("data", "name")] = opt("data", data["name"])
+    dtype = sections.get("dtype")
+    if dtype:
+        paths[("dtype",)] = opt("dtype", dtype)
+    return paths
+
+
 def run_one_cell(
     name: str,
     *,
@@ -167,6 +213,7 @@ def run_one_cell(
             seeds=parse_seeds(seeds) or [0],
             output=str(out) if out else "results",
             overrides=set_ or (),
+            flags=_option_paths(model, analyses, sections),
             **{k: v for k, v in sections.items() if v is not None},
         )
         code = execute(suite, progress=progress)
@@ -215,9 +262,11 @@ def run(
         ),
     ] = None,
 ) -> None:
-    """Run a suite: every cell x seed; writes results/<suite>/<run_id>/. A collection file
-    (``suites: [a.yaml, ...]``) runs its suites one after another, each into its own run
-    directory; the exit code is the worst of theirs."""
+    """Run a suite: every cell x seed, into results/SUITE/RUN_ID/.
+
+    A collection file (one with a list under suites:) runs its suites one after another, each
+    into its own run directory; the exit code is the worst of theirs. Exit codes: 0 every cell
+    ok, 1 some cell failed or flagged, 2 bad input, 130 interrupted."""
     with handle_errors():
         from .errors import ConfigError
         from .suite import load_suites
@@ -428,7 +477,28 @@ def _register_subcommands() -> None:
             importlib.import_module(f"deqbench.{info_.name}").register(app)
 
 
+def _reflow(text: str | None) -> str | None:
+    """Join the lines of each paragraph (blank lines separate paragraphs): the terminal wraps
+    help text to its own width, so the docstrings' source line breaks would break lines
+    mid-sentence at 80 columns."""
+    if not text:
+        return text
+    import inspect
+
+    paras = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paras)
+
+
+def _reflow_help() -> None:
+    for cmd in app.registered_commands:
+        if cmd.help:
+            cmd.help = _reflow(cmd.help)
+        elif cmd.callback is not None and cmd.callback.__doc__:
+            cmd.callback.__doc__ = _reflow(cmd.callback.__doc__)
+
+
 _register_subcommands()
+_reflow_help()
 
 
 def main() -> None:

@@ -164,9 +164,9 @@ class Registry(Generic[T]):
     def unknown(self, name: str) -> UnknownNameError:
         """The error for an unknown ``name``, with close matches."""
         close = difflib.get_close_matches(name, self.names(), n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         return UnknownNameError(
-            f"unknown {self.singular} '{name}'; {hint}(see `deqbench ls {self.kind}`)"
+            f"unknown {self.singular} '{name}'{hint} (see `deqbench ls {self.kind}`)"
         )
 
     def entry(self, name: str) -> Entry:

@@ -306,9 +306,14 @@ def suite_from_dict(
     device: str | None = None,
     seeds: Sequence[int] | None = None,
     output: str | None = None,
+    flags: Mapping[tuple[Any, ...], str] | None = None,
 ) -> Suite:
-    """Validate a suite given as a dict (same checks as :func:`load_suite`)."""
-    return _from_raw(copy.deepcopy(dict(raw)), Locator(source), overrides, device, seeds, output)
+    """Validate a suite given as a dict (same checks as :func:`load_suite`). ``flags`` maps
+    paths to the command-line option that set them (``("analyses", 1, "landscape", "grid"):
+    "--grid 4"``), so that an error names the option, not the path."""
+    loc = Locator(source)
+    loc.overridden.update(flags or {})
+    return _from_raw(copy.deepcopy(dict(raw)), loc, overrides, device, seeds, output)
 
 
 def one_cell_suite(
@@ -326,9 +331,11 @@ def one_cell_suite(
     dtype: str = "float32",
     output: str = "results",
     overrides: Sequence[str] = (),
+    flags: Mapping[tuple[Any, ...], str] | None = None,
 ) -> Suite:
     """A one-cell suite from options, for commands such as ``deqbench landscape``: they build one
     and hand it to :func:`deqbench.runner.run_suite`, the same path as ``deqbench run``.
+    ``flags``: see :func:`suite_from_dict`.
 
     Example:
         >>> s = one_cell_suite("landscape", model="fc_deq_tiny", analyses=["metrics"],
@@ -352,7 +359,7 @@ def one_cell_suite(
         "analyses": list(analyses),
         "output": output,
     }
-    return suite_from_dict(raw, f"<{name} options>", overrides=overrides)
+    return suite_from_dict(raw, f"<{name} options>", overrides=overrides, flags=flags)
 
 
 def _top_allowed(sub: tuple[Any, ...]) -> list[str]:

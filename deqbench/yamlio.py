@@ -94,6 +94,8 @@ class Locator:
         """One error line ``WHERE: dotted.path: message``."""
         dotted = format_path(path)
         head = self.where(path, prefer_key)
+        if head.startswith("--") and not head.startswith("--set "):
+            return f"{head}: {message}"  # a command-line option: its name says where
         return f"{head}: {dotted}: {message}" if dotted else f"{head}: {message}"
 
     # -- building ---------------------------------------------------------------------------
@@ -173,9 +175,22 @@ def pydantic_lines(
         allowed: the keys allowed (or a function of the location), for "did you mean".
     """
     lines = []
+    unions: dict[tuple[Any, ...], list[str]] = {}  # path -> messages of a union's members
     for e in exc.errors():
         where = tuple(e["loc"])
+        # a union's members add a type tag to the location (``output.int``,
+        # ``output.literal['sum','scalar','full']``): one line per field, no pydantic internals
+        while where and isinstance(where[-1], str) and _TYPE_TAG.match(where[-1]):
+            where = where[:-1]
+            e = {**e, "_union": True}
         path = to_path(where) if callable(to_path) else (*to_path, *where)
+        if e.get("_union"):
+            msg = _message(e)
+            if path not in unions:
+                unions[path] = []
+                lines.append(path)  # placeholder, filled below
+            unions[path].append(msg)
+            continue
         if e["type"] == "extra_forbidden":
             keys = allowed(where[:-1]) if callable(allowed) else allowed
             hint = did_you_mean(str(where[-1]), keys)
@@ -183,10 +198,38 @@ def pydantic_lines(
         elif e["type"] == "missing":
             lines.append(loc.error(path, "missing required key"))
         else:
-            got = e.get("input")
-            more = f" (got {got!r})" if isinstance(got, str | int | float | bool) else ""
-            lines.append(loc.error(path, e["msg"] + more))
-    return lines
+            lines.append(loc.error(path, _message(e)))
+    out = []
+    for item in lines:
+        if isinstance(item, tuple):
+            got = ""
+            msgs = []
+            for m in unions[item]:
+                m, _, g = m.partition(" (got ")
+                got = got or (f" (got {g}" if g else "")
+                m = m.split(", unable to")[0]
+                msgs.append(m[len("Input should be ") :] if m.startswith("Input should be ") else m)
+            out.append(loc.error(item, "expected " + " or ".join(dict.fromkeys(msgs)) + got))
+        else:
+            out.append(item)
+    return out
+
+
+_TYPE_TAG = re.compile(
+    r"^(int|float|str|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*)$"
+)
+
+
+def _message(e: dict[str, Any]) -> str:
+    """pydantic's message without its "Value error, " prefix, with the value given once."""
+    msg = str(e["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix) :]
+    got = e.get("input")
+    if isinstance(got, str | int | float | bool) and repr(got) not in msg and str(got) not in msg:
+        msg += f" (got {got!r})"
+    return msg
 
 
 def apply_overrides(

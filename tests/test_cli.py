@@ -100,7 +100,7 @@ def test_missing_file_and_unavailable_device_exit_2(tmp_path, monkeypatch):
         f"error: {p}:3:9: device: CUDA is not available"
     )
     r = invoke("run", write_suite(tmp_path, name="ok.yaml"), "--device", "cuda")
-    assert r.exit_code == 2 and "--device cuda: device: CUDA is not available" in r.output
+    assert r.exit_code == 2 and "--device cuda: CUDA is not available" in r.output
     assert not (tmp_path / "results").exists()
     assert invoke("run", p, "--seeds", "a,b").exit_code == 2
 

@@ -253,7 +253,7 @@ def test_cuda_without_gpu_is_a_config_error(tmp_path, monkeypatch):
     err = _error(p)
     assert err.startswith(f"{p}:3:9: device: CUDA is not available") and len(err.splitlines()) == 1
     err = _error(write_suite(tmp_path), device="cuda:1")
-    assert err.startswith("--device cuda:1: device: CUDA is not available")
+    assert err.startswith("--device cuda:1: CUDA is not available")
 
 
 def test_overrides_and_their_error_locations(tiny_suite):

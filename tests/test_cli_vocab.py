@@ -1,0 +1,77 @@
+"""One CLI vocabulary (issue 14 item 4): --version without torch, one-line errors that name the
+option the user wrote (no repeated value, no pydantic internals), help reflowed for 80 columns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import write_suite
+from typer.testing import CliRunner
+
+from deqbench.cli import app
+
+
+def _err(*args: str) -> str:
+    r = CliRunner().invoke(app, list(args))
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1, r.output
+    return lines[0]
+
+
+def test_version_without_importing_torch():
+    code = (
+        "import sys; sys.argv = ['deqbench', '--version']\n"
+        "from deqbench.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("deqbench ")
+
+
+def test_bad_device_names_the_value_once(tmp_path):
+    line = _err("run", str(write_suite(tmp_path)), "--device", "gpu")
+    assert line.startswith("error: --device gpu: ")
+    assert line.count("'gpu'") == 1 and "Value error" not in line
+
+
+@pytest.mark.parametrize(
+    ("args", "start"),
+    [
+        (["landscape", "--grid", "4"], "error: --grid 4: grid must be odd"),
+        (["landscape", "--split", "val"], "error: --split val: "),
+        (["ntk", "--output", "foo"], "error: --output foo: expected "),
+        (["landscape", "--model", "fc_dq"], "error: --model fc_dq: unknown model 'fc_dq'"),
+    ],
+)
+def test_option_errors_name_the_option(args, start):
+    line = _err(*args, "--device", "cpu")
+    assert line.startswith(start), line
+    for internal in ("analyses[", "Value error", "literal[", ".int:"):
+        assert internal not in line, line
+
+
+def test_unknown_name_message_has_no_stray_semicolon(monkeypatch):
+    from deqbench.registry import solvers
+
+    msg = str(solvers.unknown("relaxed_picard"))
+    assert "; (see" not in msg and msg.endswith("(see `deqbench ls solvers`)")
+    assert "did you mean" not in msg or "; did you mean" in msg
+
+
+def test_help_is_reflowed_at_80_columns():
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    out = subprocess.run(
+        [sys.executable, "-m", "deqbench", "run", "--help"], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0
+    text = out.stdout
+    assert "``" not in text
+    # the paragraph is reflowed: no line ends after a single word of a sentence
+    body = [ln.strip() for ln in text.splitlines() if "collection file" in ln or "another," in ln]
+    assert body and all(len(ln) > 30 for ln in body), body
