@@ -10,10 +10,21 @@ parameter gradients with ``autograd.grad``) is measured on the same seeded batch
   of a fresh worker) and ``activation_memory`` (MiB autograd saves during the forward; device
   independent: O(1) in the iterations for IFT, O(K) for unrolled);
 * ``grad_cosine`` and ``grad_rel_error`` = ||g - g_ref|| / ||g_ref|| over all trainable
-  parameters, against the reference g_ref: the same step in float64 with IFT at ``ref_tol``
-  (forward and adjoint), reported as variant ``reference`` with its residuals;
+  parameters, against the reference g_ref: the same step in float64 with the implicit gradient,
+  forward and adjoint solved to ``ref_tol`` by robust methods independent of the cell's solver
+  settings (:func:`deqbench.gradients.reference_gradient`: a dense direct adjoint solve per
+  sample when the state has at most ``ref_dense_max`` entries, else Anderson), reported as variant
+  ``reference`` with its residuals (measured afresh) and ``reference_converged``. A reference
+  that misses ``ref_tol`` gives ``reference_converged`` status ``error``, its residual rows
+  ``flagged``, and every ``grad_cosine`` / ``grad_rel_error`` row ``error`` (no value): it is never
+  the basis of an accuracy figure;
 * ``forward_nstep``, ``backward_nstep`` (adjoint solver steps), ``f_evals_grad`` (tracked f
   calls), ``forward_rel_residual``, ``backward_rel_residual``.
+
+A mode whose own solves missed their tolerance (the forward of ``ift``, ``jfb``, ``phantom``; the
+adjoint of ``ift``; not the K fixed steps of ``unrolled``) has every row status ``flagged`` with
+a one-line note naming the variant, the residual and the fix: its accuracy and cost describe a
+failed solve.
 
 The memory-against-iterations series (``memory_series``): IFT whose forward runs exactly N
 fixed-point iterations (tol 0) and unrolled K = N, for each N: ``series_activation_memory`` and
@@ -51,6 +62,7 @@ from torch import Tensor, nn
 
 from ..deq import BackwardConfig, DEQLayer, SolverConfig, configure, deq_layers, last_stats
 from ..gradients import (  # noqa: F401  (re-exported: the plain functions of this analysis)
+    DENSE_MAX,
     GradVector,
     _param_dict,
     grad_vector,
@@ -227,6 +239,69 @@ def measure_mode(
     }
 
 
+GRAD_METRICS = ("grad_cosine", "grad_rel_error")
+
+
+def reference_rows(info: dict[str, Any], step: int | None = None) -> list[Row]:
+    """Rows of variant ``reference`` from :func:`reference_gradient`'s info: residuals and steps
+    (``flagged`` when it did not converge), ``time_s`` and ``reference_converged`` (1, or an
+    ``error`` row with the one-line cause when it missed its tolerance)."""
+    note = info.get("note", "")
+    status = "flagged" if note else "ok"
+    rows = [
+        Row(k, info[k], variant="reference", step=step, status=status, note=note)
+        for k in (
+            "forward_rel_residual",
+            "backward_rel_residual",
+            "forward_nstep",
+            "backward_nstep",
+        )
+        if k in info
+    ]
+    rows.append(Row("time_s", info["time_s"], variant="reference", step=step, unit="s"))
+    method = f"forward {info.get('forward_method', '')}, adjoint {info.get('adjoint_method', '')}"
+    if note:
+        rows.append(
+            Row("reference_converged", math.nan, "reference", step, status="error", note=note)
+        )
+    else:
+        rows.append(Row("reference_converged", 1.0, "reference", step, note=method))
+    return rows
+
+
+def solve_note(
+    stats: dict[str, float], backward: BackwardConfig, forward: SolverConfig, variant: str
+) -> str:
+    """One line naming the solves of a measured mode that missed their tolerance (its forward
+    for ift/jfb/phantom, its adjoint for ift; unrolled runs K fixed steps) with the fix, or ""."""
+    out = []
+    if backward.name != "unrolled" and stats.get("forward_converged", 1.0) < 1:
+        k = "forward_rel_residual" if forward.stop_mode == "rel" else "forward_abs_residual"
+        out.append(
+            f"{variant}: forward solver did not converge ({forward.stop_mode} "
+            f"{stats.get(k, math.nan):.2e} > {forward.tol:g}, {forward.name}): raise its "
+            "max_iter or use a forward solver that converges for this model"
+        )
+    if backward.name == "ift" and stats.get("backward_converged", 1.0) < 1:
+        k = "backward_rel_residual" if backward.stop_mode == "rel" else "backward_abs_residual"
+        out.append(
+            f"{variant}: adjoint did not converge ({backward.stop_mode} "
+            f"{stats.get(k, math.nan):.2e} > {backward.tol:g}, {backward.solver}): use an "
+            "adjoint solver that converges for this model (e.g. anderson) or raise max_iter"
+        )
+    return "; ".join(out)
+
+
+def flag_unconverged(rows: list[Row], note: str) -> list[Row]:
+    """Mark the ``ok`` rows of a mode ``flagged`` with ``note`` (when non-empty)."""
+    if note:
+        for r in rows:
+            if r.status == "ok":
+                r.status = "flagged"
+                r.note = note + (f" ({r.note})" if r.note else "")
+    return rows
+
+
 def mode_rows(
     res: dict[str, Any], variant: str, step: int | None = None, note: str = ""
 ) -> list[Row]:
@@ -333,17 +408,32 @@ class Backward(PerfAnalysis):
         modes: list[ModeSpec] = Field(
             default_factory=lambda: [ModeSpec(**m) for m in DEFAULT_MODES], min_length=1
         )
-        #: float64 IFT reference gradient (forward and adjoint to ref_tol)
+        #: float64 reference gradient (forward and adjoint to ref_tol, residuals checked)
         reference: bool = True
+        #: forward solver tried first (then the cell's own, then dense Newton or Broyden)
         ref_solver: str = "anderson"
-        ref_adjoint_solver: str = "fixed_point"
+        #: "auto" (dense direct solve for states of at most ref_dense_max entries, else
+        #: Anderson), "dense", or a registered solver
+        ref_adjoint_solver: str = "auto"
         ref_tol: float = Field(1e-12, gt=0)
         ref_max_iter: int = Field(1000, ge=1)
+        ref_dense_max: int = Field(DENSE_MAX, ge=0)
         #: forward iterations N of the memory-vs-iterations series (empty: no series)
         memory_series: list[int] = Field(default_factory=lambda: [5, 10, 20, 40])
         memory_series_modes: list[Literal["ift", "unrolled"]] = Field(
             default_factory=lambda: ["ift", "unrolled"]
         )
+
+        @model_validator(mode="after")
+        def _ref_solvers(self) -> Backward.Params:
+            from ..registry import solvers
+
+            if self.ref_solver not in solvers:
+                raise ValueError(f"ref_solver: {solvers.unknown(self.ref_solver)}")
+            a = self.ref_adjoint_solver
+            if a not in ("auto", "dense") and a not in solvers:
+                raise ValueError(f"ref_adjoint_solver: 'auto', 'dense' or {solvers.unknown(a)}")
+            return self
 
     def _measure(self, ctx: CellContext, phase: str):
         from .. import models as model_registry
@@ -363,9 +453,10 @@ class Backward(PerfAnalysis):
         x, y, note = pick_batch(ctx, bs, p.split)
         task = ctx.task
         with measuring(p):
-            g_ref, rnote = None, ""
+            g_ref = None
+            gnote = "reference: false (no gradient reference)"
             if p.reference:
-                g_ref, info = reference_gradient(
+                g, info = reference_gradient(
                     ctx.model,
                     x,
                     y,
@@ -374,25 +465,13 @@ class Backward(PerfAnalysis):
                     tol=p.ref_tol,
                     max_iter=p.ref_max_iter,
                     adjoint_solver=p.ref_adjoint_solver,
+                    dense_max=p.ref_dense_max,
                 )
-                ok = (
-                    info.get("forward_rel_residual", math.inf) < 1e3 * p.ref_tol
-                    and info.get("backward_rel_residual", math.inf) < 1e3 * p.ref_tol
-                )
-                rnote = (
-                    ""
-                    if ok
-                    else "reference not converged to 1e3 x ref_tol: accuracy rows are bounded by it"
-                )
-                for k in (
-                    "forward_rel_residual",
-                    "backward_rel_residual",
-                    "forward_nstep",
-                    "backward_nstep",
-                ):
-                    if k in info:
-                        yield Row(k, info[k], variant="reference", step=step, note=rnote)
-                yield Row("time_s", info["time_s"], variant="reference", step=step, unit="s")
+                yield from reference_rows(info, step)
+                if info["converged"]:
+                    g_ref = g
+                else:  # never the basis of an accuracy figure
+                    gnote = "no gradient reference: " + info["note"]
             layer = _first_layer(ctx.model)
 
             def unmeasured(v: str, status: str, note: str) -> Row:
@@ -438,8 +517,13 @@ class Backward(PerfAnalysis):
                         raise
                     yield unmeasured(v, "skipped", str(exc))
                     continue
-                # gradient-accuracy rows carry the reference's warning when it did not converge
-                yield from mode_rows(res, v, step, note=rnote)
+                rows = mode_rows(res, v, step)
+                if g_ref is None:
+                    for r in rows:
+                        if r.metric in GRAD_METRICS:
+                            r.status = "skipped" if not p.reference else "error"
+                            r.note = gnote
+                yield from flag_unconverged(rows, solve_note(res["stats"], bcfg, fcfg, v))
             if p.memory_series:
                 df = memory_vs_iterations(
                     ctx.model,
