@@ -1,8 +1,9 @@
 """Solver benchmark: f-evaluations, time to tolerance and per-f-eval overhead.
 
 For each cell (benchmarks/cells.py), relative tolerance and solver (fixed_point, anderson,
-broyden; optionally TorchDEQ's), this measures in the same repeat the wall time to tolerance and
-the f-evaluations (counted by wrapping f), and reports
+broyden, newton_krylov; optionally TorchDEQ's), this measures in the same repeat the wall time to
+tolerance and the f-evaluations (counted by wrapping f; newton_krylov's Jacobian-vector products
+are counted apart, column ``jvps``, and ``overhead`` divides by f-evaluations only), and reports
 
     overhead = median time / (f-evals * t_f),
 
@@ -43,7 +44,7 @@ import deqbench  # noqa: E402
 from deqbench.measure import Timing, f_time  # noqa: E402
 from deqbench.solvers.base import residuals  # noqa: E402
 
-SOLVERS = ("fixed_point", "anderson", "broyden")
+SOLVERS = ("fixed_point", "anderson", "broyden", "newton_krylov")
 GRAPH_SOLVERS = (
     "fixed_point[cuda_graph]",
     "anderson[cuda_graph]",
@@ -113,9 +114,9 @@ def deqbench_runner(spec: str, tol: float, max_iter: int):
     name, opts = parse_spec(spec)
     solver = deqbench.solvers.get(name)
 
-    def run(f: Callable, z0: torch.Tensor) -> tuple[torch.Tensor, int | None, str]:
+    def run(f: Callable, z0: torch.Tensor) -> tuple[torch.Tensor, int | None, str, int]:
         z, st = solver(f, z0, max_iter=max_iter, tol=tol, stop_mode="rel", **opts)
-        return z, st.nstep, st.status
+        return z, st.nstep, st.status, st.njvp
 
     return run
 
@@ -127,10 +128,10 @@ def torchdeq_runners(tol: float, max_iter: int) -> dict[str, Callable] | None:
         return None
 
     def wrap(fn: Callable, **kw: Any) -> Callable:
-        def run(f: Callable, z0: torch.Tensor) -> tuple[torch.Tensor, int | None, str]:
+        def run(f: Callable, z0: torch.Tensor) -> tuple[torch.Tensor, int | None, str, int]:
             with torch.no_grad():
                 out = fn(f, z0, max_iter=max_iter, tol=tol, stop_mode="rel", **kw)
-            return out[0], None, ""
+            return out[0], None, "", 0
 
         return run
 
@@ -167,7 +168,7 @@ def bench_one(
             cpus.append(cpu)
             evals.append(calls[0])
         assert out is not None
-        z, nstep, status = out
+        z, nstep, status, njvp = out
         fz = cell.f(z)
         a, r = residuals(fz, z)
     wt = Timing(times=walls)
@@ -175,6 +176,9 @@ def bench_one(
     return {
         # a CUDA-graph solve calls f in its eager step and capture only: trust nstep there
         "f_evals": nstep if nstep is not None else evals[-1],
+        # Jacobian-vector products (newton_krylov): forward-mode AD, each also one call of f
+        # (its primal), counted apart from the f-evaluations
+        "jvps": njvp,
         "f_calls": evals[-1],
         "f_evals_constant": len(set(evals)) == 1,
         "nstep_reported": nstep,
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (
                     res["nstep_reported"] is not None
                     and not graph
-                    and res["f_calls"] != res["f_evals"]
+                    and res["f_calls"] != res["f_evals"] + res["jvps"]
                 ):
                     notes.append(
                         f"{cell.name} {tol:g} {sname}: nstep {res['nstep_reported']} but "
@@ -312,11 +316,14 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {repeats} (warm-up {warmup}); times are "
         f"{'thread CPU time' if cpu else 'CUDA-event wall time'}\n"
     )
-    print("| cell | tol | solver | f-evals | time ms | t_f ms | overhead | rel residual | status |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| cell | tol | solver | f-evals | JVPs | time ms | t_f ms | overhead | rel residual "
+        "| status |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['cell_desc']} | {r['tol']:.0e} | {r['solver']} | {r['f_evals']} | "
+            f"| {r['cell_desc']} | {r['tol']:.0e} | {r['solver']} | {r['f_evals']} | {r['jvps']} | "
             f"{fmt(r[tkey], '.3f')} | {fmt(r[fkey], '.4f')} | {fmt(r['overhead'], '.2f')} | "
             f"{r['rel_residual']:.2e} | {r['status'] or '-'} |"
         )

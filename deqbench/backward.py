@@ -7,18 +7,28 @@ at (z*, u, theta) as independent primals, so when a double backward is requested
 (``create_graph=True``, e.g. Hessian-vector products) z*'s dependence on theta routes back through
 this same Function and the second derivatives are exact (up to the adjoint tolerance and
 ``refine`` differentiable adjoint steps). Hook-based IFT silently gets them wrong
-(REFERENCE.md section 3.3).
+(REFERENCE.md section 3.3). With ``second_order="implicit"`` the adjoint is itself a
+differentiable implicit function (:class:`_AdjointFunction`): its derivative is one more linear
+solve, the tangent ``v = J v + c`` (:class:`TangentMap`), with the adjoint's solver.
+
+Structured solvers (monDEQ splitting) read the cell's weights themselves: they run with the
+weights bound to the parameters the Function saved (:func:`with_params`), which under
+``functional_call`` (finite-difference Hessians, landscapes) are not the module's own.
+:func:`direct_solves` makes both linear solves exact per-sample LU solves, factored once per
+point (small states; the Hessian analysis).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call, vjp
 
-from .solvers.base import make_stats, residuals
+from .solvers.base import SolverStats, make_stats, residuals
 
 if TYPE_CHECKING:
     from .deq import DEQLayer
@@ -31,6 +41,25 @@ def _param_items(layer: DEQLayer) -> tuple[list[str], list[Tensor]]:
             names.append(n)
             params.append(p)
     return names, params
+
+
+class _Thunk(nn.Module):
+    """Runs a thunk as its forward, so that functional_call binds ``cell``'s parameters for it."""
+
+    def __init__(self, cell: nn.Module) -> None:
+        super().__init__()
+        self.cell = cell
+
+    def forward(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+
+def with_params(
+    cell: nn.Module, names: list[str], params: list[Tensor], fn: Callable[[], Any]
+) -> Any:
+    """``fn()`` with the parameters ``names`` of ``cell`` bound to ``params`` (as under
+    ``torch.func.functional_call``); the module's own parameters are restored afterwards."""
+    return functional_call(_Thunk(cell), {f"cell.{n}": p for n, p in zip(names, params)}, (fn,))
 
 
 class AdjointMap:
@@ -48,6 +77,149 @@ class AdjointMap:
 
     def __call__(self, w: Tensor) -> Tensor:
         return self.fn(w)
+
+
+class TangentMap:
+    """The tangent map ``v -> J v + c`` (J = df/dz at z*) of a double backward: the transpose of
+    the adjoint system, solved with the adjoint's solver. It exposes ``cell``, ``z``, ``u`` and
+    ``c`` (no ``g``: structured solvers tell it from an :class:`AdjointMap` by that). A solver
+    that ``needs_structure`` gets it only if it declares ``solves_tangent = True`` (monDEQ
+    splitting: ``v - c`` solves a forward-type splitting problem); otherwise Anderson solves
+    the tangent system."""
+
+    __slots__ = ("fn", "cell", "z", "u", "c")
+
+    def __init__(self, fn, cell, z: Tensor, u: Tensor, c: Tensor) -> None:
+        self.fn, self.cell, self.z, self.u, self.c = fn, cell, z, u, c
+
+    def __call__(self, v: Tensor) -> Tensor:
+        return self.fn(v)
+
+
+#: most work n * d**3 (n samples, d the state size per sample) of a direct solve
+DIRECT_MAX_WORK = {"cuda": 2e10, "cpu": 3e8}
+#: most bytes of the per-sample Jacobians of a direct solve
+DIRECT_MAX_BYTES = 1 << 30
+
+
+class DirectSolver:
+    """Exact IFT linear solves for small states: the per-sample Jacobians ``J_i = df/dz_i`` at z*
+    (one ``vmap(jacrev)`` of the cell at the saved parameters) and a batched LU of ``I - J_i``,
+    kept for the next solve at the same (z*, u, theta), so the adjoint ``(I - J^T) w = g`` and
+    the tangent ``(I - J) v = c`` of every Hessian-vector product at one point share one
+    factorisation. Every solution is checked against the true batched map (one VJP or JVP); a
+    cell that couples samples, cannot be vmapped or is too large turns the solver off
+    (``off`` says why) and the layer's iterative solver is used instead.
+
+    Enabled per layer by :func:`direct_solves` (the Hessian analysis); never during training.
+    """
+
+    def __init__(self) -> None:
+        self.off = ""
+        self.key: tuple | None = None
+        self.refs: tuple = ()
+        self.lu: tuple[Tensor, Tensor] | None = None
+        self.factorisations = 0
+        self.solves = 0
+
+    @staticmethod
+    def _key(ts: list[Tensor]) -> tuple:
+        return tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in ts)
+
+    def factor(
+        self, cell: nn.Module, names: list[str], z: Tensor, u: Tensor, params: list[Tensor]
+    ) -> bool:
+        from torch.func import jacrev, vmap
+
+        key = self._key([z, u, *params])
+        if key == self.key and self.lu is not None:
+            return True
+        n, shape = z.shape[0], z.shape[1:]
+        d = z[0].numel()
+        work = DIRECT_MAX_WORK.get(z.device.type, DIRECT_MAX_WORK["cpu"])
+        if n * d**3 > work or n * d * d * z.element_size() * 3 > DIRECT_MAX_BYTES:
+            self.off = f"state too large for a direct solve (n={n}, d={d})"
+            return False
+        pd = {k: p.detach() for k, p in zip(names, params)}
+
+        def f1(zi: Tensor, ui: Tensor) -> Tensor:
+            return functional_call(cell, pd, (zi.view(1, *shape), ui.unsqueeze(0))).reshape(-1)
+
+        try:
+            with torch.no_grad():
+                J = vmap(jacrev(f1))(z.detach().reshape(n, d), u.detach())
+                eye = torch.eye(d, dtype=J.dtype, device=J.device)
+                LU, piv, info = torch.linalg.lu_factor_ex(eye - J)
+        except Exception as exc:  # noqa: BLE001 - not vmappable: use the iterative solver
+            self.off = f"per-sample Jacobian failed: {type(exc).__name__}"
+            return False
+        if bool((info != 0).any()):
+            self.off = "I - J singular"
+            return False
+        self.key, self.refs, self.lu = key, (z, u, *params), (LU, piv)
+        self.factorisations += 1
+        return True
+
+    def solve(self, rhs: Tensor, transpose: bool) -> Tensor:
+        assert self.lu is not None
+        LU, piv = self.lu
+        n = rhs.shape[0]
+        x = torch.linalg.lu_solve(LU, piv, rhs.reshape(n, -1, 1), adjoint=transpose)
+        self.solves += 1
+        return x.reshape(rhs.shape)
+
+
+@contextlib.contextmanager
+def direct_solves(model: nn.Module) -> Iterator[list[DirectSolver]]:
+    """Within the block, the IFT adjoint and tangent solves of ``model``'s DEQ layers are
+    direct (per-sample LU, cached per point; :class:`DirectSolver`) where the state is small
+    and samples do not interact, else the layers' own solvers. Yields the solvers (their
+    ``off`` says why one was not used)."""
+    from .deq import deq_layers
+
+    layers = list(deq_layers(model))
+    made = [DirectSolver() for _ in layers]
+    for layer, ds in zip(layers, made):
+        layer.direct_solver = ds
+    try:
+        yield made
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("direct_solver", None)
+
+
+def _direct(
+    layer: DEQLayer,
+    names: list[str],
+    z: Tensor,
+    u: Tensor,
+    params: Any,
+    rhs: Tensor,
+    true_map: Callable[[Tensor], Tensor],
+    cfg: Any,
+    transpose: bool,
+) -> tuple[Tensor, SolverStats] | None:
+    """(x, stats) of the direct solve of ``x = J^T x + rhs`` (``transpose``) or ``x = J x + rhs``
+    when the layer has an enabled :class:`DirectSolver`, else None. The solution's canonical
+    residual is measured with ``true_map`` (the batched map); above the tolerance the direct
+    solver is turned off for this layer (samples interact) and None is returned."""
+    ds: DirectSolver | None = layer.__dict__.get("direct_solver")
+    if ds is None or ds.off:
+        return None
+    with torch.no_grad():
+        if not ds.factor(layer.cell, names, z, u, list(params)):
+            return None
+        x = ds.solve(rhs, transpose)
+        a, r = residuals(true_map(x), x)
+    eps = float(torch.finfo(x.dtype).eps)
+    limit = max(float(cfg.tol), 1e3 * eps)
+    res = r if cfg.stop_mode == "rel" else a
+    if not bool(torch.isfinite(res).all()) or float(res.max()) > limit:
+        ds.off = f"direct solve residual {float(res.max()):.2e} > {limit:.0e} (samples interact?)"
+        ds.lu, ds.refs, ds.key = None, (), None
+        return None
+    st = make_stats("direct", 1, [a], [r], a, r, limit, cfg.stop_mode, False, converged=True)
+    return x, st
 
 
 class _ImplicitFunction(torch.autograd.Function):
@@ -108,14 +280,29 @@ class _ImplicitFunction(torch.autograd.Function):
 
             adj_ng = AdjointMap(adj_fn, cell, z, u, gd)
             w0 = gd.clone() if cfg.b_init == "grad" else torch.zeros_like(gd)
-            w, stats = solvers.get(cfg.solver)(
-                adj_ng,
-                w0,
-                max_iter=cfg.max_iter,
-                tol=cfg.tol,
-                stop_mode=cfg.stop_mode,
-                **cfg.options,
-            )
+            solve = solvers.get(cfg.solver)
+            direct = _direct(layer, names, z, u, params, gd, adj_fn, cfg, transpose=True)
+
+            def run() -> tuple[Tensor, SolverStats]:
+                return solve(
+                    adj_ng,
+                    w0,
+                    max_iter=cfg.max_iter,
+                    tol=cfg.tol,
+                    stop_mode=cfg.stop_mode,
+                    **cfg.options,
+                )
+
+            if direct is not None:
+                w, stats = direct
+            elif getattr(solve, "needs_structure", False):
+                # A structured solver (monDEQ splitting) reads the cell's weights itself: bind
+                # them to the parameters this Function saved. Under functional_call (Hessian FD
+                # steps, landscapes) the module no longer holds them when this backward runs, and
+                # the adjoint was solved for the unperturbed weights (an FD-HVP 18-100% off).
+                w, stats = with_params(cell, names, params, run)
+            else:
+                w, stats = run()
         nvjp += stats.nstep
         if create_graph and cfg.second_order == "implicit":
             # w(g, z*, u, theta) is itself an implicit function (w = J^T w + g): its own
@@ -169,20 +356,38 @@ class _AdjointFunction(torch.autograd.Function):
                 return jvp(lambda zz: functional_call(cell, pd, (zz, ud)), (zd,), (v_,))[1]
 
             cd = c.detach()
-            # The tangent map v -> J v + c carries no family structure: a solver that needs one
-            # (``needs_structure``, e.g. monDEQ splitting) is replaced by Anderson here.
-            solve = solvers.get(cfg.solver)
-            opts = cfg.options
-            if getattr(solve, "needs_structure", False):
+
+            def tan_fn(v_: Tensor) -> Tensor:
+                return jvp_fn(v_) + cd
+
+            # The tangent system v = J v + c is the transpose of the adjoint's: the same solver
+            # (a structured one, e.g. monDEQ splitting, through a TangentMap with the weights
+            # bound to the saved parameters, if it declares ``solves_tangent``; else Anderson),
+            # or the direct per-sample LU when enabled.
+            solve, opts = solvers.get(cfg.solver), cfg.options
+            if getattr(solve, "needs_structure", False) and not getattr(
+                solve, "solves_tangent", False
+            ):
                 solve, opts = solvers.get("anderson"), {}
-            v, _ = solve(
-                lambda v_: jvp_fn(v_) + cd,
-                cd.clone(),
-                max_iter=cfg.max_iter,
-                tol=cfg.tol,
-                stop_mode=cfg.stop_mode,
-                **opts,
-            )
+            direct = _direct(layer, names, z, u, params, cd, tan_fn, cfg, transpose=False)
+
+            def run() -> tuple[Tensor, SolverStats]:
+                return solve(
+                    TangentMap(tan_fn, cell, zd, ud, cd),
+                    cd.clone(),
+                    max_iter=cfg.max_iter,
+                    tol=cfg.tol,
+                    stop_mode=cfg.stop_mode,
+                    **opts,
+                )
+
+            if direct is not None:
+                v, st = direct
+            elif getattr(solve, "needs_structure", False):
+                v, st = with_params(cell, names, list(params), run)
+            else:
+                v, st = run()
+            layer.last_tangent_stats = st
         with torch.enable_grad():
             z_ = z.detach().requires_grad_()
             u_ = u.detach().requires_grad_()

@@ -400,3 +400,108 @@ def test_power_method_gives_the_top_eigenvalue_only():
     assert Hessian.Params(method="lanczos", top_k=3).top_k == 3
     with pytest.raises(ValueError, match="use method lanczos"):
         Hessian.Params(method="power", top_k=3)
+
+
+def _analysis_rows(model, params, dtype=torch.float64):
+    from deqbench.analyses.base import CellContext
+    from deqbench.analyses.hessian import Hessian
+    from deqbench.data import DataBundle
+
+    X, y = _data()
+    X = X.to(dtype)
+    data = DataBundle("toy", (X, y), (X, y), (3,), 3)
+    ctx = CellContext(model, data, torch.device("cpu"), dtype, 0, "cell", {}, None)
+    base = {"samples": 8, "top_k": 1, "trace_max_samples": 10, "slq_steps": 6, "slq_probes": 1,
+            "compare": [], "gate_vectors": 1}  # fmt: skip
+    return list(Hessian({**base, **params}).after_training(ctx))
+
+
+def test_failed_gate_flags_rows_and_names_the_fd_fallback():
+    """A hook-based IFT (first order exact, double backward wrong) fails gate hvp_vs_fd: its gate
+    rows are flagged with one note naming the cause and the fix, and the estimates come from the
+    finite-difference fallback, named in the rows (variant fd, fd_fallback 1, the note)."""
+    rows = _analysis_rows(HookIFT(_deq()), {})
+    by = {(r.metric, r.variant): r for r in rows}
+    gate = by[("gate_hvp_vs_fd", "autograd")]
+    assert gate.status == "flagged" and gate.value > 1e-2
+    assert "finite-difference fallback" in gate.note and "--backend fd" in gate.note
+    assert "\n" not in gate.note
+    assert by[("gate_grad_check", "autograd")].status == "ok"
+    assert by[("fd_fallback", "fd")].value == 1.0
+    top = by[("top_eigenvalue", "fd")]
+    assert top.status == "ok" and "finite-difference fallback" in top.note
+    ev = torch.linalg.eigvalsh(hessian_of("deq"))
+    assert top.value == pytest.approx(float(ev[-1]), rel=1e-5)  # the fallback is right
+    assert {r.note for r in rows if r.status == "flagged"} == {gate.note}  # one cause, one line
+
+
+def test_starved_solves_flag_the_estimates():
+    """The analysis's own solves at the trained weights miss their tolerance (a budget of one
+    iteration): the residual gate rows and every estimate are flagged, with the cause and fix."""
+    model = _deq()
+    configure(
+        model,
+        SolverConfig("fixed_point", max_iter=1, tol=1e-13),
+        BackwardConfig("ift", solver="fixed_point", max_iter=1, tol=1e-13),
+    )
+    rows = _analysis_rows(model, {"max_iter": 1, "direct": "off"})
+    by = {(r.metric, r.variant, r.repeat): r for r in rows}
+    conv = by[("gate_forward_all_converged", "autograd", 0)]
+    assert conv.value == 0.0 and conv.status == "flagged"
+    assert conv.note.startswith("DEQ solves at the trained weights missed their tolerance (forward")
+    assert "--max-iter" in conv.note
+    for metric in ("top_eigenvalue", "trace"):
+        assert by[(metric, by[(metric, "autograd", 0)].variant, 0)].status == "flagged"
+    assert model.deq.solver_cfg.max_iter == 1  # restored
+
+
+def test_hvp_gate_retries_a_smaller_fd_step_over_a_kink():
+    """An FD-HVP whose step crosses a kink of the loss (ReLU) is off by the jump over the step; the
+    gate retakes it with smaller steps, so a right HVP passes and a wrong one still fails."""
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    A = A + A.T
+
+    class KinkFD(DenseOp):
+        fd_eps = 1e-5
+
+        def __call__(self, v):  # a kink at distance 5e-6 along every direction
+            return super().__call__(v) + (50.0 * v if self.fd_eps > 5e-6 else 0.0)
+
+    fd = KinkFD(A)
+    err, retried = hs.hvp_vs_fd(DenseOp(A), fd, 2, seed=0, threshold=1e-6)
+    assert err < 1e-12 and retried == 2 and fd.fd_eps == 1e-5
+    err, _ = hs.hvp_vs_fd(DenseOp(2 * A), fd, 2, seed=0, threshold=1e-6)
+    assert err > 0.1
+
+
+def test_density_plot_names_the_fd_fallback(tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    from deqbench.analyses.hessian import hessian_plots
+
+    (tmp_path / "series").mkdir()
+    lam = np.linspace(-1.0, 5.0, 50)
+    for cell, backend, fb in (("a", "autograd", False), ("b", "fd", True)):
+        pd.DataFrame(
+            {"lambda": lam, "density": np.exp(-(lam**2)), "backend": backend, "fd_fallback": fb}
+        ).to_csv(tmp_path / "series" / f"hessian_density__{cell}__seed0.csv", index=False)
+    rows = pd.DataFrame(
+        [
+            {
+                "cell_id": c,
+                "seed": 0,
+                "analysis": "hessian",
+                "metric": "top_eigenvalue",
+                "repeat": 0,
+                "value": 4.0,
+                "status": "ok",
+            }  # fmt: skip
+            for c in ("a", "b")
+        ]
+    )
+    ax = hessian_plots(rows, tmp_path)["hessian_density"].axes[0]
+    assert "finite-difference fallback" in ax.get_title()
+    labels = [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+    assert labels == ["a [autograd]", "b [finite-difference fallback]"]

@@ -5,18 +5,34 @@ trained parameters and in ``eval()``: the top-``k`` eigenvalues and lambda_min (
 residual stop; or power iteration), the trace (Hutchinson, stopped on a standard-error target)
 and the eigenvalue density (SLQ), through :class:`deqbench.hessian.HVPOperator`.
 
+DEQ solves are tightened for the analysis to ``tol`` (default 1e-6 in float32, 1e-12 in
+float64) with a budget of at least ``max_iter`` (200) iterations, and restored afterwards; with
+``direct: auto`` the IFT adjoint and tangent solves are per-sample LU solves of I - J factored
+once per point where the state is small (exact, and ~10x faster per HVP; checked against the
+batched map, see :func:`deqbench.backward.direct_solves`).
+
 Before any number, the gates of REFERENCE.md 3.4 run: gradient vs a central difference of the
-loss, the backend's HVP vs the finite-difference HVP, symmetry. If the ``autograd`` or
-``pyhessian`` backend fails them (a hook-based IFT, ``once_differentiable``), the estimates come
-from the ``fd`` backend instead (``on_gate_fail: fd``) and the note says so. The backends in
-``compare`` are run on the same probes and their agreement is reported. DEQ solves are tightened
-to ``tol`` (default 1e-6 in float32, 1e-12 in float64) for the analysis and restored afterwards.
+loss, the backend's HVP vs the finite-difference HVP (the FD reference is taken on a float64
+copy at the same weights for a float32 model, ``fd_reference``; a vector whose FD step crosses a
+kink of the loss is retaken with smaller steps), symmetry. If the ``autograd`` or ``pyhessian``
+backend fails them (a hook-based IFT, ``once_differentiable``), the estimates come from the
+``fd`` backend instead (``on_gate_fail: fd``), named in the rows (variant ``fd``,
+``fd_fallback`` 1, the notes), the plot and the cell's flag. The backends in ``compare`` are run
+on the same probes and their agreement is reported.
+
+Status: a failed gate, a DEQ solve of the analysis (forward, IFT adjoint, or the tangent solve
+of the double backward) that missed its tolerance, a Lanczos pair that missed its Ritz
+tolerance, or non-finite estimates make the rows concerned ``flagged`` (the failed gate or
+residual rows, and the estimates where they are unreliable), all with one note: the causes, each
+with its fix. The task then flags the cell and the command exits 1.
 
 Rows: ``top_eigenvalue`` (repeat = rank), ``top_eigenvalue_residual``, ``lambda_min``,
-``trace``, ``trace_se``, ``trace_samples``, ``slq_trace``, ``hvp_seconds``, ``gate_*``,
-``agreement_hvp`` / ``agreement_top_eigenvalue`` / ``agreement_trace`` (variant
-``backend:other``), ``hessian_dim``. Series: ``hessian_density`` (lambda, density, sigma) and
-``hessian_ritz`` (probe, node, weight). Plot: ``plots/hessian_density.png``.
+``trace``, ``trace_se``, ``trace_samples``, ``slq_trace``, ``hvp_seconds``, ``gate_*`` (with
+``gate_{forward,backward,tangent}_{rel_residual_max,all_converged}``), ``fd_fallback``,
+``direct_solves``, ``agreement_hvp`` / ``agreement_top_eigenvalue`` / ``agreement_trace``
+(variant ``backend:other``), ``hessian_dim``. Series: ``hessian_density`` (lambda, density,
+sigma, backend, fd_fallback) and ``hessian_ritz`` (probe, node, weight). Plot:
+``plots/hessian_density.png``.
 
 Example (suite YAML)::
 
@@ -38,10 +54,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import plots
 from ..registry import analyses
+from ..results import FLAGGED
 from .base import Analysis, CellContext, Row
 
 SERIES = "hessian_density"
 RITZ = "hessian_ritz"
+GATES = ("grad_check", "hvp_vs_fd", "symmetry")
+#: the DEQ solves checked (gate d): forward, IFT adjoint, tangent of the double backward
+SOLVE_KINDS = ("forward", "backward", "tangent")
+SOLVE_NAMES = {"forward": "forward", "backward": "adjoint", "tangent": "second-order tangent"}
+#: solver tolerance of the float64 reference copy (REFERENCE.md 3.4: 1e-10 .. 1e-13)
+REF_TOL = 1e-12
 
 
 @contextlib.contextmanager
@@ -128,7 +151,22 @@ class Hessian(Analysis):
         )
         max_iter: int | None = Field(200, ge=1)
         refine: int | None = Field(
-            300, ge=0, description="least differentiable adjoint steps (IFT double backward)"
+            300,
+            ge=0,
+            description="least differentiable adjoint steps of an IFT double backward with "
+            "second_order refine (the default, implicit, needs none)",
+        )
+        fd_reference: Literal["float64", "same"] = Field(
+            "float64",
+            description="dtype of the gates' finite-difference reference (and of the fd "
+            "fallback) for a model in lower precision: a float64 copy at the same weights, or "
+            "the model's own dtype",
+        )
+        direct: Literal["auto", "off"] = Field(
+            "auto",
+            description="IFT adjoint and tangent solves by a per-sample LU of I - J, factored "
+            "once per point, where the state is small and samples do not interact (exact; "
+            "checked against the batched map); off: the layers' own solvers",
         )
         seed: int = 0
         checkpoint: str | None = None
@@ -159,6 +197,7 @@ class Hessian(Analysis):
         import torch
 
         from .. import hessian as hs
+        from ..backward import direct_solves
         from ..deq import is_deq
         from ..train import loss_function
 
@@ -182,17 +221,69 @@ class Hessian(Analysis):
                 from ..errors import ConfigError
 
                 raise ConfigError("hessian.params: cell — the model exposes no cell parameters")
-        tol = p.tol if p.tol is not None else (1e-12 if ctx.dtype == torch.float64 else 1e-6)
+        tol = p.tol if p.tol is not None else (REF_TOL if ctx.dtype == torch.float64 else 1e-6)
         rows: list[Row] = []
         deq = is_deq(model)
-        with tightened(
-            model, tol if deq else None, p.max_iter if deq else None, p.refine if deq else None
-        ):
-            rows.extend(self._measure(ctx, hs, model, loss_fn, batches, names))
+        with contextlib.ExitStack() as stack:
+            if deq:
+                stack.enter_context(tightened(model, tol, p.max_iter, p.refine))
+            ds = stack.enter_context(direct_solves(model)) if deq and p.direct == "auto" else []
+            ref = None
+            if p.gates and p.fd_reference == "float64" and ctx.dtype != torch.float64:
+                ref = self._float64_copy(model, batches, deq, stack)
+            rows.extend(self._measure(ctx, hs, model, loss_fn, batches, names, tol, ref))
+            if ds:
+                off = [d.off for d in ds if d.off]
+                rows.append(
+                    Row(
+                        "direct_solves",
+                        float(sum(d.solves for d in ds)),
+                        note=(
+                            f"IFT linear solves by per-sample LU ({sum(d.factorisations for d in ds)}"
+                            " factorisations)"
+                            + (f"; iterative where {'; '.join(sorted(set(off)))}" if off else "")
+                        ),
+                    )
+                )
         return rows
 
+    def _float64_copy(
+        self, model: Any, batches: Any, deq: bool, stack: contextlib.ExitStack
+    ) -> tuple[Any, Any] | None:
+        """A float64 copy of the model and batches at the same weights, with float64 solves,
+        for the finite-difference reference of the gates: in float32 an FD-HVP is good to
+        about 1e-4..1e-3 only (rounding over the step, solver tolerance over the step), the
+        size of the gate's threshold; the copy's is good to about 1e-9."""
+        import copy
+
+        import torch
+
+        from ..backward import direct_solves
+
+        p = self.params
+        try:
+            m64 = copy.deepcopy(model).to(torch.float64)
+        except Exception:  # noqa: BLE001 - no float64 copy (device, exotic module): same dtype
+            return None
+        b64 = [
+            tuple(t.to(torch.float64) if t.is_floating_point() else t for t in b) for b in batches
+        ]
+        if deq:
+            stack.enter_context(tightened(m64, REF_TOL, p.max_iter, p.refine))
+            if p.direct == "auto":
+                stack.enter_context(direct_solves(m64))
+        return m64, b64
+
     def _measure(
-        self, ctx: CellContext, hs: Any, model: Any, loss_fn: Any, batches: Any, names: Any
+        self,
+        ctx: CellContext,
+        hs: Any,
+        model: Any,
+        loss_fn: Any,
+        batches: Any,
+        names: Any,
+        tol: float,
+        ref: tuple[Any, Any] | None = None,
     ) -> list[Row]:
         import pandas as pd
 
@@ -200,14 +291,25 @@ class Hessian(Analysis):
         rows: list[Row] = []
         backend = p.backend
         label = hs.loss_label(model)
-        note = ""
         ops: dict[str, Any] = {}
+        causes: list[str] = []  # one-line cause + fix per failed check, in order of priority
+        flag: list[Row] = []  # rows whose measurement failed (status "flagged", note = causes)
+        estimates_bad = False  # the estimates themselves are unreliable
+        fallback = ""  # why the estimates come from the fd backend instead of ``backend``
 
         def op_for(b: str) -> Any:
             if b not in ops:
                 ops[b] = hs.HVPOperator(model, loss_fn, batches, params=names, backend=b)
             return ops[b]
 
+        from ..deq import is_deq
+
+        tighten = (
+            "solves not tight enough: lower --hessian-tol or use --dtype float64"
+            if is_deq(model)
+            else "the model's own solver (not a deqbench DEQ layer) is not tightened by the "
+            "analysis: lower its tolerance"
+        )
         t0 = time.perf_counter()
 
         def lap(phase: str) -> None:
@@ -219,43 +321,107 @@ class Hessian(Analysis):
         try:
             main = op_for(backend)
             rows.append(Row("hessian_dim", main.dim, note=label))
+            rep = None
             if p.gates:
-                fd = op_for("fd")
+                if ref is not None:  # FD reference in float64 on a copy at the same weights
+                    fd = ops["fd64"] = hs.HVPOperator(
+                        ref[0], loss_fn, ref[1], params=names, backend="fd"
+                    )
+                else:
+                    fd = op_for("fd")
                 rep = hs.run_gates(main, fd, n=p.gate_vectors, seed=p.seed)
-                for k in ("grad_check", "hvp_vs_fd", "symmetry"):
+                gate_rows = {}
+                for k in GATES:
                     ok = rep.passed[k]
-                    rows.append(
-                        Row(
-                            f"gate_{k}",
-                            getattr(rep, k),
-                            variant=backend,
-                            status="ok" if ok else "error",
-                            note=f"threshold {rep.thresholds[k]:g}" + ("" if ok else " (failed)"),
-                        )
-                    )
-                for k, v in rep.residuals.items():
-                    rows.append(Row(f"gate_{k}", v, variant=backend))
+                    note = f"threshold {rep.thresholds[k]:g}" + ("" if ok else " (failed)")
+                    if k == "hvp_vs_fd" and rep.fd_retries:
+                        note += f"; smaller FD step on {rep.fd_retries} vector(s)"
+                    gate_rows[k] = Row(f"gate_{k}", getattr(rep, k), variant=backend, note=note)
+                    rows.append(gate_rows[k])
+                    if not ok:
+                        flag.append(gate_rows[k])
                 rows.append(Row("gate_ok", float(rep.ok), variant=backend, note=label))
-                fwd_ok = rep.residuals.get("forward_all_converged", 1.0) >= 1.0
-                if not fwd_ok:
-                    res = rep.residuals.get("forward_rel_residual_max", math.nan)
-                    note = (
-                        f"forward solver did not converge (rel residual {res:.2e} > tol): the "
-                        "implicit loss is not defined to this tolerance; estimates unreliable"
+                if not rep.ok:
+                    flag.append(rows[-1])
+                if not rep.passed["grad_check"]:
+                    estimates_bad = True
+                    causes.append(
+                        f"gradient check failed ({rep.grad_check:.2e} > "
+                        f"{rep.thresholds['grad_check']:g}): the model's backward ({label}) is "
+                        "not the gradient of the loss, so its Hessian is not the loss's: use "
+                        "--backward ift"
                     )
-                elif not rep.passed["grad_check"]:
-                    note = f"gradient check failed: '{label}' is not the loss's gradient; estimates are of a surrogate"
-                elif not rep.ok and backend != "fd" and p.on_gate_fail == "fd":
-                    note = f"{backend} failed the gates (hvp_vs_fd {rep.hvp_vs_fd:.2e}, symmetry {rep.symmetry:.2e}); estimates from fd"
-                    backend = "fd"
-                    main = fd
+                elif not rep.ok and backend != "fd":
+                    bad = [k for k in GATES if not rep.passed[k]]
+                    what = ", ".join(f"{k} {getattr(rep, k):.2e}" for k in bad)
+                    if p.on_gate_fail == "fd":
+                        fallback = f"{backend} HVPs failed gate {what}"
+                        how = ", float64" if ref is not None else ""
+                        causes.append(
+                            f"{fallback}; the estimates are from the finite-difference fallback"
+                            f" (fd{how}): use --backend fd to accept them"
+                        )
+                        backend = "fd"
+                        main = fd
+                        sym = hs.symmetry_error(fd, p.gate_vectors, seed=p.seed)
+                        th = rep.thresholds["symmetry"]
+                        r = Row("gate_symmetry", sym, variant="fd", note=f"threshold {th:g}")
+                        rows.append(r)
+                        if not (math.isfinite(sym) and sym <= th):
+                            flag.append(r)
+                            estimates_bad = True
+                            causes.append(
+                                f"finite-difference HVPs are not symmetric ({sym:.2e} > {th:g}):"
+                                f" {tighten}"
+                            )
+                    else:
+                        estimates_bad = True
+                        causes.append(
+                            f"{backend} HVPs failed gate {what}; estimates reported anyway: use "
+                            "--backend fd"
+                        )
                 elif not rep.ok:
-                    note = f"{backend} failed the gates; estimates reported anyway"
+                    estimates_bad = True
+                    causes.append(
+                        f"finite-difference HVPs failed gate symmetry ({rep.symmetry:.2e} > "
+                        f"{rep.thresholds['symmetry']:g}): {tighten}"
+                    )
                 lap("gates")
+            rows.append(
+                Row(
+                    "fd_fallback",
+                    float(bool(fallback)),
+                    variant=backend,
+                    note=(
+                        f"estimates from the finite-difference fallback: {fallback}"
+                        if fallback
+                        else f"estimates from the {backend} backend"
+                    ),
+                )
+            )
             est = self._estimate(main, hs)
             lap("estimates")
-            status = "ok" if not note or note.endswith("from fd") else "error"
-            rows.extend(self._rows(est, backend, note or label, status))
+            est_note = label + (f"; finite-difference fallback ({fallback})" if fallback else "")
+            est_rows = self._rows(est, backend, est_note)
+            rows.extend(est_rows)
+            eig = est["eig"]
+            if not eig.converged:
+                # |lambda - theta| <= r for a Ritz pair with residual r: the pairs whose verified
+                # residual missed the requested (relative) tolerance are unreliable
+                scale = max((abs(v) for v in eig.eigenvalues), default=0.0)
+                lim = p.eig_tol * max(
+                    scale, abs(eig.lambda_min) if math.isfinite(eig.lambda_min) else 0.0
+                )
+                bad = {i for i, r in enumerate(eig.residuals) if not r <= lim}
+                if bad:
+                    r0 = max(eig.residuals[i] for i in bad)
+                    flag.extend(
+                        r for r in est_rows if r.metric == "top_eigenvalue" and r.repeat in bad
+                    )
+                    causes.append(
+                        f"Lanczos did not converge (Ritz residual {r0:.1e} > {lim:.1e} after "
+                        f"{eig.n_hvp} products): loosen --eig-tol or raise hessian.eig_max_iter"
+                    )
             if p.density:
                 dens = hs.slq(main, n_probes=p.slq_probes, steps=p.slq_steps, seed=p.seed)
                 grid, d, sigma = dens.curve(sigma_rel=p.sigma_rel)
@@ -267,15 +433,16 @@ class Hessian(Analysis):
                             "density": d.numpy(),
                             "sigma": sigma,
                             "backend": backend,
+                            "fd_fallback": bool(fallback),
                         }
                     ),
                 )
                 ctx.write_series(RITZ, dens.as_frame())
-                rows.append(
-                    Row(
-                        "slq_trace", dens.trace_estimate, variant=backend, note=f"sigma={sigma:.3g}"
-                    )
+                r = Row(
+                    "slq_trace", dens.trace_estimate, variant=backend, note=f"sigma={sigma:.3g}"
                 )
+                rows.append(r)
+                est_rows.append(r)
                 lap("density")
             for other in p.compare:
                 if other == backend:
@@ -303,10 +470,80 @@ class Hessian(Analysis):
                     note=f"{main.n_hvp} products",
                 )
             )
+            # gate (d): every DEQ solve of the analysis (forward, IFT adjoint, and the tangent
+            # solve of the double backward) reached its tolerance: the model's at ``tol``, the
+            # float64 reference copy's at REF_TOL
+            sources = [([o for b, o in ops.items() if b not in ("pyhessian", "fd64")], tol)]
+            if "fd64" in ops:
+                sources.append(([ops["fd64"]], REF_TOL))
+            missed = []
+            for kind in SOLVE_KINDS:
+                per = [(self._solve_residuals(o), t) for o, t in sources]
+                cs = [
+                    (r[f"{kind}_all_converged"], r, t)
+                    for r, t in per
+                    if f"{kind}_all_converged" in r
+                ]
+                if not cs:
+                    continue
+                c = min(x[0] for x in cs)
+                v = max(r.get(f"{kind}_rel_residual_max", math.nan) for _, r, _ in cs)
+                rows.append(Row(f"gate_{kind}_rel_residual_max", v, variant=backend))
+                tols = f"tol {tol:g}" + (f" (float64 reference {REF_TOL:g})" if ref else "")
+                r = Row(f"gate_{kind}_all_converged", c, variant=backend, note=tols)
+                rows.append(r)
+                if c < 1.0:
+                    flag.append(r)
+                    for ck, rk, tk in cs:
+                        if ck < 1.0:
+                            v = rk.get(f"{kind}_rel_residual_max", math.nan)
+                            missed.append(f"{SOLVE_NAMES[kind]} rel {v:.2e} > {tk:g}")
+            if missed:  # the root cause: failed gates and estimates follow from it
+                estimates_bad = True
+                causes[:] = [
+                    f"DEQ solves at the trained weights missed their tolerance ({'; '.join(missed)}"
+                    f" in {self._budget(model)} iterations): raise --max-iter or --hessian-tol"
+                    + ("" if str(ctx.dtype) == "torch.float64" else ", or use --dtype float64")
+                ]
+            bad_values = [r for r in est_rows if not math.isfinite(r.value)]
+            if bad_values:
+                estimates_bad = True
+                causes.append(
+                    f"non-finite estimates ({', '.join(sorted({r.metric for r in bad_values}))}):"
+                    " see the gate and residual rows"
+                )
+            if estimates_bad:
+                flag.extend(est_rows)
         finally:
             for op in reversed(list(ops.values())):  # LIFO: each restores what it found
                 op.close()
+        if causes or flag:
+            note = "; ".join(dict.fromkeys(causes)) or "hessian measurement failed its checks"
+            ids = {id(r) for r in flag}
+            for r in rows:
+                if id(r) in ids and r.status == "ok":
+                    r.status, r.note = FLAGGED, note
         return rows
+
+    @staticmethod
+    def _solve_residuals(ops: list[Any]) -> dict[str, float]:
+        """The operators' DEQ solve records merged: largest residuals, least convergence."""
+        out: dict[str, float] = {}
+        for op in ops:
+            for k, v in op.residuals().items():
+                if k in out:
+                    v = min(out[k], v) if k.endswith("converged") else max(out[k], v)
+                out[k] = v
+        return out
+
+    @staticmethod
+    def _budget(model: Any) -> int:
+        from ..deq import deq_layers
+
+        return max(
+            (max(ly.solver_cfg.max_iter, ly.backward_cfg.max_iter) for ly in deq_layers(model)),
+            default=0,
+        )
 
     def _eig(self, hs: Any, op: Any, k: int) -> Any:
         """Top-``k`` eigenvalues by ``method`` (power iteration gives the top one only)."""
@@ -331,13 +568,12 @@ class Hessian(Analysis):
             )
         return {"eig": eig, "trace": tr}
 
-    def _rows(self, est: dict[str, Any], backend: str, note: str, status: str) -> list[Row]:
+    def _rows(self, est: dict[str, Any], backend: str, note: str) -> list[Row]:
+        """The estimate rows (top eigenvalues, lambda_min, trace and their diagnostics)."""
         eig, tr = est["eig"], est["trace"]
         rows = []
         for i, (v, r) in enumerate(zip(eig.eigenvalues, eig.residuals)):
-            rows.append(
-                Row("top_eigenvalue", v, variant=backend, repeat=i, status=status, note=note)
-            )
+            rows.append(Row("top_eigenvalue", v, variant=backend, repeat=i, note=note))
             rows.append(Row("top_eigenvalue_residual", r, variant=backend, repeat=i))
         rows.append(
             Row(
@@ -353,12 +589,11 @@ class Hessian(Analysis):
                     "lambda_min",
                     eig.lambda_min,
                     variant=backend,
-                    status=status,
                     note="smallest Ritz value (extremal, less converged than the top)",
                 )
             )
         if tr is not None:
-            rows.append(Row("trace", tr.trace, variant=backend, status=status, note=note))
+            rows.append(Row("trace", tr.trace, variant=backend, note=note))
             rows.append(
                 Row(
                     "trace_se",

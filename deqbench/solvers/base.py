@@ -62,6 +62,8 @@ class SolverStats:
             ``extra["lowest_steps"]`` has it per sample).
         solver, tol, stop_mode: what was asked for.
         extra: solver-specific diagnostics (``returned`` is "x": the iterate, not f(x)).
+        njvp: Jacobian-vector products made (forward-mode AD), counted apart from ``nstep``
+            (0 for solvers that make none; ``newton_krylov``).
 
     Example:
         >>> import torch, deqbench
@@ -83,6 +85,7 @@ class SolverStats:
     tol: float = float("nan")
     stop_mode: str = "rel"
     extra: dict[str, Any] = field(default_factory=dict)
+    njvp: int = 0
 
     @property
     def abs_max(self) -> float:
@@ -114,6 +117,7 @@ class SolverStats:
         """Scalar summary for result rows."""
         return {
             "nstep": float(self.nstep),
+            "njvp": float(self.njvp),
             "abs_residual_max": self.abs_max,
             "abs_residual_mean": self.abs_mean,
             "rel_residual_max": self.rel_max,

@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+# the monotone-cell protocol and its operators are contracts (deqbench.contracts); re-exported
+from ..contracts import MonotoneCell, SplittingOps  # noqa: F401
 from ..registry import solvers
 from .base import (
     SolverStats,
@@ -59,46 +60,6 @@ TUNE_ALPHAS = tuple(2.0**-k for k in range(7))  # 1 ... 1/64
 _NAMES = {"fb": "forward_backward", "pr": "peaceman_rachford"}
 
 
-@dataclass
-class SplittingOps:
-    """Linear operators of a monotone cell, prepared once per solve (weights fixed).
-
-    Attributes:
-        W, WT: x -> W x and x -> W^T x.
-        V, VT: x -> (I + alpha (I - W))^-1 x and its transpose (None when alpha is None).
-    """
-
-    W: Callable[[Tensor], Tensor]
-    WT: Callable[[Tensor], Tensor]
-    V: Callable[[Tensor], Tensor] | None = None
-    VT: Callable[[Tensor], Tensor] | None = None
-
-
-@runtime_checkable
-class MonotoneCell(Protocol):
-    """A cell ``f(z, u) = prox(W z + u)`` with ``sym(I - W) >= m I``.
-
-    ``prox`` is the projection onto a closed convex set whose derivative ``prox_mask`` is 0/1
-    (ReLU; ReLU with a zeroed border frame for circular convolutions).
-    """
-
-    m: float
-
-    def prox(self, x: Tensor) -> Tensor: ...
-
-    def prox_mask(self, x: Tensor) -> Tensor: ...
-
-    def splitting_ops(self, alpha: float | None = None) -> SplittingOps: ...
-
-    def lipschitz(self) -> float:
-        """||I - W||_2."""
-        ...
-
-    def monotonicity(self) -> float:
-        """lambda_max((W + W^T) / 2); at most 1 - m."""
-        ...
-
-
 def monotone_cell(f: Any, solver: str) -> MonotoneCell:
     """The MonotoneCell behind solver map ``f``, or a ConfigError saying why there is none."""
     from ..errors import ConfigError
@@ -108,7 +69,7 @@ def monotone_cell(f: Any, solver: str) -> MonotoneCell:
         what = "a plain callable" if cell is None else f"cell {type(cell).__name__}"
         raise ConfigError(
             f"solver '{solver}' needs a model with a monotone-operator cell (mondeq_fc, "
-            f"mondeq_conv, or a cell implementing deqbench.solvers.splitting.MonotoneCell); "
+            f"mondeq_conv, or a cell implementing deqbench.contracts.MonotoneCell); "
             f"got {what}. Use fixed_point, anderson or broyden for this model."
         )
     return cell
@@ -248,6 +209,7 @@ def _solve(
                 name, f"alpha must be a number > 0 or 'auto', got {options.get('alpha')!r}"
             )
     adjoint = hasattr(f, "g") and hasattr(f, "z")
+    tangent = hasattr(f, "c") and hasattr(f, "z")  # backward.TangentMap (double backward)
     kw = dict(
         max_iter=max_iter,
         tol=tol,
@@ -260,6 +222,13 @@ def _solve(
 
     def run(alpha: float) -> tuple[Tensor, SolverStats]:
         ops = cell.splitting_ops(alpha if method == "pr" else None)
+        if tangent:
+            # Tangent v = D W v + c (the adjoint's transpose): q = v - c solves the forward-type
+            # problem q = D (W q + W c), with the linear projection D for prox.
+            D = cell.prox_mask(ops.W(f.z) + f.u).to(f.c.dtype)
+            q, st = _run(method, ops.W, ops.V, lambda x: D * x, ops.W(f.c), D * (z0 - f.c),
+                         alpha, **kw)  # fmt: skip
+            return q + f.c, st
         if not adjoint:
             return _run(method, ops.W, ops.V, cell.prox, f.u, z0, alpha, **kw)
         # Adjoint: delta = D (W^T delta + g); return w = W^T delta + g.
@@ -270,7 +239,9 @@ def _solve(
 
     with torch.no_grad():
         if alpha_opt == "auto":
-            alpha = _auto_alpha(cell, method, run, adjoint, int(options.get("tune_every", 0)))
+            alpha = _auto_alpha(
+                cell, method, run, adjoint or tangent, int(options.get("tune_every", 0))
+            )
         else:
             alpha = float(alpha_opt)
         return run(alpha)
@@ -351,3 +322,6 @@ def peaceman_rachford(
 # AdjointMap); generic maps (e.g. the tangent map of a double backward) go to a generic solver.
 forward_backward.needs_structure = True  # type: ignore[attr-defined]
 peaceman_rachford.needs_structure = True  # type: ignore[attr-defined]
+# ... and they solve the tangent system of a double backward (backward.TangentMap) too
+forward_backward.solves_tangent = True  # type: ignore[attr-defined]
+peaceman_rachford.solves_tangent = True  # type: ignore[attr-defined]
