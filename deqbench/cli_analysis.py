@@ -17,7 +17,10 @@ import typer
 LANDSCAPE_HELP = (
     "Loss landscape around the trained (or loaded) parameters on filter-normalised random "
     "directions; writes series/landscape__*.csv, the directions (artifacts/) and "
-    "plots/landscape_{contours,surface,curves}.png."
+    "plots/landscape_{contours,surface,curves}.png. Every point is solved with the model's "
+    "forward solver (--solver, --max-iter, --tol). Exits 1 (flagged) when the solve at the "
+    "trained weights misses its tolerance; points elsewhere that miss it are counted and "
+    "marked, never part of a curve or a summary."
 )
 HESSIAN_HELP = (
     "Hessian of the training loss at the trained (or loaded) parameters: top eigenvalues, trace "
@@ -121,7 +124,8 @@ def _run_analysis(
         epochs = 0 if checkpoint is not None else 2
     solver_spec = None
     if solver is not None or tol is not None or max_iter is not None:
-        solver_spec = _set_given({"name": solver or "anderson"}, tol=tol, max_iter=max_iter)
+        # unset fields (the solver's name included) come from the model's declared defaults
+        solver_spec = _set_given({}, name=solver, tol=tol, max_iter=max_iter)
     run_one_cell(
         name,
         model=model,
@@ -301,7 +305,8 @@ def hessian_command(
         typer.Option(
             "--refine",
             min=0,
-            help="Least differentiable adjoint steps of the IFT double backward (default 300).",
+            help="Least differentiable adjoint steps of an IFT double backward with "
+            "backward.second_order=refine (default 300); the default, implicit, needs none.",
         ),
     ] = None,
     dir_seed: Annotated[

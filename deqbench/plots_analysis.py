@@ -2,12 +2,15 @@
 
 Inputs are the analyses' series (``plots.read_series(run_dir, "landscape")`` and
 ``"hessian_density"``), with ``cell_id`` and ``seed`` columns when several are concatenated.
-Surfaces and curves show the measured loss (``loss_raw``) everywhere, and points where a DEQ's
-forward solver did not converge (``converged`` false; their ``loss`` is NaN in the CSV and in the
-summaries) are marked with red crosses on top, so they are visible but never silently mixed in.
-Where the series has ``f_converged_frac`` (share of examples whose solve reached the tolerance),
-a cross's size grows with the share that did not, so a point where 4% of examples missed the
-tolerance is a small mark and one where most did is a large one.
+Landscape contours, surfaces and curves are drawn from the converged points only (``loss``; it is
+NaN where a DEQ's forward solver missed its tolerance): a contour or surface has a hole there and a
+curve breaks. The unconverged points (``converged`` false) are drawn on top as red crosses at their
+measured loss (``loss_raw``), so they are visible but never part of a curve. Where the series has
+``f_converged_frac`` (share of examples whose solve reached the tolerance), a cross's size grows
+with the share that did not, so a point where 4% of examples missed the tolerance is a small mark
+and one where most did is a large one. An unconverged centre (the trained weights: the analysis
+flags its rows) is named in the panel. Where convergence was not measured (no deqbench DEQ layer)
+the caption says so.
 
 Example:
     >>> from deqbench.plots import read_series, save_figure
@@ -46,13 +49,57 @@ def _groups(series: Any) -> list[tuple[str, Any]]:
     return out[:MAX_PANELS]
 
 
+def _unconverged(g: Any) -> Any:
+    """Boolean Series: points whose solve was measured and missed the tolerance (``converged``
+    is True / False where measured, empty where not)."""
+    if "converged" not in g:
+        return g["alpha"].notna() & False
+    c = g["converged"]
+    return c.notna() & ~c.fillna(True).astype(bool)
+
+
+def _measured(series: Any) -> bool:
+    return "converged" in series and bool(series["converged"].notna().any())
+
+
+def _loss_label(series: Any) -> str:
+    if "accuracy" in series:
+        return "loss (cross-entropy)"
+    if "mse" in series:
+        return "loss (MSE)"
+    return "loss"
+
+
+def _caption(series: Any, at_loss: bool = True) -> str:
+    if not _measured(series):
+        return "solver convergence not measured (no deqbench DEQ layer)"
+    return "converged points only; red x: solver not converged" + (
+        ", at its measured loss" if at_loss else ""
+    )
+
+
+def _centre_flag(ax: Any, g: Any, three_d: bool = False) -> None:
+    sel = g["alpha"] == 0.0
+    if "beta" in g and g["beta"].notna().any():
+        sel &= g["beta"] == 0.0
+    c = g[sel]
+    if len(c) and bool(_unconverged(c).iloc[0]):
+        text = "centre (trained weights) not converged: flagged"
+        box = dict(facecolor="white", alpha=0.85, edgecolor="firebrick", linewidth=0.5)
+        kw = dict(fontsize="x-small", color="firebrick", va="top", bbox=box, zorder=5)
+        if three_d:
+            ax.text2D(0.02, 0.98, text, transform=ax.transAxes, **kw)
+        else:
+            ax.text(0.02, 0.98, text, transform=ax.transAxes, **kw)
+
+
 def _grid(g: Any, col: str) -> tuple[Any, Any, Any]:
     piv = g.pivot_table(index="beta", columns="alpha", values=col, aggfunc="first", dropna=False)
     return piv.columns.to_numpy(float), piv.index.to_numpy(float), piv.to_numpy(float)
 
 
 def _levels(series: Any) -> Any:
-    vals = series["loss_raw"].to_numpy(float)
+    vals = series["loss"].to_numpy(float)
     vals = vals[np.isfinite(vals)]
     if vals.size == 0:
         return None
@@ -64,35 +111,47 @@ def _levels(series: Any) -> Any:
 
 
 def _mark_unconverged(ax: Any, g: Any) -> bool:
-    bad = g[~g["converged"].astype(bool)]
+    bad = g[_unconverged(g)]
     if bad.empty:
         return False
     ys = bad["beta"] if "beta" in bad and bad["beta"].notna().any() else bad["loss_raw"]
     size: Any = 14
-    label = "not converged"
+    label = "solver not converged"
     if "f_converged_frac" in bad and bad["f_converged_frac"].notna().any():
         missed = (1.0 - bad["f_converged_frac"].astype(float).fillna(0.0)).clip(0.0, 1.0)
-        size = 2.0 + 40.0 * missed.to_numpy()
-        label = "not converged (size: share of examples)"
+        size = 8.0 + 40.0 * missed.to_numpy()
+        label = "solver not converged (size: share of examples that missed)"
     ax.scatter(
         bad["alpha"], ys, marker="x", color="red", s=size, linewidths=0.6, alpha=0.8, label=label
     )
     return True
 
 
+def _panel_title(label: str, g: Any) -> str:
+    bad = int(_unconverged(g).sum())
+    if not _measured(g):
+        return label
+    tail = f"{bad} of {len(g)} points not converged"
+    return f"{label}\n{tail}" if label else tail
+
+
 def landscape_contour(g: Any, ax: Any, levels: Any = None, title: str = "") -> Any:
-    """Filled contour of one 2-D grid on ``ax``; unconverged points marked. Returns the mappable."""
-    x, y, z = _grid(g, "loss_raw")
+    """Filled contour of one 2-D grid's converged points on ``ax`` (holes where the solver did
+    not converge), unconverged points marked. Returns the mappable."""
+    x, y, z = _grid(g, "loss")
     zm = np.ma.masked_invalid(z)
     cs = None
     if zm.count() >= 4:
         cs = ax.contourf(x, y, zm, levels=levels, cmap="viridis", extend="max")
         ax.contour(x, y, zm, levels=levels, colors="k", linewidths=0.3)
-    ax.plot([0], [0], marker="*", color="white", markeredgecolor="k", ms=9)
-    if _mark_unconverged(ax, g):
-        ax.legend(loc="upper right", fontsize="x-small")
-    ax.set_xlabel("alpha (d1)")
-    ax.set_ylabel("beta (d2)")
+    ax.plot([0], [0], marker="*", color="white", markeredgecolor="k", ms=9, label="trained weights")
+    _mark_unconverged(ax, g)
+    _centre_flag(ax, g)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize="x-small", frameon=False)
+    ax.set_xlabel("alpha (along d1)")
+    ax.set_ylabel("beta (along d2)")
+    ax.set_xlim(float(np.min(x)), float(np.max(x)))
+    ax.set_ylim(float(np.min(y)), float(np.max(y)))
     ax.set_aspect("equal")
     ax.set_title(title, fontsize="small")
     return cs
@@ -104,86 +163,131 @@ def landscape_contours(series: Any) -> Any:
     n = len(groups)
     ncols = min(n, 4)
     nrows = math.ceil(n / ncols)
-    fig = _new(max(3.6 * ncols + 0.8, 6.5), 3.4 * nrows + 0.3)
+    fig = _new(max(3.6 * ncols + 0.8, 6.5), 4.0 * nrows + 0.5)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     levels = _levels(series)
     cs = None
     for ax, (label, g) in zip(axes, groups):
-        cs = landscape_contour(g, ax, levels, label) or cs
+        cs = landscape_contour(g, ax, levels, _panel_title(label, g)) or cs
     for ax in axes[n:]:
         ax.set_visible(False)
     if cs is not None:
-        fig.colorbar(cs, ax=list(axes[:n]), shrink=0.8, label="loss")
+        fig.colorbar(cs, ax=list(axes[:n]), shrink=0.8, label=_loss_label(series), format="%.3g")
     fig.suptitle(
-        "loss landscape (filter-normalised directions; x: solver not converged)", fontsize="medium"
+        "loss landscape on filter-normalised directions d1, d2\n("
+        + _caption(series, at_loss=False)
+        + ")",
+        fontsize="medium",
     )
     return fig
 
 
 def landscape_surfaces(series: Any) -> Any:
-    """3-D loss surface per cell; unconverged points as red crosses at their measured loss."""
+    """3-D loss surface of the converged points per cell (holes where the solver did not
+    converge); unconverged points as red crosses at their measured loss."""
     groups = _groups(series)
     n = len(groups)
     ncols = min(n, 4)
     nrows = math.ceil(n / ncols)
-    fig = _new(3.8 * ncols, 3.4 * nrows)
+    fig = _new(max(4.6 * ncols, 6.5), 4.4 * nrows + 0.8)
+    zlabel = _loss_label(series)
     for i, (label, g) in enumerate(groups):
         ax = fig.add_subplot(nrows, ncols, i + 1, projection="3d")
-        x, y, z = _grid(g, "loss_raw")
+        x, y, z = _grid(g, "loss")
         X, Y = np.meshgrid(x, y)
-        ax.plot_surface(
-            X, Y, np.ma.masked_invalid(z), cmap="viridis", linewidth=0, antialiased=True
-        )
-        bad = g[~g["converged"].astype(bool)]
+        if np.isfinite(z).any():
+            ax.plot_surface(
+                X, Y, np.ma.masked_invalid(z), cmap="viridis", linewidth=0, antialiased=True
+            )
+        bad = g[_unconverged(g)]
         if not bad.empty:
-            ax.scatter(bad["alpha"], bad["beta"], bad["loss_raw"], marker="x", color="red", s=10)
-        ax.set_xlabel("alpha")
-        ax.set_ylabel("beta")
-        ax.set_zlabel("loss")
-        ax.set_title(label, fontsize="small")
+            ax.scatter(
+                bad["alpha"], bad["beta"], bad["loss_raw"], marker="x", color="red", s=10,
+                label="not converged",
+            )  # fmt: skip
+            ax.legend(loc="upper right", fontsize="x-small")
+        _centre_flag(ax, g, three_d=True)
+        from matplotlib.ticker import MaxNLocator
+
+        for axis_ in (ax.xaxis, ax.yaxis, ax.zaxis):
+            axis_.set_major_locator(MaxNLocator(5))
+        ax.tick_params(labelsize="x-small")
+        ax.set_xlabel("alpha (d1)", fontsize="small")
+        ax.set_ylabel("beta (d2)", fontsize="small")
+        ax.set_zlabel(zlabel, fontsize="small", labelpad=4)
+        ax.set_box_aspect(None, zoom=0.82)  # room for the z label
+        ax.set_title(_panel_title(label, g), fontsize="small")
+    fig.suptitle(
+        "loss surface on filter-normalised directions d1, d2\n(" + _caption(series) + ")",
+        fontsize="small",
+    )
     return fig
 
 
 def landscape_curves(series: Any) -> Any:
     """1-D slices through the centre: loss along d1 (beta = 0) and along d2 (alpha = 0), one line
-    per cell; unconverged points marked with red crosses."""
+    per cell through its converged points only (the line breaks where the solver did not
+    converge); unconverged points are red crosses at their measured loss."""
     two_d = "beta" in series and series["beta"].notna().any()
-    fig = _new(10.0 if two_d else 5.5, 4.0)
+    fig = _new(10.0 if two_d else 5.5, 4.4)
     axes = fig.subplots(1, 2 if two_d else 1, squeeze=False).ravel()
+    marked = False
     for label, g in _groups(series):
         cuts = [("alpha", g[g["beta"] == 0.0] if two_d else g)]
         if two_d:
             cuts.append(("beta", g[g["alpha"] == 0.0]))
         for ax, (coord, c) in zip(axes, cuts):
             c = c.sort_values(coord)
-            ax.plot(c[coord], c["loss_raw"], marker="o", ms=2, label=label or None)
-            bad = c[~c["converged"].astype(bool)]
+            # ``loss`` is NaN at unconverged points: the line breaks there
+            ax.plot(c[coord], c["loss"], marker="o", ms=2, label=label or None)
+            bad = c[_unconverged(c)]
             if not bad.empty:
-                ax.scatter(bad[coord], bad["loss_raw"], marker="x", color="red", s=16, zorder=3)
-    for ax, coord in zip(axes, ["alpha (d1, beta = 0)", "beta (d2, alpha = 0)"]):
+                ax.scatter(
+                    bad[coord], bad["loss_raw"], marker="x", color="red", s=16, zorder=3,
+                    label=None if marked else "not converged (measured loss)",
+                )  # fmt: skip
+                marked = True
+    for ax, coord in zip(axes, ["alpha (along d1, beta = 0)", "beta (along d2, alpha = 0)"]):
         ax.set_xlabel(coord)
-        ax.set_ylabel("loss")
+        ax.set_ylabel(_loss_label(series))
         ax.grid(True, alpha=0.3)
-    if any(lbl for lbl, _ in _groups(series)):
+    if any(lbl for lbl, _ in _groups(series)) or marked:
         axes[0].legend(fontsize="x-small")
-    fig.suptitle(
-        "1-D slices (red x: solver not converged, not part of the curve)", fontsize="medium"
-    )
+    fig.suptitle("1-D slices through the trained weights (" + _caption(series) + ")",
+                 fontsize="medium")  # fmt: skip
     return fig
+
+
+def _hvp_method(g: Any) -> str:
+    """How a cell's HVPs were taken: the series' ``backend`` and ``fd_fallback`` columns."""
+    backend = str(g["backend"].iloc[0]) if "backend" in g and len(g) else ""
+    fallback = "fd_fallback" in g and len(g) and bool(g["fd_fallback"].iloc[0])
+    if fallback:
+        return "finite-difference fallback"
+    return {"fd": "finite differences", "autograd": "autograd", "pyhessian": "pyhessian"}.get(
+        backend, backend
+    )
 
 
 def hessian_density(series: Any, eigs: Any = None, unreliable: Any = ()) -> Any:
     """SLQ eigenvalue density (Gaussian-smoothed, log scale) per cell; dashed lines at the top
     eigenvalues when ``eigs`` (rows with cell_id, seed, eigenvalue) is given. Cells in
     ``unreliable`` ((cell_id, seed) pairs whose estimates are flagged, e.g. a forward solve that
-    missed its tolerance) are not drawn (their values can be arbitrary) but named in a note."""
+    missed its tolerance) are not drawn (their values can be arbitrary) but named in a note.
+    How the HVPs were taken (autograd, finite differences, or the finite-difference fallback
+    after the backend failed its gates) is in the title, and per cell in the legend when the
+    cells differ."""
     fig = _new(7.0, 4.2)
     ax = fig.subplots()
     skipped = []
-    for label, g in _groups(series):
+    groups = _groups(series)
+    methods = {lbl: _hvp_method(g) for lbl, g in groups}
+    drawn_methods = []
+    for label, g in groups:
         if "cell_id" in g and (g["cell_id"].iloc[0], int(g["seed"].iloc[0])) in set(unreliable):
             skipped.append(label)
             continue
+        drawn_methods.append(methods[label])
         (line,) = ax.plot(
             g["lambda"], np.maximum(g["density"].to_numpy(float), 1e-12), label=label or None
         )
@@ -193,11 +297,23 @@ def hessian_density(series: Any, eigs: Any = None, unreliable: Any = ()) -> Any:
             ]
             for v in e["eigenvalue"].to_numpy(float)[:1]:
                 ax.axvline(v, color=line.get_color(), ls="--", lw=0.8)
+    distinct = list(dict.fromkeys(m for m in drawn_methods if m))
+    if len(distinct) > 1:  # say it per cell
+        for ln in ax.get_lines():
+            lbl = ln.get_label()
+            if lbl in methods and methods[lbl]:
+                ln.set_label(f"{lbl} [{methods[lbl]}]")
     ax.set_yscale("log")
     ax.set_ylim(bottom=1e-6)
     ax.set_xlabel("eigenvalue of the loss Hessian")
     ax.set_ylabel("density (SLQ)")
-    ax.set_title("Hessian eigenvalue density (dashed: top eigenvalue)", fontsize="medium")
+    how = f"SLQ on {distinct[0]} HVPs" if len(distinct) == 1 else "SLQ"
+    sub = "dashed: top eigenvalue"
+    if "finite-difference fallback" in distinct:
+        if len(distinct) == 1:
+            how = "SLQ on finite-difference HVPs"
+        sub = "finite-difference fallback: the autograd HVPs failed their gates; " + sub
+    ax.set_title(f"Hessian eigenvalue density ({how})\n{sub}", fontsize="medium")
     ax.grid(True, alpha=0.3)
     if skipped:
         ax.text(
@@ -209,6 +325,6 @@ def hessian_density(series: Any, eigs: Any = None, unreliable: Any = ()) -> Any:
             color="firebrick",
             va="top",
         )
-    if len(skipped) < len(_groups(series)) and any(lbl for lbl, _ in _groups(series)):
+    if len(skipped) < len(groups) and any(lbl for lbl, _ in groups):
         ax.legend(fontsize="x-small")
     return fig

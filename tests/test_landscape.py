@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -173,11 +174,14 @@ def test_nonconverged_points_are_marked_not_averaged():
     dirs = ls.resolve_directions(m, ls.random_directions(m, 1, seed=0))
     df = ls.evaluate_grid(m, dirs, X, y, alphas=ls.axis(3))
     assert "beta" not in df
-    assert (~df["converged"]).all() and (df["status"] == "max_iter").all()
+    assert (~df["converged"].astype(bool)).all() and (df["status"] == "max_iter").all()
     assert df["loss"].isna().all() and df["loss_raw"].notna().all()
     s = ls.summarize(df)
     assert s["nonconverged_points"] == 3 and "loss_max" not in s and "mean_loss_increase" not in s
-    # the *_all forms use every point at its measured loss, relative to the centre's
+    assert "mean_loss_increase_all" not in s  # never averaged in by default
+    assert "forward solver did not converge at the trained weights" in ls.centre_note(df)
+    # raw=True: the *_all forms use every point at its measured loss, relative to the centre's
+    s = ls.summarize(df, raw=True)
     centre = float(df.loc[df.alpha == 0.0, "loss_raw"].iloc[0])
     inc = df["loss_raw"] - centre
     assert s["mean_loss_increase_all"] == pytest.approx(float(inc.mean()), rel=1e-12)
@@ -187,6 +191,124 @@ def test_nonconverged_points_are_marked_not_averaged():
 
     fig = pa.landscape_curves(df)
     assert any(len(c.get_offsets()) == 3 for ax in fig.axes for c in ax.collections)  # red crosses
+
+
+def _edge_unconverged_grid(grid=7):
+    """A contractive centre (||W|| = 0.5, converged) whose far points (||W|| > 1) miss the
+    tolerance within the budget."""
+    m = _fc_deq(max_iter=40, tol=1e-8, scale=0.5)
+    X, y = _data()
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=0))
+    ax = ls.axis(grid, -4.0, 4.0)
+    return m, ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax)
+
+
+def test_offcentre_nonconverged_points_are_data_not_statistics():
+    _, df = _edge_unconverged_grid()
+    bad = ~df["converged"].astype(bool)
+    good = df[~bad]
+    assert 0 < bad.sum() < len(df) - 1  # some off-centre points missed the tolerance
+    centre = df[(df.alpha == 0.0) & (df.beta == 0.0)].iloc[0]
+    assert bool(centre["converged"])
+    s = ls.summarize(df, level=0.5)
+    inc = good["loss"] - centre["loss_raw"]
+    assert s["nonconverged_points"] == bad.sum()
+    assert s["mean_loss_increase"] == pytest.approx(float(inc.mean()), rel=1e-12)
+    assert s["low_loss_area_frac"] == pytest.approx(float((inc <= 0.5).mean()), rel=1e-12)
+    assert s["loss_max"] == pytest.approx(float(good["loss"].max()), rel=1e-12)
+    assert s["converged_frac"] == pytest.approx(len(good) / len(df))
+    assert ls.centre_note(df) == ""  # off-centre misses are not a failure
+    raw = df.loc[bad, "loss_raw"]
+    assert raw.notna().all() and s["loss_max"] != pytest.approx(float(df["loss_raw"].max()))
+
+    # the curves: the line runs through the converged points only (it breaks at the others,
+    # NaN), and the red crosses sit exactly on the unconverged points at their measured loss
+    from deqbench import plots_analysis as pa
+
+    fig = pa.landscape_curves(df)
+    for axis_, (coord, cut) in zip(
+        fig.axes, [("alpha", df[df.beta == 0.0]), ("beta", df[df.alpha == 0.0])]
+    ):
+        cut = cut.sort_values(coord)
+        (line,) = axis_.get_lines()
+        ydata = line.get_ydata().astype(float)
+        conv = cut["converged"].astype(bool).to_numpy()
+        assert np.isnan(ydata[~conv]).all() and np.isfinite(ydata[conv]).all()
+        xs = sorted(tuple(o) for c in axis_.collections for o in c.get_offsets())
+        want = sorted(zip(cut.loc[~conv, coord], cut.loc[~conv, "loss_raw"]))
+        assert np.allclose(xs, want) if want else not xs
+    cuts = pd.concat([df[df.beta == 0.0], df[df.alpha == 0.0]])
+    assert (~cuts["converged"].astype(bool)).any()  # the curves do have points to leave out
+    # the surface and contours draw without error and carry a title beyond the cell id
+    for fig in (pa.landscape_surfaces(df), pa.landscape_contours(df)):
+        assert "filter-normalised" in fig.get_suptitle()
+    surf = pa.landscape_surfaces(df)
+    assert surf.axes[0].get_zlabel() == "loss (cross-entropy)"
+
+
+def test_starved_centre_flags_the_rows(tmp_path):
+    from deqbench.analyses.base import CellContext
+    from deqbench.analyses.landscape import Landscape
+    from deqbench.data import DataBundle
+
+    m = _fc_deq(max_iter=2, tol=1e-6, scale=0.9)  # two f-evals cannot reach 1e-6
+    X, y = _data(48)
+    data = DataBundle("toy", (X, y), (X[:8], y[:8]), (4,), 3)
+    ctx = CellContext(m, data, torch.device("cpu"), torch.float64, 0, "cell", {}, tmp_path)
+    rows = list(Landscape({"grid": 3, "max_samples": 32, "progress": False}).after_training(ctx))
+    value_rows = [r for r in rows if not r.metric.startswith("seconds")]
+    assert value_rows and all(r.status == "flagged" for r in value_rows)
+    note = value_rows[0].note
+    assert "\n" not in note and "did not converge at the trained weights" in note
+    assert "> 1e-06" in note and "--max-iter" in note
+    # the same model with a budget that converges at the centre: ok
+    m2 = _fc_deq(max_iter=200, tol=1e-6, scale=0.9)
+    ctx.model = m2
+    rows = list(Landscape({"grid": 3, "max_samples": 32, "progress": False}).after_training(ctx))
+    assert all(r.status == "ok" for r in rows)
+
+
+def test_convergence_not_measured_is_nan_not_zero(tmp_path):
+    from deqbench.analyses.base import CellContext
+    from deqbench.analyses.landscape import Landscape
+    from deqbench.data import DataBundle
+
+    m = _Ordered().double()  # no DEQ layer: nothing reports a solve
+    X, y = _data(16)
+    df = ls.evaluate_grid(m, ls.resolve_directions(m, ls.random_directions(m, 1)), X, y,
+                          alphas=ls.axis(3))  # fmt: skip
+    assert df["converged"].isna().all() and df["loss"].notna().all()
+    s = ls.summarize(df)
+    assert math.isnan(s["nonconverged_points"]) and "mean_loss_increase" in s
+    data = DataBundle("toy", (X, y), (X[:8], y[:8]), (4,), 3)
+    ctx = CellContext(m, data, torch.device("cpu"), torch.float64, 0, "c", {}, tmp_path)
+    rows = {r.metric: r for r in Landscape({"grid": 3, "progress": False}).after_training(ctx)}
+    r = rows["nonconverged_points"]
+    assert math.isnan(r.value) and r.status == "skipped" and "not measured" in r.note
+    assert rows["loss_center"].status == "ok"
+    from deqbench import plots_analysis as pa
+
+    assert "not measured" in pa.landscape_curves(df).get_suptitle()
+
+
+def test_warm_start_same_fixed_point_for_a_contraction():
+    m = _fc_deq(max_iter=200, tol=1e-10, scale=0.5)
+    X, y = _data()
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=0))
+    ax = ls.axis(3, -0.3, 0.3)
+    cold = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax)
+    warm = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start=True, batch_size=16)
+    assert warm.attrs["warm_start"] and not cold.attrs["warm_start"]
+    assert (cold["init"] == "model").all()
+    assert (warm["init"] == "centre").sum() == 8 and ls.centre_row(warm)["init"] == "model"
+    assert warm["converged"].all() and cold["converged"].all()
+    np.testing.assert_allclose(warm["loss"], cold["loss"], rtol=1e-8)  # unique fixed point
+    assert warm["f_nstep"].sum() < cold["f_nstep"].sum()
+    assert ls.centre_row(warm)["loss"] == pytest.approx(ls.centre_row(cold)["loss"], rel=1e-12)
+    # the evaluation budget override is applied during the evaluation only
+    starved = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, max_iter=2)
+    assert (starved["f_nstep"] <= 2).all() and not starved["converged"].astype(bool).any()
+    assert all(layer.solver_cfg.max_iter == 200 for layer in deqbench.deq.deq_layers(m))
 
 
 def test_landscape_analysis_hook_and_directions_file(tmp_path):
@@ -302,6 +424,16 @@ def test_landscape_command_through_runner(tmp_path):
     with torch.no_grad():
         expect = float(nn.functional.cross_entropy(net(X[:32]), y[:32]))
     assert centre == pytest.approx(expect, rel=1e-5)
+
+    # a starved budget: the centre misses its tolerance -> flagged rows, exit 1, one-line cause
+    starved = [*args[: args.index("--max-iter") + 1], "2", *args[args.index("--max-iter") + 2 :]]
+    starved[starved.index("--out") + 1] = str(tmp_path / "starved")
+    res = CliRunner().invoke(app, starved)
+    assert res.exit_code != 0, res.output
+    assert "did not converge at the trained weights" in res.output
+    run = next((tmp_path / "starved" / "landscape").iterdir())
+    lrows = deqbench.load_results(run).query("analysis == 'landscape'")
+    assert (lrows[~lrows.metric.str.startswith("seconds")].status == "flagged").all()
 
 
 def test_library_call_takes_the_directions_settings_unless_given(tmp_path):

@@ -2,14 +2,21 @@
 
 After training (or on a checkpoint, ``checkpoint: FILE``), the loss, accuracy (or MSE) and, for
 DEQs, the forward f-evaluations, final residual and convergence are evaluated on a grid
-``theta* + a d1 (+ b d2)`` (:mod:`deqbench.landscape`). Writes ``series/landscape__...csv`` (one
-row per point; unconverged points have ``loss`` NaN, ``loss_raw`` the measured value and
-``converged`` false), saves the directions to ``artifacts/landscape_directions__...pt`` (reuse them
-with ``directions: FILE`` to compare checkpoints or models on the same plane) and yields summary
-rows: ``loss_center``, ``accuracy_center``, ``nonconverged_points``, ``low_loss_area_frac``,
-``mean_loss_increase`` (and their ``*_all`` forms over every point at its measured loss when some
-did not converge, with ``converged_examples_frac_mean``), ``f_nstep_max``, ``w_spec_norm_max``,
-``seconds``, ``seconds_per_point``.
+``theta* + a d1 (+ b d2)`` (:mod:`deqbench.landscape`; its docstring says how the forward solves
+are set up). Writes ``series/landscape__...csv`` (one row per point; unconverged points have
+``loss`` NaN, ``loss_raw`` the measured value and ``converged`` false), saves the directions to
+``artifacts/landscape_directions__...pt`` (reuse them with ``directions: FILE`` to compare
+checkpoints or models on the same plane) and yields summary rows: ``loss_center``,
+``accuracy_center``, ``nonconverged_points``, ``converged_frac``, ``low_loss_area_frac``,
+``mean_loss_increase``, ``loss_max`` (the last three over converged points only),
+``f_nstep_max``, ``w_spec_norm_max``, ``seconds``, ``seconds_per_point``.
+
+**Status.** The centre (the trained weights) is the measurement's quality check: when its forward
+solve missed the tolerance (or its loss is not finite) every summary row is ``flagged`` with a
+one-line cause and fix in ``note`` (the run then exits 1). Points away from the centre that do not
+converge are data, not a failure: counted in ``nonconverged_points``, marked in the plots, left
+out of every curve and statistic. For a model without deqbench DEQ layers convergence is not
+measured: ``nonconverged_points`` is NaN with status ``skipped`` and a note saying so.
 
 Example (suite YAML)::
 
@@ -34,6 +41,10 @@ from ..registry import analyses
 from .base import Analysis, CellContext, Row
 
 SERIES = "landscape"
+NOT_MEASURED = (
+    "convergence not measured: no deqbench DEQ layer reported a forward solve (an explicit "
+    "network, or a DEQ whose solver deqbench does not see)"
+)
 
 
 def load_checkpoint(model: Any, path: str | Path, device: Any = None) -> None:
@@ -157,6 +168,15 @@ class Landscape(Analysis):
         spec_norm: bool = True
         level: float = Field(0.5, gt=0, description="loss increase that bounds the low-loss area")
         progress: bool = True
+        warm_start: bool = Field(
+            False, description="start off-centre DEQ solves from the centre's fixed point"
+        )
+        max_iter: int | None = Field(
+            None, ge=1, description="forward budget during the evaluation (default: the cell's)"
+        )
+        tol: float | None = Field(
+            None, gt=0, description="forward tolerance during the evaluation (default: the cell's)"
+        )
 
         @field_validator("range", mode="before")
         @classmethod
@@ -187,6 +207,35 @@ class Landscape(Analysis):
             return v
 
     params: Params  # narrowed for type checkers
+
+    @classmethod
+    def headline(cls, rows: Any) -> list[str]:
+        """Converged share, loss at the centre, and the flatness measures."""
+        v = {m: g for m, g in rows.groupby("metric")}
+
+        def val(metric: str) -> float:
+            g = v.get(metric)
+            return float(g["value"].iloc[0]) if g is not None and len(g) else float("nan")
+
+        if "loss_center" not in v:
+            return []
+        line = f"centre loss {val('loss_center'):.4g}"
+        if "accuracy_center" in v:
+            line += f" (accuracy {val('accuracy_center'):.3g})"
+        if (
+            "points" in v
+            and "nonconverged_points" in v
+            and val("nonconverged_points") == val("nonconverged_points")
+        ):
+            n, bad = int(val("points")), int(val("nonconverged_points"))
+            line += f"; {n - bad} of {n} points converged ({100 * (n - bad) / n:.0f}%)"
+        if "mean_loss_increase" in v:
+            line += f"; mean loss increase {val('mean_loss_increase'):.3g}"
+        low = v.get("low_loss_area_frac")
+        if low is not None and len(low):
+            line += f", low-loss area {float(low['value'].iloc[0]):.0%} ({low['variant'].iloc[0]})"
+        line += " over the converged points"
+        return [line]
 
     def before_training(self, ctx: CellContext) -> Iterable[Row]:
         if self.params.checkpoint:
@@ -254,6 +303,9 @@ class Landscape(Analysis):
                 points_per_batch=p.points_per_batch,
                 spec_norm=p.spec_norm,
                 progress=bar,
+                warm_start=p.warm_start,
+                max_iter=p.max_iter,
+                tol=p.tol,
             )
         ctx.write_series(SERIES, df)
         if ctx.run_dir is not None:
@@ -267,10 +319,19 @@ class Landscape(Analysis):
         note = f"norm={meta.get('norm')} ignore={'none' if meta.get('include_1d') else 'biasbn'} seed={meta.get('seed')}"
         if df.attrs.get("note"):
             note += "; " + df.attrs["note"]
+        if df.attrs.get("warm_start"):
+            note += "; warm start from the centre"
         summary = ls.summarize(df, p.level)
+        flag = ls.centre_note(df)
+        measured = ls.convergence_measured(df)
         for metric, value in summary.items():
             variant = f"level={p.level:g}" if metric.startswith("low_loss_area_frac") else ""
-            yield Row(metric, value, variant=variant, unit="", note=note)
+            if flag:
+                yield Row(metric, value, variant=variant, status="flagged", note=flag)
+            elif metric == "nonconverged_points" and not measured:
+                yield Row(metric, value, status="skipped", note=NOT_MEASURED)
+            else:
+                yield Row(metric, value, variant=variant, unit="", note=note)
         secs = float(df.attrs.get("seconds", math.nan))
         yield Row("seconds", secs, unit="s", note=f"vmap={df.attrs.get('vmap')} examples={len(X)}")
         yield Row("seconds_per_point", secs / max(len(df), 1), unit="s")
