@@ -5,6 +5,7 @@ pip install nox && nox -s tests lint
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import nox
@@ -29,6 +30,21 @@ def tests(session: nox.Session) -> None:
     _install(session, "test,dask")
     session.run("pytest", "-m", "not gpu", *session.posargs)
     session.run("pytest", "--doctest-modules", "deqbench", "-q", "-p", "no:cacheprovider")
+    _new_plugin(session)
+
+
+def _new_plugin(session: nox.Session) -> None:
+    """The package `deqbench new-plugin` writes, installed into a temporary folder (no build
+    isolation, no dependencies: offline and in seconds), passes its own test."""
+    tmp = Path(session.create_tmp()) / "new-plugin"
+    shutil.rmtree(tmp, ignore_errors=True)
+    session.run("deqbench", "new-plugin", "deqbench-ci-plugin", "--out", str(tmp))
+    session.install("setuptools>=70.1")  # builds the plugin without build isolation
+    site = tmp / "site"
+    pkg = tmp / "deqbench-ci-plugin"
+    session.install("--no-build-isolation", "--no-deps", "--target", str(site), str(pkg))
+    env = {"PYTHONPATH": str(site), "DEQBENCH_DISABLE_PLUGIN_AUTOLOAD": "0"}
+    session.run("pytest", "-q", "-p", "no:cacheprovider", str(pkg), env=env)
 
 
 @nox.session(python=PYTHON)

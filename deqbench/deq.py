@@ -273,7 +273,10 @@ class DEQModel(nn.Module):
         return self.deq.cell
 
     def cell_parameters(self) -> list[nn.Parameter]:
-        return [p for layer in deq_layers(self) for p in layer.cell.parameters()]
+        """The cells' own parameters (without those a cell declares as injection)."""
+        from .contracts import cell_weights
+
+        return [p for layer in deq_layers(self) for _, p in cell_weights(layer.cell)]
 
     def equilibrium(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(z*, u) for input x under no_grad."""

@@ -568,8 +568,16 @@ def jacobian_frobenius(
 
 
 def layers(module: nn.Module) -> list[tuple[str, Any]]:
-    """The Linear and Conv2d submodules of ``module`` (name, module), in registration order."""
-    return [(n, m) for n, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    """The Linear and Conv2d submodules of ``module`` (name, module), in registration order;
+    for a cell, not those whose weight it declares as injection (``injection_parameters()``)."""
+    from .contracts import injection_parameters
+
+    skip = {id(p) for p in injection_parameters(module)}
+    return [
+        (n, m)
+        for n, m in module.named_modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d)) and id(m.weight) not in skip
+    ]
 
 
 _NORM_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm2d)
@@ -606,6 +614,8 @@ def lipschitz_upper_bound(
             prod *= conv_spectral_norm(m.weight, hw)
         else:
             prod *= dense_norm(m.weight)
+    if not layers(cell):  # an empty product is no bound
+        return math.nan, "not available: no Linear/Conv2d cell weight and no lipschitz_bound()"
     note = "product of layer norms"
     if any(isinstance(m, _NORM_LAYERS) for m in cell.modules()):
         note += "; cell has normalisation layers, so not a true bound"

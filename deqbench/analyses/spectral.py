@@ -285,7 +285,8 @@ class SpectralAnalysis(Analysis):
                 )
                 hw = {n: sizes.get(id(m)) for n, m in sp.layers(cell)}
             bound, note = sp.lipschitz_upper_bound(cell, hw)
-            rows.append(Row("lipschitz_bound", bound, step=step, note=note))
+            status = "ok" if math.isfinite(bound) else "skipped"  # NaN: not available
+            rows.append(Row("lipschitz_bound", bound, step=step, status=status, note=note))
         except Exception as exc:
             rows.append(
                 Row(

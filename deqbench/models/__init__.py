@@ -12,6 +12,13 @@ solver (or backward mode, or init) than the declared one, only the declared gene
 (``max_iter``, ``tol``, ``stop_mode``; for ``backward`` also ``solver`` and its budget) carry over,
 not the declared solver's own options.
 
+**Compatibility.** The same declaration may say which solvers the model supports (or needs)
+and which backward modes apply (``solvers=[...]``, ``backward_modes=[...]``; unset: every
+solver whose structure the cells implement, every mode). ``deqbench validate`` refuses cells
+outside them ([model.declared], :mod:`deqbench.plugin_checks`). ``solvers=()`` declares a
+model that computes its own equilibrium (a wrapped third-party DEQ): the suite's solver does
+not reach it and is not checked against it.
+
 Example:
     >>> from deqbench.models import declare_defaults
     >>> @declare_defaults(solver={"name": "anderson", "max_iter": 100, "tol": 1e-4, "m": 5},
@@ -25,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 from ..registry import models as registry
@@ -41,6 +49,8 @@ remove = registry.remove
 DEFAULTS_ATTR = "deqbench_defaults"
 #: sections a model may declare
 DECLARABLE = ("init", "solver", "backward")
+#: compatibility a model may declare (lists of names; absent: no restriction)
+COMPATIBILITY = ("solvers", "backward_modes")
 
 
 def declare_defaults(
@@ -48,12 +58,18 @@ def declare_defaults(
     solver: str | dict[str, Any] | None = None,
     backward: str | dict[str, Any] | None = None,
     init: str | dict[str, Any] | None = None,
+    solvers: Sequence[str] | None = None,
+    backward_modes: Sequence[str] | None = None,
 ) -> Any:
     """Decorator declaring a model factory's default ``solver``, ``backward`` and ``init``
     (each a registered name or ``{name, **fields}`` as in a suite's ``defaults``). The suite
     schema validates them like a suite's own values, so a bad declaration is an error naming
-    the model."""
-    decl: dict[str, dict[str, Any]] = {}
+    the model.
+
+    ``solvers``: the solvers (forward and adjoint) the model supports or needs; ``()`` for a
+    model that computes its own equilibrium. ``backward_modes``: the backward modes that apply
+    (of ift, unrolled, jfb, phantom). Unset: no restriction beyond the cells' structure."""
+    decl: dict[str, Any] = {}
     for section, value in (("init", init), ("solver", solver), ("backward", backward)):
         if value is None:
             continue
@@ -61,12 +77,34 @@ def declare_defaults(
         if "name" not in value:
             raise TypeError(f"declare_defaults: {section} needs a 'name'")
         decl[section] = value
+    for key, names in (("solvers", solvers), ("backward_modes", backward_modes)):
+        if names is None:
+            continue
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"declare_defaults: {key} must be a list of names, got {names!r}")
+        decl[key] = list(names)
 
     def deco(fn: Any) -> Any:
         setattr(fn, DEFAULTS_ATTR, decl)
         return fn
 
     return deco
+
+
+def compatibility(name: str) -> dict[str, list[str] | None]:
+    """The solvers and backward modes model ``name`` declares it supports (``{"solvers": [...],
+    "backward_modes": [...]}``; None where it declares nothing, or the model is unknown)."""
+    try:
+        fn = get(name)
+    except Exception:
+        return {k: None for k in COMPATIBILITY}
+    decl = getattr(fn, DEFAULTS_ATTR, None) or {}
+    return {k: (list(decl[k]) if decl.get(k) is not None else None) for k in COMPATIBILITY}
+
+
+def computes_own_equilibrium(name: str) -> bool:
+    """Whether model ``name`` declares ``solvers=()``: the suite's solver does not reach it."""
+    return compatibility(name)["solvers"] == []
 
 
 def defaults(name: str) -> dict[str, dict[str, Any]]:

@@ -16,9 +16,15 @@ from typing import Any
 
 from torch import nn
 
+from deqbench.models import declare_defaults
+
+from .layer import SOLVER_KEYS
 from .layer import wrap as _wrap
 
 
+# Compatibility (deqbench.contracts): the solvers with a TorchDEQ counterpart, and the backward
+# modes TorchDEQ has (no unrolled); `deqbench validate` refuses other cells up front.
+@declare_defaults(solvers=sorted(SOLVER_KEYS), backward_modes=("ift", "jfb", "phantom"))
 def torchdeq_deq(
     in_shape: Any = (3, 32, 32),
     num_outputs: int = 10,
