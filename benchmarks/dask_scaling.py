@@ -16,7 +16,8 @@ defaults.train.epochs=2`). `report` compares every result row of the two runs (k
 analysis, variant, metric, step, repeat), timing rows (unit s) aside: the set of keys must be
 equal; values are compared with a relative tolerance (``--rtol``, default 1e-4: cuDNN picks
 kernels per process, so GPU runs agree to rounding, not bit for bit) and the largest difference
-is printed. Target (issue 9): dask cells/hour >= 1.8 x inline, same results.
+is printed. Target (issue 16): dask cells/hour >= 1.8 x inline on 2 GPUs (3.4 x on 4), same
+results. `benchmarks/dask_profile.py` shows where a cell's time goes in a worker vs inline.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def cmd_time(args: argparse.Namespace, extra: list[str]) -> None:
         # cluster start, scheduling gaps and plots; inline vs dask shows any in-worker slowdown
         "task_time_sum_s": float(task_time.sum()),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        # the Dask cluster as it ended: workers per GPU, grouping of short cells
+        "layout": json.loads((run_dir / "run.json").read_text()).get("executor"),
         "gpus": _gpus(),
         "run_dir": str(run_dir),
     }
@@ -139,6 +142,9 @@ def cmd_report(args: argparse.Namespace) -> None:
             f"| {label} | {n} | {r['tasks']} | {r['tasks_not_ok']} | {r['wall_s']:.1f} | "
             f"{busy_s} | {r['cells_per_hour']:.0f} | {x:.2f} |"
         )
+    for r in (base, other):
+        if r.get("layout"):
+            print(f"\n{r['executor']} layout: {json.dumps(r['layout'])}")
     ok = same["only_in_first"] == 0 and same["only_in_second"] == 0
     ok = ok and same["rows_over_rtol"] == 0
     print(

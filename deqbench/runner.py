@@ -293,6 +293,8 @@ def _run_suite(
         summary.plots = _plots(run_dir, df)
     if not summary.interrupted:
         _outcomes(run_dir)
+    if callable(describe):  # the cluster as it ended (workers joined, grouping)
+        meta["executor"] = describe()
     meta.update(
         status="interrupted" if summary.interrupted else "complete",
         finished=time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -135,6 +135,19 @@ def warm_up(device: str, dtype: Any) -> float | None:
     return time.perf_counter() - t
 
 
+#: warm-ups done before this process's first task (a Dask worker at start): device, dtype -> s
+_EARLY_WARMUP: dict[tuple[str, str], float] = {}
+
+
+def warm_up_early(device: str, dtype: Any) -> float | None:
+    """:func:`warm_up` before any task (a Dask worker at start, ``deqbench.executors.worker``);
+    its time is reported on the ``warmup_time`` row of the first task on ``device``/``dtype``."""
+    took = warm_up(device, dtype)
+    if took is not None:
+        _EARLY_WARMUP[(str(device), str(dtype))] = took
+    return took
+
+
 def apply_numeric_flags(suite: Any) -> None:
     """Set the suite's torch numeric flags: ``tf32`` (matmul and cuDNN TF32),
     ``cudnn_benchmark`` and ``deterministic`` (``torch.use_deterministic_algorithms`` with
@@ -174,6 +187,10 @@ def seed_everything(seed: int) -> None:
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+#: the solver/backward columns of a model the suite's solver does not reach
+NOT_APPLICABLE = "n/a"
 
 
 def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
@@ -221,6 +238,8 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         # one-off start-up (per process) and data loading (per process and dataset) are
         # recorded on their own rows and kept out of the task's wall_time
         warm = warm_up(task.device, dtype)
+        if warm is None:  # warmed up before the first task (Dask worker start)
+            warm = _EARLY_WARMUP.pop((str(task.device), str(dtype)), None)
         if warm is not None:
             add(
                 PROCESS,
@@ -242,6 +261,15 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         inits.get(iname)(model, seed=task.seed, **iparams)
         if deq.is_deq(model):
             deq.configure(model, cell.solver_config(), cell.backward_config())
+        from .models import computes_own_equilibrium
+
+        if computes_own_equilibrium(mname):
+            # a wrapped model that computes its own equilibrium (declared solvers=()): the
+            # suite's solver and backward mode do not reach it and the columns say so; the cell
+            # id stays as it is (--resume, compare)
+            base.update(solver=NOT_APPLICABLE, backward=NOT_APPLICABLE)
+            for r in rows:
+                r.update(solver=NOT_APPLICABLE, backward=NOT_APPLICABLE)
         instances = []
         for name, params in suite.analyses:
             instances.append(analysis_registry.get(name)(params))

@@ -19,6 +19,16 @@ default 3 restarts; start the scheduler with ``DASK_DISTRIBUTED__SCHEDULER__ALLO
 for the same policy). An exception that escapes the task itself (it cannot be unpickled on the
 worker, say) is retried once (``retries=1``).
 
+Fixed costs are paid off the cells' clock and overlap the coordinator's own start: the local
+cluster starts in the background (:meth:`DaskExecutor.start` with ``wait=False``, as ``deqbench
+run`` does) while the coordinator writes the run directory and builds the tasks, and every
+worker warms up at start, before it registers (imports, CUDA context, first kernels:
+:mod:`deqbench.executors.worker`, reported on its first cell's ``process`` rows). Short cells
+are grouped: on a local GPU cluster whose first cells (one per worker) took less than
+``short_task`` seconds each, a second worker joins on every GPU with room in its memory, so that
+two cells share each GPU (small models leave most of a GPU idle between their kernel launches);
+every Dask task is still one cell, so a dead worker costs only the cell it was running.
+
 With Dask's ``distributed.worker.multiprocessing-method: forkserver`` (environment variable
 ``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=forkserver``) local workers fork from a
 server that imported torch and deqbench once, so they start and restart in well under a second
@@ -38,6 +48,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import statistics
+import threading
 import time
 import traceback
 import uuid
@@ -46,8 +58,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError, DeqbenchError
-from ..results import RUNNER
+from ..results import FLAGGED, RUNNER
 from ..task import Listener, Task, TaskResult, run_task
+from ._worker import WARMUP_ENV
 
 __all__ = ["DaskExecutor", "run_cell", "failed_result", "gpu_ids", "INSTALL_HINT"]
 
@@ -59,6 +72,10 @@ PRE_SPAWN_ENV = "distributed.nanny.pre-spawn-environ"
 PINNED_ENV = "DEQBENCH_DASK_GPU"
 #: torch threads of a local worker's cells when the suite does not set ``threads``.
 THREADS_ENV = "DEQBENCH_DASK_THREADS"
+#: GPU memory (bytes) counted per worker process beyond its cells' peak (CUDA context, handles)
+CONTEXT_BYTES = 1 << 30
+#: statuses whose wall time measures a whole cell (the grouping decision reads them)
+TIMED = ("ok", FLAGGED)
 
 
 def _require_distributed() -> Any:
@@ -140,6 +157,21 @@ def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.
     return TaskResult(cell.id, task.seed, [row], "error", note, tb, wall)
 
 
+def gpu_memory() -> dict[str, int]:
+    """Worker side: this process's peak reserved GPU memory and its GPU's free/total bytes
+    (empty without CUDA). The coordinator asks for it before it adds workers to a GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"peak": int(torch.cuda.max_memory_reserved()), "free": int(free), "total": int(total)}
+
+
+def _pinned_gpu() -> str | None:
+    return os.environ.get(PINNED_ENV)
+
+
 def _warm_forkserver() -> None:
     """With Dask's ``multiprocessing-method: forkserver``, let the forkserver import torch and
     deqbench once so that workers (and restarts after a crash) start warm. No effect once the
@@ -161,7 +193,8 @@ class DaskExecutor:
         scheduler: address of a running scheduler (``tcp://host:8786``); None starts a local
             cluster on 127.0.0.1.
         workers: local worker processes (default: one per visible GPU when the suite runs on
-            CUDA, else ``cpu_count // threads``). Not with ``scheduler``.
+            CUDA, else ``cpu_count // threads``). Not with ``scheduler``. Fixes the layout: no
+            worker is added for short cells.
         preload: modules or ``.py`` files every local worker imports at start (and again when
             a worker is restarted), e.g. to register models that are not installed as plugins.
             Workers you start yourself take ``dask worker --preload``.
@@ -174,6 +207,11 @@ class DaskExecutor:
         connect_timeout: seconds to reach ``scheduler``.
         poll: seconds between checks for workers that joined.
         silence_logs: log level of the local cluster's Dask loggers.
+        max_per_gpu: local GPU cluster without ``workers``: at most this many workers share a
+            GPU once the first cells turned out short (1: never add workers).
+        short_task: seconds; first cells (median, one per worker) shorter than this are short.
+        profile: keep Dask's statistical profiler on in local workers (off by default: it
+            samples the cell's thread every 10 ms, taking the GIL from it).
     """
 
     def __init__(
@@ -188,6 +226,9 @@ class DaskExecutor:
         connect_timeout: float = 30.0,
         poll: float = 1.0,
         silence_logs: int = logging.ERROR,
+        max_per_gpu: int = 2,
+        short_task: float = 20.0,
+        profile: bool = False,
     ) -> None:
         _require_distributed()
         if scheduler is not None and workers is not None:
@@ -206,15 +247,36 @@ class DaskExecutor:
         self.connect_timeout = connect_timeout
         self.poll = poll
         self.silence_logs = silence_logs
+        self.max_per_gpu = max(1, max_per_gpu)
+        self.short_task = short_task
+        self.profile = profile
         self.client: Any = None
         self.cluster: Any = None
         self.layout: dict[str, Any] = {}
+        self._starting: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+        self._specs: dict[str, Any] = {}
+        self._dtype = "float32"
 
     # -- lifecycle ------------------------------------------------------------------------
-    def start(self, device: str = "cpu", threads: int | None = None) -> DaskExecutor:
+    def start(
+        self,
+        device: str = "cpu",
+        threads: int | None = None,
+        *,
+        dtype: str | None = None,
+        wait: bool = True,
+    ) -> DaskExecutor:
         """Connect to ``scheduler`` or start the local cluster for ``device`` (resolved:
-        ``cpu`` | ``cuda`` | ``cuda:N``) with ``threads`` torch threads per cell. Idempotent."""
-        if self.client is not None:
+        ``cpu`` | ``cuda`` | ``cuda:N``) with ``threads`` torch threads per cell; its workers
+        warm up on ``dtype`` (default float32) at start. Idempotent.
+
+        ``wait=False`` starts a local cluster in a background thread and returns at once (the
+        layout is checked first, so a configuration error is raised here); :meth:`run` waits
+        for it. Reaching a ``scheduler`` is always done before returning."""
+        if self.client is not None or self._starting is not None:
+            if wait:
+                self._ready()
             return self
         from distributed import Client
 
@@ -230,17 +292,48 @@ class DaskExecutor:
                 ) from None
             self.layout = {"kind": "dask", "scheduler": self.scheduler}
             return self
-        self.cluster = self._local_cluster(device, threads)
-        try:
-            self.client = Client(self.cluster, set_as_default=False)
-        except BaseException:
-            self.cluster.close()
-            self.cluster = None
-            raise
+        self._dtype = dtype or "float32"
+        specs, self.layout = self.worker_specs(device, threads)
+        if wait:
+            self._start_local(specs)
+            return self
+        self._start_error = None
+
+        def target() -> None:
+            try:
+                self._start_local(specs)
+            except BaseException as exc:  # re-raised by _ready() in the caller's thread
+                self._start_error = exc
+
+        self._starting = threading.Thread(target=target, name="deqbench-dask-start", daemon=True)
+        self._starting.start()
         return self
+
+    def _start_local(self, specs: dict[str, Any]) -> None:
+        from distributed import Client
+
+        cluster = self._local_cluster(specs)
+        try:
+            self.client = Client(cluster, set_as_default=False)
+        except BaseException:
+            cluster.close()
+            raise
+        self.cluster = cluster
+
+    def _ready(self) -> None:
+        """Wait for a background start (``start(wait=False)``); re-raise its error."""
+        thread, self._starting = self._starting, None
+        if thread is not None:
+            thread.join()
+        if self._start_error is not None:
+            err, self._start_error = self._start_error, None
+            raise err
 
     def close(self) -> None:
         """Close the client and the local cluster (if this executor started one)."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
         client, cluster = self.client, self.cluster
         self.client = self.cluster = None
         if client is not None:
@@ -261,14 +354,14 @@ class DaskExecutor:
         self.close()
 
     def describe(self) -> dict[str, Any]:
-        """What ``run.json`` records under ``executor``."""
+        """What ``run.json`` records under ``executor`` (never waits for a background start)."""
         info = dict(self.layout) or {"kind": "dask", "scheduler": self.scheduler}
-        if self.client is not None:
+        if self.client is not None and self._starting is None:
             try:
                 info["scheduler"] = self.client.scheduler.address
                 nthreads = self.client.nthreads()
-                info["workers_at_start"] = len(nthreads)
-                info["threads_at_start"] = int(sum(nthreads.values()))
+                info["workers_joined"] = len(nthreads)
+                info["threads_joined"] = int(sum(nthreads.values()))
             except Exception:
                 pass
         return info
@@ -281,9 +374,8 @@ class DaskExecutor:
         One single-threaded worker per GPU of ``device`` (each pinned through
         ``CUDA_VISIBLE_DEVICES``), ``workers`` of them round-robin over the GPUs, or on CPU
         ``workers`` (default ``cpu_count // threads``). Every cell gets ``threads`` torch threads,
-        else its share of the cores.
+        else its share of the cores. Workers warm up at start on their device (``DEQBENCH_WARMUP``).
         """
-        from distributed import Nanny
         from distributed.worker_memory import parse_memory_limit
 
         cpus = os.cpu_count() or 1
@@ -291,31 +383,17 @@ class DaskExecutor:
         if device.startswith("cuda") and not gpus:
             raise ConfigError(f"device {device}: no GPU is visible for the local Dask cluster")
         n = self.workers or (len(gpus) if gpus else max(1, cpus // (threads or 1)))
-        # Dask sets OMP_NUM_THREADS=1 in its workers; give each its share of the cores instead.
-        omp = str(threads or max(1, cpus // n))
-        memory = parse_memory_limit("auto", 1, n, logger=logging.getLogger(__name__))
-        specs: dict[str, Any] = {}
-        for i in range(n):
-            env = {
-                "OMP_NUM_THREADS": omp,
-                "MKL_NUM_THREADS": omp,
-                "OPENBLAS_NUM_THREADS": omp,
-                THREADS_ENV: omp,
-            }
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = env[PINNED_ENV] = gpus[i % len(gpus)]
-            specs[f"deqbench-{i}"] = {
-                "cls": Nanny,
-                "options": {
-                    "nthreads": 1,
-                    "host": "127.0.0.1",
-                    "env": env,
-                    "preload": ["deqbench.executors._worker", *self.preload],
-                    "memory_limit": memory,
-                    "dashboard": False,
-                    "silence_logs": self.silence_logs,
-                },
-            }
+        # Dask sets OMP_NUM_THREADS=1 in its workers; give each its share of the cores instead
+        # (on GPUs, of the cores left once workers were added for short cells).
+        most = len(gpus) * self.max_per_gpu if gpus and self.workers is None else n
+        omp = str(threads or max(1, cpus // max(n, most)))
+        self._memory = parse_memory_limit("auto", 1, n, logger=logging.getLogger(__name__))
+        self._omp = omp
+        specs = {
+            f"deqbench-{i}": self._spec(gpus[i % len(gpus)] if gpus else None) for i in range(n)
+        }
+        self._specs = dict(specs)
+        self._gpus = gpus
         layout = {
             "kind": "dask",
             "scheduler": "local",
@@ -326,17 +404,47 @@ class DaskExecutor:
         }
         return specs, layout
 
-    def _local_cluster(self, device: str, threads: int | None) -> Any:
+    def _spec(self, gpu: str | None) -> dict[str, Any]:
+        from distributed import Nanny
+
+        omp = self._omp
+        env = {
+            "OMP_NUM_THREADS": omp,
+            "MKL_NUM_THREADS": omp,
+            "OPENBLAS_NUM_THREADS": omp,
+            THREADS_ENV: omp,
+            WARMUP_ENV: f"{'cuda' if gpu is not None else 'cpu'}:{self._dtype}",
+        }
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = env[PINNED_ENV] = gpu
+            # cuBLAS reads it once per process (in the warm-up): what `deterministic` needs
+            env["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        return {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "host": "127.0.0.1",
+                "env": env,
+                "preload": ["deqbench.executors._worker", *self.preload],
+                "memory_limit": self._memory,
+                "dashboard": False,
+                "silence_logs": self.silence_logs,
+            },
+        }
+
+    def _local_cluster(self, specs: dict[str, Any]) -> Any:
         import dask
         from distributed import Scheduler, SpecCluster
 
-        specs, self.layout = self.worker_specs(device, threads)
         # Dask's nanny exports MALLOC_TRIM_THRESHOLD_=65536 to every worker it spawns (to hand
         # freed memory back to the OS). With PyTorch's allocation pattern glibc then trims on
         # almost every free: a CPU conv forward/backward loop ran 4x slower with it, and smoke
         # tasks 1.4-2.8x slower in workers than inline. Unset it (None removes the variable);
         # a value in the user's own environment is still inherited.
         dask.config.set({f"{PRE_SPAWN_ENV}.MALLOC_TRIM_THRESHOLD_": None})
+        # Dask's statistical profiler samples the cell's thread every 10 ms (taking the GIL
+        # from it); the nanny hands this config to the worker processes it starts.
+        dask.config.set({"distributed.worker.profile.enabled": bool(self.profile)})
         if dask.config.get("distributed.worker.multiprocessing-method") == "forkserver":
             _warm_forkserver()
         scheduler = {
@@ -352,6 +460,52 @@ class DaskExecutor:
         return SpecCluster(
             workers=specs, scheduler=scheduler, silence_logs=self.silence_logs, name="deqbench"
         )
+
+    # -- grouping short cells -------------------------------------------------------------
+    def _may_add_workers(self) -> bool:
+        return (
+            self.cluster is not None
+            and self.workers is None
+            and bool(getattr(self, "_gpus", None))
+            and self.max_per_gpu > 1
+        )
+
+    def add_gpu_workers(self, first_walls: Sequence[float], remaining: int) -> list[str]:
+        """Group short cells: when the median of ``first_walls`` (the first finished cells,
+        one per worker) is under ``short_task`` s and the ``remaining`` cells keep the workers
+        busy for a while, add a worker on every GPU that has fewer than ``max_per_gpu`` and room
+        for one more of them in its free memory. Returns the GPU ids that got one (the workers
+        join once warm; the coordinator submits to them as they do)."""
+        if not self._may_add_workers() or not first_walls:
+            return []
+        median = statistics.median(first_walls)
+        per_worker = len(self._specs)
+        # worth it only if the remaining work outlasts a worker's start (~10-20 s) a few times
+        if median >= self.short_task or remaining * median / per_worker < 60.0:
+            self.layout["grouping"] = {"median_first_cell_s": round(median, 3), "added": []}
+            return []
+        try:
+            mem = self.client.run(gpu_memory)  # worker address -> {peak, free, total}
+            pinned = self.client.run(_pinned_gpu)
+        except Exception:
+            return []
+        added: list[str] = []
+        for gpu in dict.fromkeys(self._gpus):
+            here = [a for a, g in pinned.items() if g == gpu and mem.get(a)]
+            if not here or len(here) >= self.max_per_gpu:
+                continue
+            need = max(mem[a]["peak"] for a in here) + CONTEXT_BYTES
+            if min(mem[a]["free"] for a in here) < 2 * need:
+                continue
+            name = f"deqbench-{len(self._specs)}"
+            self._specs[name] = self.cluster.worker_spec[name] = self._spec(gpu)
+            added.append(gpu)
+        if added:
+            self.cluster.loop.add_callback(self.cluster._correct_state)
+            self.layout["workers"] = len(self._specs)
+            self.layout["gpus"] = list(self.layout.get("gpus", [])) + added
+        self.layout["grouping"] = {"median_first_cell_s": round(median, 3), "added": added}
+        return added
 
     # -- running --------------------------------------------------------------------------
     def _slots(self) -> int:
@@ -373,9 +527,11 @@ class DaskExecutor:
             return
         from distributed import KilledWorker, wait
 
-        owned = self.client is None
+        owned = self.client is None and self._starting is None
         if owned:
-            self.start(tasks[0].device, tasks[0].suite.threads)
+            t0 = tasks[0]
+            self.start(t0.device, t0.suite.threads, dtype=t0.suite.dtype)
+        self._ready()
         client = self.client
         # Our local scheduler gives up on a task at its first dead worker; the cell is then
         # submitted again here, once a worker is free (never queued behind a busy one).
@@ -388,6 +544,8 @@ class DaskExecutor:
             (i, t, 0, None) for i, t in enumerate(tasks)
         )
         inflight: dict[Any, tuple[int, Task, int, float]] = {}
+        first_walls: list[float] | None = [] if self._may_add_workers() else None
+        n_first = len(self._specs)
 
         def fill() -> None:
             slots = self._slots()
@@ -429,6 +587,11 @@ class DaskExecutor:
                 # The freed workers get their next cells before the caller writes these results
                 # (a worker never idles while the coordinator writes results.csv).
                 fill()
+                if first_walls is not None:
+                    first_walls += [r.wall_time for r in results if r.status in TIMED]
+                    if len(first_walls) >= min(n_first, len(tasks)):
+                        self.add_gpu_workers(first_walls, len(queue))
+                        first_walls = None
                 yield from results
         finally:
             if inflight and self.client is not None:
