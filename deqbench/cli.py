@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -133,7 +133,7 @@ def execute(
 ) -> int:
     """Run ``suite`` through the runner, print the summary; return the exit code (the
     :class:`~deqbench.runner.RunSummary` is appended to ``summaries`` when given)."""
-    from .console import print_summary
+    from .console import print_headlines, print_summary
     from .runner import run_suite
 
     summary = run_suite(
@@ -149,7 +149,9 @@ def execute(
         summaries.append(summary)
     from .results import load_results
 
-    print_summary(load_results(summary.run_dir))
+    df = load_results(summary.run_dir)
+    print_summary(df)
+    print_headlines(df, suite.analyses)
     con = err_console()
     for cell, seed, status, note in summary.failed:
         con.print(f"[red]{status}[/red] {esc(f'{cell} seed={seed}: {note}')}", markup=True)
@@ -261,16 +263,30 @@ def run(
             "or cpu_count/threads on CPU).",
         ),
     ] = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check/--no-check",
+            help="Check the contracts of the suite's models and solvers on CPU before starting "
+            "(as deqbench validate does).",
+        ),
+    ] = True,
 ) -> None:
     """Run a suite: every cell x seed, into results/SUITE/RUN_ID/.
 
     A collection file (one with a list under suites:) runs its suites one after another, each
     into its own run directory; the exit code is the worst of theirs. Exit codes: 0 every cell
     ok, 1 some cell failed or flagged, 2 bad input, 130 interrupted."""
-    with handle_errors():
+    with handle_errors(), ExitStack() as stack:
         from .errors import ConfigError
+        from .executors import prestart
         from .suite import load_suites
 
+        # a local Dask cluster starts (and its workers warm up) while the suite is validated
+        early = prestart(executor, scheduler=scheduler, workers=workers, path=suite,
+                         device=device, overrides=set_ or ())  # fmt: skip
+        if early is not None:
+            stack.callback(early.close)
         suites = load_suites(
             suite,
             overrides=set_ or (),
@@ -284,13 +300,18 @@ def run(
                 f"{len(suites)} suites: resume a part with its own file, e.g. deqbench run "
                 "RUN_DIR/suite.yaml --resume RUN_DIR"
             )
+        if check:
+            from .plugin_checks import check_suites
+
+            check_suites(suites)
         from .executors import open_executor
 
         code, summaries = 0, []
         for i, s in enumerate(suites):
             if len(suites) > 1:
                 err_console().print(f"[bold]{i + 1}/{len(suites)}[/bold] suite {esc(s.name)}")
-            with open_executor(executor, scheduler=scheduler, workers=workers, suite=s) as ex:
+            with open_executor(executor, scheduler=scheduler, workers=workers, suite=s,
+                               started=early if i == 0 else None) as ex:  # fmt: skip
                 c = execute(
                     s,
                     resume=resume,
@@ -316,11 +337,16 @@ def validate(
     seeds: SeedsOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Check a suite without running it; list its cells."""
+    """Check a suite without running it: the schema, then the contracts of every model, init
+    and solver it names (on CPU: each factory called and run on a batch of 2, each solver on a
+    small test problem; deqbench/plugin_checks.py); list its cells."""
     with handle_errors():
+        from .plugin_checks import check_suites
         from .suite import format_cells, load_suites
 
-        for s in load_suites(suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds)):
+        suites = load_suites(suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds))
+        check_suites(suites)
+        for s in suites:
             n = len(s.cells)
             name = suite if s.source == str(suite) else f"{suite} > {s.source}"
             print(

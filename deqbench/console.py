@@ -94,6 +94,25 @@ def print_summary(df: Any) -> None:
     out_console().print(f"{total} tasks: " + ", ".join(parts))
 
 
+def print_headlines(df: Any, analyses: Any) -> None:
+    """After the summary: each analysis's headline (:meth:`Analysis.headline`) per (cell, seed),
+    for the analyses of the suite that define one."""
+    from .registry import analyses as registry
+
+    if df.empty:
+        return
+    con = out_console()
+    for name in dict.fromkeys(a for a, _ in analyses):
+        try:
+            cls = registry.get(name)
+        except Exception:
+            continue
+        rows = df[df["analysis"] == name]
+        for (cell, seed), g in rows.groupby(["cell_id", "seed"], sort=False):
+            for line in cls.headline(g):
+                con.print(f"[bold]{esc(name)}[/bold] {esc(cell)} seed={seed}: {esc(line)}")
+
+
 def compare_table(summary: Any, title: str) -> Any:
     """A rich Table of :func:`deqbench.results.compare`'s summary: matched pairs and rows only
     one run has, medians, the median of the paired ratios B/A, and a status (CHANGED, flagged
@@ -147,7 +166,8 @@ def print_collection(summaries: list[Any], total: int) -> None:
 
 def declared_text(name: str) -> str:
     """A model's declared defaults in one line: ``solver=anderson(max_iter=100, tol=0.0001, m=5)
-    backward=ift(solver=anderson, ...) init=default`` (empty when it declares none)."""
+    backward=ift(solver=anderson, ...) init=default``, then the solvers and backward modes it
+    declares it supports, if any (empty when it declares nothing)."""
     from . import models
 
     parts = []
@@ -155,6 +175,9 @@ def declared_text(name: str) -> str:
         rest = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                          for k, v in d.items() if k != "name")  # fmt: skip
         parts.append(f"{section}={d['name']}" + (f"({rest})" if rest else ""))
+    for key, names in models.compatibility(name).items():  # declared solvers / backward modes
+        if names is not None:
+            parts.append(f"{key}=[{', '.join(names)}]")
     return " ".join(parts)
 
 

@@ -332,10 +332,13 @@ def one_cell_suite(
     output: str = "results",
     overrides: Sequence[str] = (),
     flags: Mapping[tuple[Any, ...], str] | None = None,
+    threads: int | None = 1,
 ) -> Suite:
     """A one-cell suite from options, for commands such as ``deqbench landscape``: they build one
     and hand it to :func:`deqbench.runner.run_suite`, the same path as ``deqbench run``.
-    ``flags``: see :func:`suite_from_dict`.
+    ``flags``: see :func:`suite_from_dict`. ``threads``: torch CPU threads, 1 by default (the
+    tiny models these commands default to run fastest on one thread; with two threads on a busy
+    2-core machine the landscape example ran 12x longer in CPU time); ``--set threads=N``.
 
     Example:
         >>> s = one_cell_suite("landscape", model="fc_deq_tiny", analyses=["metrics"],
@@ -359,6 +362,8 @@ def one_cell_suite(
         "analyses": list(analyses),
         "output": output,
     }
+    if threads is not None:
+        raw["threads"] = threads
     return suite_from_dict(raw, f"<{name} options>", overrides=overrides, flags=flags)
 
 

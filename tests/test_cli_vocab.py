@@ -75,3 +75,15 @@ def test_help_is_reflowed_at_80_columns():
     # the paragraph is reflowed: no line ends after a single word of a sentence
     body = [ln.strip() for ln in text.splitlines() if "collection file" in ln or "another," in ln]
     assert body and all(len(ln) > 30 for ln in body), body
+
+
+def test_single_model_commands_print_their_headline(tmp_path):
+    r = CliRunner().invoke(
+        app,
+        ["landscape", "--model", "fc_deq_tiny", "--epochs", "1", "--grid", "3", "--dims", "1",
+         "--max-samples", "32", "--train-subset", "64", "--device", "cpu", "--no-progress",
+         "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("landscape fc_deq_tiny"))
+    assert "centre loss" in line and "points converged" in line

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_SUITE, write_suite
 
+import deqbench
 from deqbench.errors import ConfigError
 from deqbench.matrix import expand
 from deqbench.suite import load_suite, one_cell_suite, suite_from_dict
@@ -127,7 +128,7 @@ def test_one_cell_suite_runs_the_same_checks():
     s = one_cell_suite(
         "probe", model="fc_deq_tiny", analyses=["metrics"], train={"epochs": 0}, device="cpu"
     )
-    assert len(s.cells) == 1 and s.cells[0].id == "fc_deq_tiny-anderson-ift"
+    assert len(s.cells) == 1 and s.cells[0].id == "fc_deq_tiny-broyden-ift"  # declared solver
     with pytest.raises(
         ConfigError, match=r"^<probe options>: defaults.model.name: unknown model 'fc_deq_tny'"
     ):
@@ -314,4 +315,6 @@ def test_suite_from_dict_and_analysis_params_kept():
     }
     s = suite_from_dict(raw)
     assert s.analyses == [("solver_stats", {"trace_samples": 4}), ("metrics", {})]
-    assert s.cells[0].data == {"name": "digits"} and s.cells[0].init == {"name": "default"}
+    # an unset init comes from the model's declaration
+    assert s.cells[0].data == {"name": "digits"}
+    assert s.cells[0].init == deqbench.models.defaults("fc_deq_tiny")["init"]

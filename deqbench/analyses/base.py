@@ -150,3 +150,10 @@ class Analysis:
 
     def after_training(self, ctx: CellContext) -> Iterable[Row]:
         return ()
+
+    @classmethod
+    def headline(cls, rows: Any) -> list[str]:
+        """Lines the single-model commands (and ``deqbench run``) print after the summary table:
+        the analysis's key numbers for one (cell, seed). ``rows``: this analysis's rows of that
+        (cell, seed), a DataFrame in the results.csv schema. Default: none."""
+        return []

@@ -186,6 +186,38 @@ class NTK(Analysis):
             return self._evaluate(ctx, self._step, info.epoch)
         return ()
 
+    @classmethod
+    def headline(cls, rows: Any) -> list[str]:
+        """lambda_min at the first and last evaluation, and whether the loss decayed as fast as
+        the NTK bound guarantees."""
+        s = rows[rows["variant"] == "summary"].set_index("metric")
+        if "lambda_min_final" not in s.index:
+            return []
+
+        def val(metric: str) -> float:
+            return float(s.loc[metric, "value"]) if metric in s.index else float("nan")
+
+        line = (
+            f"lambda_min {val('lambda_min_init'):.3g} (first) -> {val('lambda_min_final'):.3g} "
+            f"(last)"
+        )
+        fit, pred = val("log_loss_slope_fit"), val("pred_log_loss_slope_mean")
+        if fit == fit and pred == pred and pred >= 0:
+            line += (
+                f"; log-loss slope {fit:.3g} per step; the NTK guarantees no decay (its bound "
+                f"averages {pred:+.3g} per step: 2 lr lambda_max / R >= 2 at some evaluations, the "
+                "step is too large for the top eigenvalue)"
+            )
+        elif fit == fit and pred == pred:
+            held = "matched" if fit <= pred else "did not match"
+            line += (
+                f"; log-loss slope {fit:.3g} per step vs guaranteed {pred:.3g}: the decay {held} "
+                "the guarantee"
+            )
+        elif fit == fit:
+            line += f"; log-loss slope {fit:.3g} per step (no decay guaranteed at this step size)"
+        return [line]
+
     def after_training(self, ctx: CellContext) -> Iterable[Row]:
         def row(metric: str, value: float, recs: list[dict[str, Any]], note: str = "") -> Row:
             """A summary row: flagged (with the first cause) if a record it uses was flagged."""
