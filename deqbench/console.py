@@ -35,8 +35,9 @@ def print_summary(df: Any) -> None:
     """One table row per cell: tasks ok (and flagged/failed), last-epoch test accuracy and test
     MSE (separate columns, each shown when some cell has it), forward/backward f-evaluations per
     training batch (last epoch), the share of training batches whose forward / adjoint solve
-    converged (worst seed; "-" where the forward is not a solve or no adjoint ran), median wall
-    time in seconds; then one line of totals."""
+    converged (worst seed; "-" where the forward is not a solve or no adjoint ran; when the
+    test-set evaluation solves after epoch 1 missed tolerance, their converged share in
+    brackets), median wall time in seconds; then one line of totals."""
     from rich.table import Table
 
     from .results import CONVERGENCE, FLAGGED, RUNNER
@@ -82,6 +83,10 @@ def print_summary(df: Any) -> None:
         fwd = last(g, "solver_stats", "forward_nstep", "train")
         bwd = last(g, "solver_stats", "backward_nstep", "train")
         conv = f"{converged(g, 'forward')}/{converged(g, 'adjoint')}"
+        ev = g[(g.analysis == "solver_stats") & (g.metric == "forward_converged")
+               & (g.variant == "test") & (g.step.fillna(0) >= 1)]  # fmt: skip
+        if not ev.empty and ev.value.mean() < 1:  # evaluation passes (not flagged: data)
+            conv += f" [dim](test {100 * ev.value.mean():.0f}%)[/dim]"
         t.add_row(esc(cell), ok, *metrics, fwd, bwd, conv, f"{r.value.median():.2f}")
     out_console().print(t)
     total = sum(counts.values())

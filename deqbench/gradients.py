@@ -132,9 +132,9 @@ def gradient_accuracy(g: GradVector | Tensor, g_ref: GradVector | Tensor) -> tup
     return cos, err
 
 
-def native_copy(model: nn.Module, solver: SolverConfig, backward: BackwardConfig) -> nn.Module:
-    """A deep copy of ``model`` whose DEQ layers (any DEQLayer subclass, e.g. a plugin's) are
-    plain deqbench DEQLayers around the copied cells, configured with ``solver``/``backward``."""
+def _swap_layers(model: nn.Module, make: Any) -> nn.Module:
+    """A deep copy of ``model`` with every DEQ layer (any DEQLayer subclass, e.g. a plugin's)
+    replaced by ``make(copied_layer)``."""
     ref = copy.deepcopy(model)
     targets = [
         (parent, name, child)
@@ -143,8 +143,14 @@ def native_copy(model: nn.Module, solver: SolverConfig, backward: BackwardConfig
         if isinstance(child, DEQLayer)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, DEQLayer(child.cell, replace(solver), replace(backward)))
+        setattr(parent, name, make(child))
     return ref
+
+
+def native_copy(model: nn.Module, solver: SolverConfig, backward: BackwardConfig) -> nn.Module:
+    """A deep copy of ``model`` whose DEQ layers (any DEQLayer subclass, e.g. a plugin's) are
+    plain deqbench DEQLayers around the copied cells, configured with ``solver``/``backward``."""
+    return _swap_layers(model, lambda c: DEQLayer(c.cell, replace(solver), replace(backward)))
 
 
 # -- the reference gradient ----------------------------------------------------------------------
@@ -507,17 +513,9 @@ def reference_copy(model: nn.Module, settings: ReferenceSettings) -> nn.Module:
     """A deep copy of ``model`` whose DEQ layers (any DEQLayer subclass) are
     :class:`ReferenceLayer` around the copied cells (their configured forward solver kept as
     a fallback)."""
-    ref = copy.deepcopy(model)
-    targets = [
-        (parent, name, child)
-        for parent in ref.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, DEQLayer)
-    ]
-    for parent, name, child in targets:
-        layer = ReferenceLayer(child.cell, settings, child.solver_cfg, child.backward_cfg)
-        setattr(parent, name, layer)
-    return ref
+    return _swap_layers(
+        model, lambda c: ReferenceLayer(c.cell, settings, c.solver_cfg, c.backward_cfg)
+    )
 
 
 def reference_gradient(
