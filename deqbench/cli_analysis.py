@@ -72,7 +72,14 @@ MaxIter = Annotated[int | None, typer.Option("--max-iter", min=1, help="Forward 
 Backward = Annotated[
     str | None, typer.Option("--backward", help="Backward mode: ift | unrolled | jfb | phantom.")
 ]
-Dtype = Annotated[str, typer.Option("--dtype", help="float32 | float64.")]
+Dtype = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="float32 | float64. float64 by default for hessian and ntk (second derivatives and "
+        "eigenvalues need it), float32 elsewhere.",
+    ),
+]
 Device = Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
 Seeds = Annotated[str | None, typer.Option("--seeds", help="Run seeds, e.g. 0,1,2 or 0-4.")]
 Out = Annotated[Path | None, typer.Option("--out", help="Results root (default results/).")]
@@ -319,7 +326,7 @@ def hessian_command(
     tol: Tol = None,
     max_iter: MaxIter = None,
     backward: Backward = None,
-    dtype: Dtype = "float32",
+    dtype: Dtype = "float64",
     device: Device = None,
     seeds: Seeds = None,
     out: Out = None,

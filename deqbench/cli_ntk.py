@@ -50,8 +50,9 @@ def ntk(
     tol: Annotated[
         float | None,
         typer.Option(
-            "--tol",
-            help="Tolerance of the NTK forward and adjoint solves (default 1e-10 in float64, 1e-6 in float32).",
+            "--ntk-tol",
+            help="Tolerance of the NTK forward and adjoint solves (default 1e-10 in float64, "
+            "1e-6 in float32); not the training solver's tolerance.",
         ),
     ] = None,
     ntk_max_iter: Annotated[
@@ -60,7 +61,7 @@ def ntk(
             "--ntk-max-iter",
             min=1,
             help="Iteration budget of the NTK forward and adjoint solves (default: max(1000, "
-            "the model's)); a solve that misses --tol flags the run (exit 1).",
+            "the model's)); a solve that misses --ntk-tol flags the run (exit 1).",
         ),
     ] = None,
     epochs: Annotated[
@@ -85,7 +86,14 @@ def ntk(
     solver: Annotated[
         str | None, typer.Option("--solver", help="Forward solver (default: the model's).")
     ] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="float64 | float32.")] = "float64",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            help="float64 | float32. float64 by default here and in hessian (eigenvalues of K "
+            "need it), float32 elsewhere.",
+        ),
+    ] = "float64",
     device: Annotated[
         str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")
     ] = None,

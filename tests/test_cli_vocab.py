@@ -87,3 +87,38 @@ def test_single_model_commands_print_their_headline(tmp_path):
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.output.splitlines() if ln.startswith("landscape fc_deq_tiny"))
     assert "centre loss" in line and "points converged" in line
+
+
+def _rows(*rows):
+    import pandas as pd
+
+    return pd.DataFrame(
+        [{"metric": m, "variant": v, "value": x, "repeat": 0, "status": st} for m, v, x, st in rows]
+    )
+
+
+def test_hessian_headline_names_the_backend_and_the_fallback():
+    from deqbench.analyses.hessian import Hessian
+
+    ok = _rows(("top_eigenvalue", "autograd", 17.1, "ok"), ("trace", "autograd", 97.2, "ok"),
+               ("fd_fallback", "autograd", 0.0, "ok"), ("gate_ok", "autograd", 1.0, "ok"))  # fmt: skip
+    (line,) = Hessian.headline(ok)
+    assert "top eigenvalue 17.1" in line and "trace 97.2" in line and "by autograd" in line
+    assert "gates passed" in line and "flagged" not in line
+    fb = _rows(("top_eigenvalue", "fd", 3.0, "flagged"), ("fd_fallback", "fd", 1.0, "flagged"),
+               ("gate_ok", "autograd", 0.0, "flagged"))  # fmt: skip
+    (line,) = Hessian.headline(fb)
+    assert "finite differences (fallback)" in line and "GATES FAILED" in line and "flagged" in line
+
+
+def test_ntk_headline_says_when_no_decay_is_guaranteed():
+    from deqbench.analyses.ntk import NTK
+
+    base = [("lambda_min_init", "summary", 1e-3, "ok"), ("lambda_min_final", "summary", 5e-3, "ok"),
+            ("log_loss_slope_fit", "summary", -0.02, "ok")]  # fmt: skip
+    (line,) = NTK.headline(_rows(*base, ("pred_log_loss_slope_mean", "summary", 0.4, "ok")))
+    assert "guarantees no decay" in line and "0.001" in line and "0.005" in line
+    (line,) = NTK.headline(_rows(*base, ("pred_log_loss_slope_mean", "summary", -0.01, "ok")))
+    assert "matched the guarantee" in line
+    (line,) = NTK.headline(_rows(*base, ("pred_log_loss_slope_mean", "summary", -0.05, "ok")))
+    assert "did not match" in line

@@ -299,7 +299,7 @@ def test_analysis_hooks_write_series_rows_and_plot(tmp_path):
     assert df["step"].tolist() == [0, 2, 4]
     assert (df["lambda_min"] > 0).all() and (df["resolved"] == 1).all()
     assert df["pred_log_loss_slope"].iloc[1:].lt(0).all()  # GD on the whole train split
-    assert df["train_loss"].iloc[-1] < df["train_loss"].iloc[0]
+    assert df["loss_at_eval"].iloc[-1] < df["loss_at_eval"].iloc[0]
     probes = pd.read_csv(tmp_path / "series" / "ntk_probes__c0__seed0.csv")
     assert len(probes) == 16 and probes["index"].nunique() == 16 and "x63" in probes
     metrics = {r.metric for r in rows}
@@ -309,7 +309,7 @@ def test_analysis_hooks_write_series_rows_and_plot(tmp_path):
         "condition",
         "trace",
         "noise_floor",
-        "train_loss",
+        "loss_at_eval",
     } <= metrics
     from deqbench.analyses.ntk import ntk_plots
 
@@ -561,7 +561,7 @@ def test_starved_ntk_solves_flag_the_rows_with_cause_and_fix(tmp_path):
     assert lam.status == "flagged" and "\n" not in lam.note
     assert "solves missed" in lam.note and "--ntk-max-iter" in lam.note
     assert {r.status for r in rows if r.metric in ("lambda_max", "trace")} == {"flagged"}
-    assert next(r for r in rows if r.metric == "train_loss").status == "ok"
+    assert next(r for r in rows if r.metric == "loss_at_eval").status == "ok"
     summary = {r.metric: r for r in a.after_training(ctx)}
     assert summary["lambda_min_final"].status == "flagged"
     # the same analysis with its default budget converges: nothing flagged

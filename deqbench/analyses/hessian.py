@@ -186,6 +186,37 @@ class Hessian(Analysis):
 
     params: Params  # narrowed for type checkers
 
+    @classmethod
+    def headline(cls, rows: Any) -> list[str]:
+        """Top eigenvalue, trace, the backend that produced them, and the gates."""
+
+        def first(metric: str, variant: str | None = None, repeat: int = 0) -> Any:
+            d = rows[(rows["metric"] == metric) & (rows["repeat"].fillna(0) == repeat)]
+            if variant is not None:
+                d = d[d["variant"] == variant]
+            return d.iloc[0] if len(d) else None
+
+        top, tr = first("top_eigenvalue"), first("trace")
+        if top is None and tr is None:
+            return []
+        backend = str((top if top is not None else tr)["variant"])
+        parts = []
+        if top is not None:
+            res = first("top_eigenvalue_residual", backend)
+            parts.append(f"top eigenvalue {top['value']:.4g}"
+                         + (f" (Ritz residual {res['value']:.1e})" if res is not None else ""))  # fmt: skip
+        if tr is not None:
+            se = first("trace_se", backend)
+            parts.append(f"trace {tr['value']:.4g}"
+                         + (f" +- {se['value']:.2g} (Hutchinson)" if se is not None else ""))  # fmt: skip
+        fb = first("fd_fallback")
+        how = "finite differences (fallback)" if fb is not None and fb["value"] == 1 else backend
+        gate = first("gate_ok")
+        gates = "" if gate is None else ("gates passed" if gate["value"] == 1 else "GATES FAILED")
+        flagged = (rows["status"] == "flagged").any()
+        tail = f"; HVPs by {how}" + (f", {gates}" if gates else "")
+        return ["; ".join(parts) + tail + ("; flagged (see note)" if flagged else "")]
+
     def before_training(self, ctx: CellContext) -> Iterable[Row]:
         if self.params.checkpoint:
             from .landscape import load_checkpoint

@@ -4,7 +4,7 @@ A fixed, seeded, deduplicated probe set of ``n`` inputs is drawn once (from the 
 default) and saved with the run (``series/ntk_probes__...csv``). The NTK on it
 (:func:`deqbench.ntk.empirical_ntk`) is computed before training and every ``every`` epochs
 (or steps, ``per: step``); each evaluation gives rows ``lambda_min``, ``lambda_max``,
-``condition``, ``trace``, ``noise_floor``, ``resolved`` and ``train_loss`` (the loss on the
+``condition``, ``trace``, ``noise_floor``, ``resolved`` and ``loss_at_eval`` (the loss on the
 whole train split at the same parameters), and a line of ``series/ntk__...csv``.
 
 Status: a K singular to working precision (duplicated probes, N > P, cond beyond 1/eps) is
@@ -306,7 +306,7 @@ class NTK(Analysis):
             },
             "resolved": float(s["resolved"]),
             "n": rows_k,
-            "train_loss": loss,
+            "loss_at_eval": loss,
             "log_loss": math.log(loss) if loss > 0 else math.nan,
             "pred_log_loss_slope": pred,
             "log_loss_slope": math.nan,
@@ -355,7 +355,7 @@ class NTK(Analysis):
         out = [row("lambda_min", s["lambda_min"], note)]
         for k in ("lambda_max", "condition", "trace", "noise_floor", "resolved"):
             out.append(row(k, rec[k]))
-        out.append(Row("train_loss", loss, step=at))
+        out.append(Row("loss_at_eval", loss, step=at))
         if flag:
             out.append(row("pred_log_loss_slope", pred))
         else:
@@ -465,7 +465,7 @@ def plot_ntk(series: Any, title: str = "") -> Any:
     legend (below the panels) lists only what is drawn.
 
     Args:
-        series: DataFrame with columns step, lambda_min, noise_floor, train_loss, log_loss_slope,
+        series: DataFrame with columns step, lambda_min, noise_floor, loss_at_eval, log_loss_slope,
             pred_log_loss_slope and optionally resolved (as in ``series/ntk__*.csv``); several
             cells/seeds may be passed with ``cell_id`` / ``seed`` columns
             (:func:`deqbench.plots.read_series`).
@@ -544,7 +544,7 @@ def plot_ntk(series: Any, title: str = "") -> Any:
             ax1.plot(steps[sing], col_of(df, "noise_floor")[sing], "v", color=col, ms=6, mfc="none")
         if floor_on and "noise_floor" in df:
             ax1.plot(steps, col_of(df, "noise_floor"), ":", color=col, lw=1)
-        ax2.plot(steps, df["train_loss"], "s-", color=col, ms=3)
+        ax2.plot(steps, df["loss_at_eval"], "s-", color=col, ms=3)
         if label != "":
             handles.append(Line2D([], [], color=col, marker="o", ms=4))
             labels.append(str(label))
@@ -585,7 +585,7 @@ def plot_ntk(series: Any, title: str = "") -> Any:
         ylab += f"\n(noise floor <= {max(floors):.1e}, off-scale)"
     ax1.set_ylabel(ylab)
     ax2.set_yscale("log")
-    ax2.set_ylabel("train loss")
+    ax2.set_ylabel("loss on the train split\nat the evaluated parameters")
     if rates:
         _symlog_decades(ax3, rates, FixedLocator, FuncFormatter, NullLocator)
     ax3.axhline(0.0, color="0.5", lw=0.8)
