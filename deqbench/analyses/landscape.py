@@ -234,7 +234,8 @@ class Landscape(Analysis):
         low = v.get("low_loss_area_frac")
         if low is not None and len(low):
             line += f", low-loss area {float(low['value'].iloc[0]):.0%} ({low['variant'].iloc[0]})"
-        line += " over the converged points"
+        if "mean_loss_increase" in v or low is not None:
+            line += " over the converged points"
         return [line]
 
     def before_training(self, ctx: CellContext) -> Iterable[Row]:
