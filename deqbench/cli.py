@@ -482,6 +482,8 @@ def compare(
             f"A {ca['unmatched']} of {ca['compared']}, B {cb['unmatched']} of {cb['compared']}"
             + (f"; failed, not compared: A {ca['failed']}, B {cb['failed']}"
                if ca["failed"] or cb["failed"] else "")
+            + (f"; skipped (analysis does not apply): A {ca['skipped']}, B {cb['skipped']}"
+               if ca["skipped"] or cb["skipped"] else "")
         )  # fmt: skip
         if csv is not None:
             summary.to_csv(csv, index=False)

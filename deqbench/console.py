@@ -66,7 +66,8 @@ def print_summary(df: Any) -> None:
         d = g[(g.analysis == CONVERGENCE) & (g.metric == f"{kind}_unconverged_batches")]
         if d.empty:
             return "-"
-        text = f"{100 * (1 - d.value.max()):.0f}%"  # worst seed
+        share = 1 - d.value.max()  # worst seed; rounded down, so 100% means every batch
+        text = "100%" if share >= 1 else f"{int(share * 1000) / 10:.1f}%"
         return f"[yellow]{text}[/yellow]" if (d.status == FLAGGED).any() else text
 
     counts: dict[str, int] = {}

@@ -183,11 +183,17 @@ def load_results(run: str | Path) -> Any:
     )
     if "backward" not in df.columns:  # results schema 1
         modes = _backward_by_cell(path.parent / "suite.yaml") if len(df) else {}
-        df["backward"] = [modes.get(c, "") for c in df["cell_id"]]
+        df["backward"] = [modes.get(c) or _backward_from_id(c) for c in df["cell_id"]]
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     for c in ("step", "seed", "repeat"):
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("Int64")
     return df[COLUMNS]
+
+
+def _backward_from_id(cell_id: str) -> str:
+    """The backward mode named by a cell id's third part (``model-solver-MODE-...``), else ""."""
+    parts = str(cell_id).split("-")
+    return parts[2] if len(parts) > 2 and parts[2] in ("ift", "unrolled", "jfb", "phantom") else ""
 
 
 def _backward_by_cell(suite_yaml: Path) -> dict[str, str]:
@@ -442,7 +448,8 @@ def check_comparable(
 
 def match_counts(a: Any, b: Any, joined: Any) -> dict[str, dict[str, int]]:
     """Per side: rows ``compared`` (ok or flagged), ``matched`` (with a partner in the other run),
-    ``unmatched``, and ``failed`` (rows of other statuses, not compared)."""
+    ``unmatched``, ``skipped`` (analyses that do not apply) and ``failed`` (error, nan, oom,
+    diverged rows), neither compared."""
     out = {}
     for side, df in (("a", a), ("b", b)):
         compared = int(df["status"].isin(["ok", FLAGGED]).sum())
@@ -451,6 +458,7 @@ def match_counts(a: Any, b: Any, joined: Any) -> dict[str, dict[str, int]]:
             "compared": compared,
             "matched": matched,
             "unmatched": int((joined["side"] == side).sum()),
-            "failed": len(df) - compared,
+            "skipped": int((df["status"] == "skipped").sum()),
+            "failed": len(df) - compared - int((df["status"] == "skipped").sum()),
         }
     return out

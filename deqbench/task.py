@@ -326,6 +326,14 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
             for r in rows
             if r["status"] == FLAGGED
         ]
+        # an analysis measurement that failed outright (error, oom, nan) leaves the cell's
+        # training intact but the measurement missing: never "ok"
+        flags += [
+            f"{r['analysis']}: {r['metric']} not measured ({r['status']}"
+            + (f": {r['note']})" if r["note"] else ")")
+            for r in rows
+            if r["status"] in ("error", "oom", "nan", "diverged") and r["analysis"] != PROCESS
+        ]
         if flags:
             status, note = FLAGGED, "; ".join(dict.fromkeys(flags))
     wall = time.perf_counter() - t0

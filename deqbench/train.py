@@ -73,7 +73,7 @@ class SolveTally:
         self.tol = tol
         if not converged >= 1.0:
             self.missed += 1
-            if not residual <= self.worst:  # NaN counts as worst
+            if self.worst == self.worst and not residual <= self.worst:  # NaN stays worst
                 self.worst = residual
 
     @property
@@ -81,14 +81,18 @@ class SolveTally:
         return self.batches > 0 and self.missed > MISSED_SHARE * self.batches
 
     def note(self) -> str:
-        """One line: what missed, by how much, and the fix."""
-        knob = "solver.max_iter" if self.kind == "forward" else "backward.max_iter"
-        alt = "solver" if self.kind == "forward" else "backward.solver (e.g. anderson)"
-        return (
-            f"{self.kind} solve missed tol {self.tol:g} in {self.missed} of {self.batches} "
-            f"training batches ({100 * self.missed / self.batches:.0f}% > "
-            f"{100 * MISSED_SHARE:g}%; worst rel {self.worst:.3g}): raise {knob} or change {alt}"
-        )
+        """One line: what missed, by how much, and (when flagged) the fix."""
+        share = f"{self.missed} of {self.batches} training batches ({100 * self.missed / self.batches:.1f}%"
+        if not self.flagged:
+            return (f"{self.kind} solve missed tol {self.tol:g} in {share} <= "
+                    f"{100 * MISSED_SHARE:g}%, not flagged; worst rel {self.worst:.3g})")  # fmt: skip
+        if self.kind == "forward":
+            fix = "raise solver.max_iter (--max-iter) or try another solver (e.g. broyden)"
+        else:
+            fix = ("raise backward.max_iter or try another adjoint solver (backward.solver: "
+                   "anderson, broyden or newton_krylov)")  # fmt: skip
+        return (f"{self.kind} solve missed tol {self.tol:g} in {share} > "
+                f"{100 * MISSED_SHARE:g}%; worst rel {self.worst:.3g}): {fix}")  # fmt: skip
 
 
 @dataclass

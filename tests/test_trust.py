@@ -204,3 +204,26 @@ def test_warm_up_is_recorded_once_per_process_and_out_of_wall_time(tmp_path, mon
     assert sorted(proc.metric) == ["data_load_time", "warmup_time"]
     assert set(proc.seed) == {0}  # the first task of the process only
     assert (proc.value > 0).all()
+
+
+def test_an_analysis_that_failed_outright_is_never_ok(tmp_path):
+    """An analysis row with status error (e.g. an exception or OOM inside the NTK) leaves the
+    trained cell's measurement missing: the cell is flagged, the run exits 1."""
+    from deqbench.analyses.base import Analysis, Row
+    from deqbench.registry import analyses
+
+    class Broken(Analysis):
+        name = "broken_t13"
+
+        def after_training(self, ctx):
+            yield Row("lambda_min", float("nan"), status="error", note="RuntimeError: boom")
+
+    analyses.add("broken_t13", Broken)
+    try:
+        r, _, df = _run(tmp_path, **{"analyses: [metrics, solver_stats]": "analyses: [broken_t13]"})
+    finally:
+        analyses.remove("broken_t13")
+    assert r.exit_code == 1, r.output
+    runner = df[df.analysis == "runner"].iloc[0]
+    assert runner.status == "flagged"
+    assert "broken_t13: lambda_min not measured (error: RuntimeError: boom)" in runner.note

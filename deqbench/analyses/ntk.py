@@ -518,7 +518,8 @@ def plot_ntk(series: Any, title: str = "") -> Any:
         """Evaluations whose own checks failed (``flag`` column non-empty)."""
         if "flag" not in df:
             return (df["step"] != df["step"]).to_numpy()
-        return (df["flag"].fillna("").astype(str) != "").to_numpy()
+        flag = df["flag"]
+        return (flag.notna() & (flag.astype(str) != "")).to_numpy()
 
     any_singular = any(bool(singular_mask(df).any()) for _, df in groups)
     any_flagged = False
