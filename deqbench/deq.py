@@ -241,6 +241,9 @@ def last_stats(model: nn.Module) -> dict[str, float]:
         out["forward_abs_residual"] = max(s.abs_max for s in fw)
         out["forward_converged"] = float(all(s.converged for s in fw))
         out["forward_diverged"] = float(any(s.status == "diverged" for s in fw))
+        njvp = sum(getattr(s, "njvp", 0) for s in fw)
+        if njvp:  # Jacobian-vector products (newton_krylov), counted apart from f-evaluations
+            out["forward_njvp"] = float(njvp)
     if bw:
         out["backward_nstep"] = float(sum(s.nstep for s in bw))
         out["backward_rel_residual"] = max(s.rel_max for s in bw)

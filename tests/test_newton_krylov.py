@@ -244,3 +244,31 @@ def test_forward_on_conv_cell_float32():
         assert st.converged and st.extra["jvp_mode"] == "forward"
         _, r = residuals(f(z), z)
     assert float(r.max()) < 1e-4
+
+
+def test_solver_stats_report_jvps_beside_f_evaluations(tmp_path):
+    """A suite cell with newton_krylov records forward_njvp (unit JVPs) per epoch and in the
+    final test pass; cells of other solvers get no such rows."""
+    import deqbench
+    from deqbench.suite import suite_from_dict
+
+    raw = {
+        "schema": 1,
+        "name": "nk",
+        "device": "cpu",
+        "threads": 1,
+        "data": {"name": "digits", "train_subset": 64, "test_subset": 32},
+        "defaults": {
+            "model": {"name": "fc_deq_tiny", "width": 8},
+            "train": {"epochs": 1, "batch_size": 32},
+        },
+        "matrix": {"solver": ["newton_krylov", "broyden"]},
+        "analyses": [{"solver_stats": {"trace_samples": 4}}],
+        "output": str(tmp_path),
+    }
+    summary = deqbench.run_suite(suite_from_dict(raw), progress=False, plots=False)
+    df = deqbench.load_results(summary.run_dir)
+    jvp = df[df.metric == "forward_njvp"]
+    assert set(jvp.solver) == {"newton_krylov"}
+    assert (jvp.unit == "JVPs").all() and (jvp.value > 0).all()
+    assert {"train", "final_test"} <= set(jvp.variant)

@@ -38,9 +38,15 @@ from ..deq import deq_layers, is_deq, last_stats
 from ..registry import analyses
 from .base import Analysis, CellContext, EpochInfo, Row, StepInfo
 
-FORWARD = ("forward_nstep", "forward_rel_residual", "forward_abs_residual", "forward_converged")
+FORWARD = (
+    "forward_nstep",
+    "forward_njvp",  # only for solvers that take JVPs (newton_krylov)
+    "forward_rel_residual",
+    "forward_abs_residual",
+    "forward_converged",
+)
 BACKWARD = ("backward_nstep", "backward_rel_residual", "backward_converged")
-UNITS = {"forward_nstep": "f-evals", "backward_nstep": "f-evals"}
+UNITS = {"forward_nstep": "f-evals", "backward_nstep": "f-evals", "forward_njvp": "JVPs"}
 
 
 def residual_trace(model: torch.nn.Module, x: torch.Tensor) -> Any:
@@ -196,10 +202,11 @@ class SolverStatsAnalysis(Analysis):
             max_batches=self.params.max_test_batches,
         )
         w = df["size"] / df["size"].sum()
-        for k in ("forward_nstep", "backward_nstep"):
+        for k in ("forward_nstep", "forward_njvp", "backward_nstep"):
             if k in df:
-                yield Row(k, float((df[k] * w).sum()), variant="final_test", unit="f-evals")
-                yield Row(f"{k}_max", float(df[k].max()), variant="final_test", unit="f-evals")
+                unit = UNITS[k]
+                yield Row(k, float((df[k].fillna(0) * w).sum()), variant="final_test", unit=unit)
+                yield Row(f"{k}_max", float(df[k].max()), variant="final_test", unit=unit)
         for k in ("forward_rel_residual", "forward_abs_residual", "backward_rel_residual"):
             if k in df:
                 yield Row(k, float(df[k].max()), variant="final_test")
