@@ -30,6 +30,23 @@ from torch.func import functional_call, vjp
 
 from .solvers.base import SolverStats, make_stats, residuals
 
+
+def _quiet_jvp_import() -> None:
+    """torch.func.jvp imports torch._decomp.decompositions_for_jvp on its first call, which uses
+    the deprecated torch.jit.script and prints a FutureWarning on the user's terminal in the
+    middle of a run; import it here once with that warning silenced."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=FutureWarning)
+        try:
+            import torch._decomp.decompositions_for_jvp  # noqa: F401
+        except Exception:  # noqa: BLE001 - a private module; absent in other torch versions
+            pass
+
+
+_quiet_jvp_import()
+
 if TYPE_CHECKING:
     from .deq import DEQLayer
 

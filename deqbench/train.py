@@ -67,10 +67,12 @@ class SolveTally:
     missed: int = 0
     worst: float = 0.0
     tol: float = float("nan")
+    solver: str = ""  # the solver that ran (for the fix hint)
 
-    def add(self, converged: float, residual: float, tol: float) -> None:
+    def add(self, converged: float, residual: float, tol: float, solver: str = "") -> None:
         self.batches += 1
         self.tol = tol
+        self.solver = solver
         if not converged >= 1.0:
             self.missed += 1
             if self.worst == self.worst and not residual <= self.worst:  # NaN stays worst
@@ -86,11 +88,12 @@ class SolveTally:
         if not self.flagged:
             return (f"{self.kind} solve missed tol {self.tol:g} in {share} <= "
                     f"{100 * MISSED_SHARE:g}%, not flagged; worst rel {self.worst:.3g})")  # fmt: skip
+        others = [x for x in ("broyden", "anderson", "newton_krylov") if x != self.solver]
         if self.kind == "forward":
-            fix = "raise solver.max_iter (--max-iter) or try another solver (e.g. broyden)"
+            fix = f"raise solver.max_iter (--max-iter) or try another solver (e.g. {others[0]})"
         else:
-            fix = ("raise backward.max_iter or try another adjoint solver (backward.solver: "
-                   "anderson, broyden or newton_krylov)")  # fmt: skip
+            fix = (f"raise backward.max_iter or try another adjoint solver (backward.solver: "
+                   f"{' or '.join(others)})")  # fmt: skip
         return (f"{self.kind} solve missed tol {self.tol:g} in {share} > "
                 f"{100 * MISSED_SHARE:g}%; worst rel {self.worst:.3g}): {fix}")  # fmt: skip
 
@@ -309,12 +312,14 @@ def train(
                     st["forward_converged"],
                     st["forward_rel_residual"],
                     max(ly.solver_cfg.tol for ly in layers),
+                    layers[0].solver_cfg.name,
                 )
             if "backward_converged" in st:
                 result.adjoint.add(
                     st["backward_converged"],
                     st["backward_rel_residual"],
                     max(ly.backward_cfg.tol for ly in layers),
+                    layers[0].backward_cfg.solver,
                 )
             rec = {"loss": lv, **st}
             if data.task == "classification":
