@@ -350,7 +350,7 @@ def test_shipped_suites_validate():
     families = {c.model["name"].split("_")[0] for c in smoke.cells}
     assert {"fc", "conv", "tied", "pcdeq", "mondeq", "opteq", "kglm"} <= families
     assert {c.backward["name"] for c in smoke.cells} == {"ift", "unrolled"}
-    assert len(load_suite("suites/solvers.yaml").cells) == 12
+    assert len(load_suite("suites/solvers.yaml").cells) == 16  # 4 solvers x 4 backward modes
     # pcdeq: L (64-d input) and MC (28x28) cells, four activations and a control each, one run
     pcdeq = load_suite("suites/pcdeq.yaml")
     by_model = {
