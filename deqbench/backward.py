@@ -205,6 +205,27 @@ def direct_solves(model: nn.Module) -> Iterator[list[DirectSolver]]:
             layer.__dict__.pop("direct_solver", None)
 
 
+def _linear_solve(
+    direct: tuple[Tensor, SolverStats] | None,
+    solve: Any,
+    cell: nn.Module,
+    names: Any,
+    params: Any,
+    run: Callable[[], tuple[Tensor, SolverStats]],
+) -> tuple[Tensor, SolverStats]:
+    """One linear solve of the IFT (adjoint or second-order tangent): the per-sample direct
+    result when there is one, else ``run()`` with the solver. A structured solver (monDEQ
+    splitting) reads the cell's weights itself, so they are bound to the parameters the Function
+    saved: under functional_call (Hessian FD steps, landscapes) the module no longer holds them
+    when the backward runs, and the adjoint was solved for the unperturbed weights (an FD-HVP
+    18-100% off)."""
+    if direct is not None:
+        return direct
+    if getattr(solve, "needs_structure", False):
+        return with_params(cell, names, list(params), run)
+    return run()
+
+
 def _direct(
     layer: DEQLayer,
     names: list[str],
@@ -310,16 +331,7 @@ class _ImplicitFunction(torch.autograd.Function):
                     **cfg.options,
                 )
 
-            if direct is not None:
-                w, stats = direct
-            elif getattr(solve, "needs_structure", False):
-                # A structured solver (monDEQ splitting) reads the cell's weights itself: bind
-                # them to the parameters this Function saved. Under functional_call (Hessian FD
-                # steps, landscapes) the module no longer holds them when this backward runs, and
-                # the adjoint was solved for the unperturbed weights (an FD-HVP 18-100% off).
-                w, stats = with_params(cell, names, params, run)
-            else:
-                w, stats = run()
+            w, stats = _linear_solve(direct, solve, cell, names, params, run)
         nvjp += stats.nstep
         if create_graph and cfg.second_order == "implicit":
             # w(g, z*, u, theta) is itself an implicit function (w = J^T w + g): its own
@@ -398,12 +410,7 @@ class _AdjointFunction(torch.autograd.Function):
                     **opts,
                 )
 
-            if direct is not None:
-                v, st = direct
-            elif getattr(solve, "needs_structure", False):
-                v, st = with_params(cell, names, list(params), run)
-            else:
-                v, st = run()
+            v, st = _linear_solve(direct, solve, cell, names, params, run)
             layer.last_tangent_stats = st
         with torch.enable_grad():
             z_ = z.detach().requires_grad_()

@@ -183,7 +183,8 @@ def load_results(run: str | Path) -> Any:
     )
     if "backward" not in df.columns:  # results schema 1
         modes = _backward_by_cell(path.parent / "suite.yaml") if len(df) else {}
-        df["backward"] = [modes.get(c) or _backward_from_id(c) for c in df["cell_id"]]
+        mode_of = {c: modes.get(c) or _backward_from_id(c) for c in df["cell_id"].unique()}
+        df["backward"] = df["cell_id"].map(mode_of).fillna("")
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     for c in ("step", "seed", "repeat"):
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("Int64")
@@ -192,8 +193,10 @@ def load_results(run: str | Path) -> Any:
 
 def _backward_from_id(cell_id: str) -> str:
     """The backward mode named by a cell id's third part (``model-solver-MODE-...``), else ""."""
+    from .deq import BACKWARD_MODES
+
     parts = str(cell_id).split("-")
-    return parts[2] if len(parts) > 2 and parts[2] in ("ift", "unrolled", "jfb", "phantom") else ""
+    return parts[2] if len(parts) > 2 and parts[2] in BACKWARD_MODES else ""
 
 
 def _backward_by_cell(suite_yaml: Path) -> dict[str, str]:

@@ -96,7 +96,8 @@ def _load_data(cell: Cell) -> tuple[Any, float | None]:
 
 #: analysis name of the per-process start-up rows (``warmup_time``, ``data_load_time``)
 PROCESS = "process"
-_WARMED: set[tuple[str, str]] = set()
+#: device/dtype this process warmed up on -> the warm-up's seconds until a task reports them
+_WARMUP: dict[tuple[str, str], float | None] = {}
 
 
 def warm_up(device: str, dtype: Any) -> float | None:
@@ -108,9 +109,9 @@ def warm_up(device: str, dtype: Any) -> float | None:
     import torch
 
     key = (str(device), str(dtype))
-    if key in _WARMED:
+    if key in _WARMUP:
         return None
-    _WARMED.add(key)
+    _WARMUP[key] = None
     t = time.perf_counter()
     from . import deq, results  # noqa: F401  (imports are part of the start-up)
     from .registry import analyses, inits, models, solvers
@@ -132,19 +133,18 @@ def warm_up(device: str, dtype: Any) -> float | None:
             torch.cuda.synchronize(device)
     finally:
         torch.set_rng_state(rng)
-    return time.perf_counter() - t
+    _WARMUP[key] = took = time.perf_counter() - t
+    return took
 
 
-#: warm-ups done before this process's first task (a Dask worker at start): device, dtype -> s
-_EARLY_WARMUP: dict[tuple[str, str], float] = {}
-
-
-def warm_up_early(device: str, dtype: Any) -> float | None:
-    """:func:`warm_up` before any task (a Dask worker at start, ``deqbench.executors.worker``);
-    its time is reported on the ``warmup_time`` row of the first task on ``device``/``dtype``."""
-    took = warm_up(device, dtype)
+def take_warmup_time(device: str, dtype: Any) -> float | None:
+    """The seconds of this process's warm-up on ``device``/``dtype``, once: for the
+    ``warmup_time`` row of its first task (also when the warm-up ran before any task, at a Dask
+    worker's start); None afterwards."""
+    key = (str(device), str(dtype))
+    took = _WARMUP.get(key)
     if took is not None:
-        _EARLY_WARMUP[(str(device), str(dtype))] = took
+        _WARMUP[key] = None  # reported; the key stays: this process is warm
     return took
 
 
@@ -237,9 +237,8 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         dtype = getattr(torch, suite.dtype)
         # one-off start-up (per process) and data loading (per process and dataset) are
         # recorded on their own rows and kept out of the task's wall_time
-        warm = warm_up(task.device, dtype)
-        if warm is None:  # warmed up before the first task (Dask worker start)
-            warm = _EARLY_WARMUP.pop((str(task.device), str(dtype)), None)
+        warm_up(task.device, dtype)
+        warm = take_warmup_time(task.device, dtype)
         if warm is not None:
             add(
                 PROCESS,

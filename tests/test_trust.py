@@ -194,7 +194,7 @@ def test_compare_keeps_flagged_rows(tmp_path):
 def test_warm_up_is_recorded_once_per_process_and_out_of_wall_time(tmp_path, monkeypatch):
     from deqbench import task as task_mod
 
-    monkeypatch.setattr(task_mod, "_WARMED", set())
+    monkeypatch.setattr(task_mod, "_WARMUP", {})
     monkeypatch.setattr(task_mod, "_DATA_CACHE", {})
     p = write_suite(tmp_path, STARVED, replace={"seeds: [0]": "seeds: [0, 1]"})
     suite = deqbench.load_suite(p)

@@ -3,7 +3,7 @@ you start yourself with ``dask worker ... --preload deqbench.executors.worker``.
 
 At worker start, before the worker registers with the scheduler (so before its first cell):
 
-* **Warm-up**: :func:`deqbench.task.warm_up_early` pays the process's one-off costs (imports,
+* **Warm-up**: :func:`deqbench.task.warm_up` pays the process's one-off costs (imports,
   CUDA context, cuBLAS/cuDNN handles, the first DEQ forward/backward kernels) on the worker's
   device; the time is reported on the ``process`` / ``warmup_time`` row of the worker's first
   cell and is never part of a cell's ``wall_time``. ``DEQBENCH_WARMUP`` chooses it:
@@ -56,12 +56,12 @@ def warm_up_worker() -> float | None:
         import torch
 
         from ..env import resolve_device
-        from ..task import warm_up_early
+        from ..task import warm_up
 
         device = resolve_device(parsed[0])
         if device.startswith("cuda"):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
-        took = warm_up_early(device, getattr(torch, parsed[1]))
+        took = warm_up(device, getattr(torch, parsed[1]))
     except Exception as exc:  # noqa: BLE001 - reported by the first cell instead
         log.warning("deqbench warm-up failed (%s); the first cell warms up", exc)
         return None
