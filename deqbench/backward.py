@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from .deq import DEQLayer
 
 
-def _param_items(layer: DEQLayer) -> tuple[list[str], list[Tensor]]:
+def param_items(layer: DEQLayer) -> tuple[list[str], list[Tensor]]:
     names, params = [], []
     for n, p in layer.cell.named_parameters():
         if p.requires_grad:
@@ -94,6 +94,129 @@ class AdjointMap:
 
     def __call__(self, w: Tensor) -> Tensor:
         return self.fn(w)
+
+
+class GraphAdjoint:
+    """A captured IFT adjoint (issue 17): f at (z*, u, theta) recorded once as a CUDA graph with
+    its autograd graph kept, so that the adjoint solver's steps (VJPs of that recording) can be
+    captured and replayed too. Per backward the new z*, u and g are copied into static tensors,
+    the recording is replayed (refreshing the saved activations in place) and the cached adjoint
+    solve replays from its first step.
+
+    Every capture uses ``torch.cuda.graph``'s default capture stream: the VJP kernels run on the
+    stream of the recorded forward, so the solver's capture sees them on its own stream (the
+    pattern of ``torch.cuda.make_graphed_callables``). Only for layers whose saved parameters
+    are the cell's own (training), first-order backward, no direct solver.
+    """
+
+    def __init__(self, layer: DEQLayer, names: list[str], params: list[Tensor], z: Tensor,
+                 u: Tensor, u_grad: bool) -> None:  # fmt: skip
+        self.names = names
+        self.u_grad = u_grad
+        self.key: tuple = ()
+        self.zs = z.detach().clone().requires_grad_()
+        self.us = u.detach().clone().requires_grad_(u_grad)
+        self.gs = torch.zeros_like(z)
+        # The parameters' storage under version counters of their own (``.data``): the
+        # optimiser's in-place updates must not invalidate the recording, whose replay reads
+        # the updated values. Likewise load() writes the static inputs through ``.data``.
+        self.ps = [q.data.requires_grad_() for q in params]
+        self.inputs = [self.zs] + ([self.us] if u_grad else []) + self.ps
+        cell, rt = layer.cell, layer.runtime
+
+        def record() -> Tensor:
+            with torch.enable_grad(), rt.autocast(z.device):
+                out = functional_call(cell, dict(zip(names, self.ps)), (self.zs, self.us))
+            return out.to(self.zs.dtype)
+
+        from .solvers.base import forbid_sync
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), forbid_sync():  # warm-up (and no host syncs) first
+            torch.autograd.grad(record(), self.zs, self.gs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = record()
+        zs, gs, out = self.zs, self.gs, self.out
+
+        def adj_fn(w: Tensor) -> Tensor:
+            (gz,) = torch.autograd.grad(out, zs, w, retain_graph=True)
+            return gz + gs
+
+        self.map = AdjointMap(adj_fn, cell, zs, self.us, gs)
+
+    def load(self, z: Tensor, u: Tensor, g: Tensor) -> None:
+        """Copy this backward's z*, u and g in and replay the recording of f."""
+        with torch.no_grad():
+            self.zs.data.copy_(z)
+            self.us.data.copy_(u)
+            self.gs.copy_(g)
+        self.graph.replay()
+
+    def grads(self, w: Tensor) -> tuple[Tensor | None, ...]:
+        """(dz, du or None, *dtheta) of <w, f> at the loaded point, as vjp_fn returns them."""
+        gs = torch.autograd.grad(self.out, self.inputs, w, retain_graph=True, allow_unused=True)
+        gz, rest = gs[0], list(gs[1:])
+        gu = rest.pop(0) if self.u_grad else None
+        return (gz, gu, *rest)
+
+
+#: captured adjoints kept per layer
+GRAPH_ADJOINTS = 2
+
+
+def graph_adjoint(
+    layer: DEQLayer, names: list[str], params: list[Tensor], z: Tensor, u: Tensor, cfg: Any
+) -> GraphAdjoint | None:
+    """The layer's captured adjoint for this backward, or None for the eager path."""
+    from . import solvers
+    from .solvers.base import AUTO_NUMEL, supports_graph
+
+    if (
+        layer.runtime.cuda_graph != "auto"
+        or z.device.type != "cuda"
+        or z.numel() > AUTO_NUMEL
+        or "cuda_graph" in cfg.options
+        or not supports_graph(solvers.get(cfg.solver))
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return None
+    own = [q for q in layer.cell.parameters() if q.requires_grad]
+    if len(own) != len(params) or any(a is not b for a, b in zip(own, params)):
+        return None  # parameters substituted (functional_call): no stable storage to capture
+    key = (
+        tuple(z.shape), z.dtype, z.stride(), tuple(u.shape), u.dtype, u.stride(),
+        u.requires_grad, layer.cell.training, layer.runtime,
+        tuple(q.data_ptr() for q in params), tuple(b.data_ptr() for b in layer.cell.buffers()),
+    )  # fmt: skip
+    cache: dict = layer.__dict__.setdefault("_graph_adjoints", {})
+    failed: dict = layer.__dict__.setdefault("_no_graph_adjoint", {})
+    if key in failed:
+        return None
+    ga = cache.get(key)
+    if ga is None:
+        while len(cache) >= GRAPH_ADJOINTS:
+            from .solvers.base import drop_graphs
+
+            drop_graphs([cache.pop(next(iter(cache))).map])
+        try:
+            ga = GraphAdjoint(layer, names, params, z, u, u.requires_grad)
+        except Exception as exc:  # noqa: BLE001 - not capturable: eager from now on
+            failed[key] = f"{type(exc).__name__}: {exc}"
+            return None
+        ga.key = key
+        cache[key] = ga
+    return ga
+
+
+def forget_graph_adjoint(layer: DEQLayer, ga: GraphAdjoint, why: str) -> None:
+    from .solvers.base import drop_graphs
+
+    drop_graphs([ga.map])
+    layer.__dict__.get("_graph_adjoints", {}).pop(ga.key, None)
+    layer.__dict__.setdefault("_no_graph_adjoint", {})[ga.key] = why
 
 
 class TangentMap:
@@ -274,12 +397,28 @@ class _ImplicitFunction(torch.autograd.Function):
 
         layer: DEQLayer = ctx.layer
         z, u, *params = ctx.saved_tensors
-        names, _ = _param_items(layer)
+        names, _ = param_items(layer)
         cell = layer.cell
         cfg = layer.backward_cfg
 
         create_graph = torch.is_grad_enabled()
         nvjp = 0
+        ga = None
+        if not create_graph and layer.__dict__.get("direct_solver") is None:
+            ga = graph_adjoint(layer, names, list(params), z, u, cfg)
+        if ga is not None:
+            from .solvers.base import GraphCaptureError
+
+            try:
+                w, stats, nvjp = graph_adjoint_solve(ga, z, u, g, cfg)
+            except GraphCaptureError as exc:  # the VJPs cannot be captured: eager from now on
+                forget_graph_adjoint(layer, ga, str(exc))
+                ga = None
+            if ga is not None:
+                grads = ga.grads(w)
+                layer.last_backward_stats = stats
+                layer.vjp_bwd = nvjp + 1
+                return (None, None, grads[1], *grads[2:])
         if create_graph:
             # Double backward requested: partials by torch.func at (z*, u, theta) as independent
             # primals, so z*'s dependence on theta routes back through this Function.
@@ -297,7 +436,9 @@ class _ImplicitFunction(torch.autograd.Function):
                 # torch.func.functional_call the forward ran with substituted tensors that the
                 # module no longer holds when this backward runs.
                 p_ = [p.detach().requires_grad_() for p in params]
-                fz_out = functional_call(cell, dict(zip(names, p_)), (z_, u_))
+                with layer.runtime.autocast(z_.device):  # the f of the forward solve
+                    fz_out = functional_call(cell, dict(zip(names, p_)), (z_, u_))
+                fz_out = fz_out.to(z_.dtype)
             inputs = [z_] + ([u_] if u.requires_grad else []) + p_
 
             def vjp_fn(w: Tensor) -> tuple[Tensor | None, ...]:
@@ -349,6 +490,22 @@ class _ImplicitFunction(torch.autograd.Function):
         return (None, None, grads[1], *grads[2:])
 
 
+def graph_adjoint_solve(
+    ga: GraphAdjoint, z: Tensor, u: Tensor, g: Tensor, cfg: Any
+) -> tuple[Tensor, SolverStats, int]:
+    """The adjoint solve on the captured path: (w, stats, VJPs made)."""
+    from . import solvers
+
+    ga.load(z, u, g)
+    with torch.no_grad():
+        w0 = ga.gs.clone() if cfg.b_init == "grad" else torch.zeros_like(ga.gs)
+        w, stats = solvers.get(cfg.solver)(
+            ga.map, w0, max_iter=cfg.max_iter, tol=cfg.tol, stop_mode=cfg.stop_mode,
+            **cfg.options, cuda_graph="cache",
+        )  # fmt: skip
+    return w, stats, stats.nstep
+
+
 class _AdjointFunction(torch.autograd.Function):
     """w = (I - J^T)^{-1} g as a differentiable function of (g, z*, u, theta).
 
@@ -373,7 +530,7 @@ class _AdjointFunction(torch.autograd.Function):
 
         layer: DEQLayer = ctx.layer
         w, z, u, *params = ctx.saved_tensors
-        names, _ = _param_items(layer)
+        names, _ = param_items(layer)
         cell = layer.cell
         cfg = layer.backward_cfg
         with torch.no_grad():
@@ -424,7 +581,7 @@ class _AdjointFunction(torch.autograd.Function):
 
 
 def _ift(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
-    _, params = _param_items(layer)
+    _, params = param_items(layer)
     layer.f_evals_grad = 0
     return _ImplicitFunction.apply(layer, z0.detach(), u, *params)
 
@@ -437,14 +594,14 @@ def _unrolled(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
     # Eq. 12); otherwise unroll plain iteration.
     unroll = getattr(solvers.get(layer.solver_cfg.name), "unroll", None)
     if unroll is not None:
-        z, abs_tr, rel_tr = unroll(lambda z_: layer.cell(z_, u), z0, k, **layer.solver_cfg.options)
+        z, abs_tr, rel_tr = unroll(lambda z_: layer.f(z_, u), z0, k, **layer.solver_cfg.options)
     else:
         z = z0
         prev = z
         abs_tr, rel_tr = [], []
         for _ in range(k):
             prev = z
-            z = layer.cell(z, u)
+            z = layer.f(z, u)
             a, r = residuals(z.detach(), prev.detach())
             abs_tr.append(a)
             rel_tr.append(r)
@@ -471,7 +628,7 @@ def _phantom(layer: DEQLayer, u: Tensor, z0: Tensor, k: int, tau: float) -> Tens
     zs, _ = layer.solve(u, z0)
     z = zs.detach()
     for _ in range(k):
-        fz = layer.cell(z, u)
+        fz = layer.f(z, u)
         z = fz if tau == 1.0 else tau * fz + (1 - tau) * z
     layer.last_backward_stats = None
     layer.f_evals_grad = k

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -110,22 +111,104 @@ class BackwardConfig:
         return asdict(self)
 
 
+AMP_MODES = ("none", "bf16")
+GRAPH_MODES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How a DEQ layer's cell runs (the suite's ``runtime`` section; issue 17).
+
+    Attributes:
+        cuda_graph: "auto" (default): on CUDA, forward solves and IFT adjoint solves of
+            launch-bound cells (states of at most 2M elements: fc1024 at batch 512 is 0.5M,
+            conv64 at batch 128 is 8.4M and stays eager, where a graph gained nothing) with a
+            solver that supports it (fixed_point, anderson, broyden) are captured as a CUDA
+            graph on first use for each
+            (batch shape, dtype, parameter storage, train/eval mode) and replayed afterwards; a
+            cell that cannot be captured (host syncs, shapes that change) falls back to eager
+            once and is remembered. ``SolverStats.path`` says which path ran. "off": eager.
+            A solver's own ``cuda_graph`` option, where set, wins.
+        amp: "none" (default) or "bf16": the cell (and, in training, the whole model forward)
+            runs under bfloat16 autocast, while the solver's iterate, residuals, Anderson
+            history and stopping test stay in the state dtype (float32). bf16's relative
+            residual floor is about 4e-3: use a tolerance of 1e-2 or looser.
+        compile: False (default), True (``torch.compile`` with the inductor backend) or a
+            backend name ("eager", "aot_eager", "inductor", ...): the cell is compiled once per
+            layer; parameters stay the module's.
+        compile_mode: ``torch.compile``'s ``mode`` (None, "default", "reduce-overhead",
+            "max-autotune", ...).
+    """
+
+    cuda_graph: str = "auto"
+    amp: str = "none"
+    compile: bool | str = False
+    compile_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        from .errors import ConfigError
+
+        if self.cuda_graph not in GRAPH_MODES:
+            raise ConfigError(
+                f"runtime.cuda_graph must be one of {', '.join(GRAPH_MODES)}, got {self.cuda_graph!r}"
+            )
+        if self.amp not in AMP_MODES:
+            raise ConfigError(
+                f"runtime.amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}"
+            )
+        if not isinstance(self.compile, (bool, str)) or self.compile == "":
+            raise ConfigError(
+                f"runtime.compile must be true, false or a torch.compile backend name, got "
+                f"{self.compile!r}"
+            )
+
+    @property
+    def backend(self) -> str | None:
+        """The torch.compile backend, or None when not compiling."""
+        if self.compile is False:
+            return None
+        return "inductor" if self.compile is True else str(self.compile)
+
+    def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager:
+        """The autocast context of ``amp`` on ``device`` (a null context for "none")."""
+        if self.amp == "none":
+            return contextlib.nullcontext()
+        dev = torch.device(device).type
+        # no weight cache: a CUDA graph captured inside would read cast weights that the cache
+        # frees when the block ends (an illegal memory access at a later replay)
+        return torch.autocast(device_type=dev, dtype=torch.bfloat16, cache_enabled=False)
+
+
 class CellMap:
     """The map ``z -> cell(z, u)`` handed to forward solvers.
 
     Generic solvers just call it. It exposes ``cell`` and ``u`` so that solvers needing a
     family's structure (e.g. monDEQ operator splitting, which reads the monotone-operator
-    interface of the cell) can reach it.
+    interface of the cell) can reach it. ``fn`` (default: ``cell``) is what is called, e.g. the
+    compiled cell; ``runtime`` adds autocast (the output is cast back to the iterate's dtype).
     """
 
-    __slots__ = ("cell", "u")
+    __slots__ = ("cell", "u", "fn", "runtime")
 
-    def __init__(self, cell: nn.Module, u: Tensor) -> None:
+    def __init__(
+        self,
+        cell: nn.Module,
+        u: Tensor,
+        fn: Any = None,
+        runtime: Runtime | None = None,
+    ) -> None:
         self.cell = cell
         self.u = u
+        self.fn = cell if fn is None else fn
+        self.runtime = runtime
 
     def __call__(self, z: Tensor) -> Tensor:
-        return self.cell(z, self.u)
+        rt = self.runtime
+        if rt is None or rt.amp == "none":
+            return self.fn(z, self.u)
+        with rt.autocast(z.device):
+            out = self.fn(z, self.u)
+        return out if out.dtype == z.dtype else out.to(z.dtype)
 
 
 class DEQLayer(nn.Module):
@@ -149,6 +232,12 @@ class DEQLayer(nn.Module):
         self.last_backward_stats: SolverStats | None = None
         self.f_evals_grad = 0
         self.vjp_bwd = 0
+        self.runtime = Runtime()
+        # not submodules (no state_dict entries): the compiled cell, the static maps of the
+        # CUDA-graph path (key -> CellMap over a static copy of u) and keys that failed capture
+        self.__dict__["_compiled"] = None
+        self.__dict__["_static_maps"] = {}
+        self.__dict__["_no_graph"] = {}
 
     def configure(
         self, solver: SolverConfig | None = None, backward: BackwardConfig | None = None
@@ -164,33 +253,150 @@ class DEQLayer(nn.Module):
                 )
             self.backward_cfg = replace(backward)
 
+    def set_runtime(self, runtime: Runtime) -> None:
+        """Use ``runtime`` from now on (drops the compiled cell and the captured graphs)."""
+        self.runtime = runtime
+        self.reset_runtime_caches()
+
+    def reset_runtime_caches(self) -> None:
+        """Forget the compiled cell and this layer's captured solves (e.g. after moving the
+        model to another device or replacing its parameters' storage)."""
+        from .solvers.base import drop_graphs
+
+        drop_graphs(list(self._static_maps.values()))
+        drop_graphs([ga.map for ga in self.__dict__.get("_graph_adjoints", {}).values()])
+        self.__dict__["_compiled"] = None
+        self._static_maps.clear()
+        self._no_graph.clear()
+        self.__dict__.pop("_graph_adjoints", None)
+        self.__dict__.pop("_no_graph_adjoint", None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the runtime caches behind (CUDA graphs cannot be copied)."""
+        state = super().__getstate__()
+        state = dict(state)
+        state.update(_compiled=None, _static_maps={}, _no_graph={})
+        state.pop("_graph_adjoints", None)
+        state.pop("_no_graph_adjoint", None)
+        return state
+
+    def cell_fn(self) -> Any:
+        """What is called as f(z, u): the cell, or the compiled cell under ``runtime.compile``."""
+        backend = self.runtime.backend
+        if backend is None:
+            return self.cell
+        if self._compiled is None:
+            self.__dict__["_compiled"] = torch.compile(
+                self.cell, backend=backend, mode=self.runtime.compile_mode, dynamic=False
+            )
+        return self._compiled
+
     def f(self, z: Tensor, u: Tensor) -> Tensor:
-        """The cell map f(z, u)."""
-        return self.cell(z, u)
+        """The cell map f(z, u) (compiled and under autocast as ``runtime`` says; the output
+        in z's dtype)."""
+        rt = self.runtime
+        if rt.amp == "none" and rt.backend is None:
+            return self.cell(z, u)
+        return CellMap(self.cell, u, self.cell_fn(), rt)(z)
+
+    def cell_map(self, u: Tensor) -> CellMap:
+        """The map z -> f(z, u) a forward solver gets (eager path)."""
+        return CellMap(self.cell, u, self.cell_fn(), self.runtime)
 
     def solve(
         self, u: Tensor, z0: Tensor, cfg: SolverConfig | None = None
     ) -> tuple[Tensor, SolverStats]:
-        """Forward solve under no_grad; records ``last_forward_stats``."""
+        """Forward solve under no_grad; records ``last_forward_stats``.
+
+        On CUDA with ``runtime.cuda_graph == "auto"`` and a solver that supports it, the solve
+        is captured once per static key and replayed (``stats.path == "graph"``)."""
         from . import solvers
 
         cfg = cfg or self.solver_cfg
         fn = solvers.get(cfg.name)
-        with torch.no_grad():
-            z, stats = fn(
-                CellMap(self.cell, u),
-                z0,
-                max_iter=cfg.max_iter,
-                tol=cfg.tol,
-                stop_mode=cfg.stop_mode,
-                **cfg.options,
-            )
+        u, z0 = self.state_dtype(u), self.state_dtype(z0)
+        # The solver's own arithmetic (history, least squares, residuals) never runs under an
+        # enclosing autocast; the cell map turns ``runtime.amp`` on for each f-evaluation.
+        with torch.no_grad(), torch.autocast(device_type=u.device.type, enabled=False):
+            z, stats = self._solve(fn, cfg, u, z0)
         self.last_forward_stats = stats
         return z, stats
+
+    def _solve(self, fn: Any, cfg: SolverConfig, u: Tensor, z0: Tensor) -> tuple[Tensor, Any]:
+        from .solvers.base import GraphCaptureError
+
+        kw = dict(max_iter=cfg.max_iter, tol=cfg.tol, stop_mode=cfg.stop_mode)
+        eager_path = "compiled" if self.runtime.backend is not None else "eager"
+        key = self._graph_key(cfg, fn, u, z0)
+        if key is not None:
+            f = self._static_maps.get(key)
+            if f is None:
+                if len(self._static_maps) >= STATIC_MAPS:  # oldest first
+                    from .solvers.base import drop_graphs
+
+                    old = self._static_maps.pop(next(iter(self._static_maps)))
+                    drop_graphs([old])
+                f = CellMap(self.cell, u.detach().clone(), self.cell_fn(), self.runtime)
+                self._static_maps[key] = f
+            else:
+                f.u.copy_(u)
+            try:
+                z, stats = fn(f, z0, **kw, **cfg.options, cuda_graph="cache")
+                stats.path = "graph"
+                return z, stats
+            except GraphCaptureError as exc:
+                self._static_maps.pop(key, None)
+                self._no_graph[key[:-1]] = str(exc)
+        z, stats = fn(self.cell_map(u), z0, **kw, **cfg.options)
+        stats.path = eager_path
+        return z, stats
+
+    def _graph_key(self, cfg: SolverConfig, fn: Any, u: Tensor, z0: Tensor) -> tuple | None:
+        """The static key of a graph-path solve, or None for the eager path."""
+        from .solvers.base import AUTO_NUMEL, supports_graph
+
+        if (
+            self.runtime.cuda_graph != "auto"
+            or u.device.type != "cuda"
+            or z0.numel() > AUTO_NUMEL  # not launch-bound: a graph gains nothing (conv64)
+            or "cuda_graph" in cfg.options
+            or not supports_graph(fn)
+            or torch.is_grad_enabled()
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return None
+        base = (
+            cfg.name,
+            tuple(u.shape),
+            u.dtype,
+            u.stride(),
+            u.device,
+            tuple(z0.shape),
+            z0.dtype,
+            self.cell.training,
+            self.runtime,
+            tuple(t.data_ptr() for t in self.cell.parameters()),
+            tuple(t.data_ptr() for t in self.cell.buffers()),
+        )
+        if base in self._no_graph:
+            return None
+        return base + (torch.is_autocast_enabled(),)
+
+    def state_dtype(self, t: Tensor) -> Tensor:
+        """Under ``runtime.amp`` the injection and iterate stay in the parameters' dtype
+        (float32) although the model's forward runs under autocast (a bf16 ``inject`` output
+        would make the solver's state, residuals and history bf16)."""
+        if self.runtime.amp == "none" or t.dtype not in (torch.bfloat16, torch.float16):
+            return t
+        p = next(self.cell.parameters(), None)
+        return t.to(p.dtype if p is not None and p.is_floating_point() else torch.float32)
 
     def forward(self, u: Tensor, z0: Tensor | None = None) -> Tensor:
         from . import backward as bw
 
+        u = self.state_dtype(u)
+        if z0 is not None:
+            z0 = self.state_dtype(z0)
         if z0 is None:
             z0 = torch.zeros_like(u)
         needs_grad = torch.is_grad_enabled() and (
@@ -205,6 +411,16 @@ class DEQLayer(nn.Module):
     def extra_repr(self) -> str:
         s, b = self.solver_cfg, self.backward_cfg
         return f"solver={s.name}(max_iter={s.max_iter}, tol={s.tol}), backward={b.name}"
+
+
+#: static maps (hence captured solves) kept per layer
+STATIC_MAPS = 4
+
+
+def set_runtime(model: nn.Module, runtime: Runtime) -> None:
+    """Give every DEQ layer of ``model`` the same :class:`Runtime`."""
+    for layer in deq_layers(model):
+        layer.set_runtime(runtime)
 
 
 def deq_layers(model: nn.Module) -> Iterator[DEQLayer]:

@@ -450,11 +450,11 @@ class _ReferenceFunction(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         from torch.func import functional_call
 
-        from .backward import _param_items
+        from .backward import param_items
 
         layer: ReferenceLayer = ctx.layer
         z, u, *params = ctx.saved_tensors
-        names, _ = _param_items(layer)
+        names, _ = param_items(layer)
         need_u = ctx.needs_input_grad[2]
         with torch.enable_grad():
             z_ = z.detach().requires_grad_()
@@ -497,13 +497,13 @@ class ReferenceLayer(DEQLayer):
         return z, stats
 
     def forward(self, u: Tensor, z0: Tensor | None = None) -> Tensor:
-        from .backward import _param_items
+        from .backward import param_items
 
         if z0 is None:
             z0 = torch.zeros_like(u)
         z, _ = self.solve(u, z0)
         self.last_backward_stats = None
-        _, params = _param_items(self)
+        _, params = param_items(self)
         if not torch.is_grad_enabled() or not (u.requires_grad or params):
             return z
         return _ReferenceFunction.apply(self, z, u, *params)

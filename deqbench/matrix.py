@@ -10,9 +10,11 @@ of that section (a model factory's kwargs, a solver's options) are dropped; the 
 (``max_iter``, ``tol``, ...) are kept.
 
 Cell ids are ``<model>-<solver>-<backward>`` plus, for every axis, the params that vary along it
-(``conv_deq_tiny-anderson-phantom-k=5``). They depend only on the suite, so they are stable
-across runs. Every key of a cell remembers the YAML path it came from (``src``), so later checks
-can point at the line that set it.
+(``conv_deq_tiny-anderson-phantom-k=5``), plus the cell's ``runtime`` settings that differ from
+their defaults, wherever they were set (``...-k=5-amp=bf16``; a runtime axis adds nothing else,
+so a cell with the default runtime keeps the id it had before runtime existed). They depend only
+on the suite, so they are stable across runs. Every key of a cell remembers the YAML path it
+came from (``src``), so later checks can point at the line that set it.
 
 Example:
     >>> cells = expand({"model": {"name": "m"}, "solver": {"name": "fp"}, "backward": {"name": "ift"}},
@@ -30,10 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-SECTIONS = ("model", "init", "solver", "backward", "train", "data")
+SECTIONS = ("model", "init", "solver", "backward", "train", "data", "runtime")
 CASE = "case"  # axis whose values set several sections at once (zipped, not crossed)
 NAMED = ("model", "init", "solver", "backward", "data")
 ID_BASE = ("model", "solver", "backward")
+#: sections whose non-default values end the cell id (``-amp=bf16``) instead of axis parts
+ID_SUFFIX = ("runtime",)
+#: (section, key) -> what YAML 1.1's booleans mean there (an unquoted ``off`` reads as false)
+BOOL_WORDS = {("runtime", "cuda_graph"): {False: "off", True: "auto"}}
 _MISSING = object()
 
 
@@ -98,9 +104,10 @@ def check_matrix(matrix: dict[str, list[Any]] | None, loc: Any) -> list[str]:
         elif not values:
             errors.append(loc.error(("matrix", key), "empty list: the matrix would have no cells"))
         elif not dot:
+            what = "a name or a mapping" if section in NAMED else "a mapping"
             for i, v in enumerate(values):
                 if not isinstance(normalize_section(section, v), dict):
-                    errors.append(loc.error(("matrix", key, i), "expected a name or a mapping"))
+                    errors.append(loc.error(("matrix", key, i), f"expected {what}"))
     return errors
 
 
@@ -139,6 +146,8 @@ def _case_parts(values: list[dict[str, Any]]) -> list[list[tuple[str, Any]]]:
             section, _, sub = key.partition(".")
             if section in ID_BASE and not sub:
                 continue  # already in the id head
+            if section in ID_SUFFIX:
+                continue  # the id's suffix shows it (non-default values only)
             if sub:
                 parts.append((sub, v))
             else:
@@ -150,6 +159,8 @@ def _case_parts(values: list[dict[str, Any]]) -> list[list[tuple[str, Any]]]:
 
 def _axis_parts(section: str, sub: str | None, values: list[Any]) -> list[list[tuple[str, Any]]]:
     """Per axis value, the (key, value) pairs that vary along the axis (for the cell id)."""
+    if section in ID_SUFFIX:
+        return [[] for _ in values]  # the id's suffix shows it (non-default values only)
     if sub is not None:
         varies = len({repr(v) for v in values}) > 1
         return [[(sub, v)] if varies else [] for v in values]
@@ -196,6 +207,27 @@ def _apply(
     block[section] = path
 
 
+def id_suffix(
+    sections: dict[str, dict[str, Any]], suffix_defaults: dict[str, dict[str, Any]]
+) -> list[str]:
+    """Id parts of the :data:`ID_SUFFIX` sections: ``key=value`` for every key whose value
+    differs from ``suffix_defaults[section]`` (section -> key -> default), in the defaults'
+    order, then any other key in the cell's order."""
+    parts = []
+    for section in ID_SUFFIX:
+        cur = sections.get(section) or {}
+        if not isinstance(cur, dict):
+            continue
+        defaults = suffix_defaults.get(section, {})
+        keys = [k for k in defaults if k in cur] + [k for k in cur if k not in defaults]
+        for k in keys:
+            v = cur[k]
+            if k in defaults and v == defaults[k] and type(v) is type(defaults[k]):
+                continue
+            parts.append(_clean(f"{k}={fmt_value(v)}"))
+    return parts
+
+
 def fill_declared(
     sections: dict[str, dict[str, Any]],
     decl: dict[str, dict[str, Any]],
@@ -222,6 +254,7 @@ def expand(
     generic: dict[str, set[str]] | None = None,
     default_names: dict[str, str] | None = None,
     declared: Callable[[str], dict[str, dict[str, Any]]] | None = None,
+    suffix_defaults: dict[str, dict[str, Any]] | None = None,
 ) -> list[Draft]:
     """Cartesian product of the matrix axes over ``base`` (section -> dict).
 
@@ -234,12 +267,15 @@ def expand(
         declared: model name -> the defaults that model declares (section -> dict; see
             :func:`deqbench.models.declare_defaults`); they fill what the suite leaves unset,
             before ``default_names``.
+        suffix_defaults: section -> key -> default of the :data:`ID_SUFFIX` sections
+            (``runtime``): the keys a cell sets to another value end its id.
 
     Returns:
         One :class:`Draft` per cell, in product order (first axis slowest).
     """
     generic = generic or {}
     default_names = default_names or {}
+    suffix_defaults = suffix_defaults or {}
     axes = list((matrix or {}).items())
     # Axis values, normalized; and the id parts each value contributes.
     norm: list[tuple[str, str | None, list[Any]]] = []
@@ -304,6 +340,10 @@ def expand(
             for k, v in parts_by_axis[ax][idx]:
                 label = k if not k or short_count.get(k, 0) <= 1 else f"{section}.{k}"
                 id_parts.append(_clean(f"{label}={fmt_value(v)}" if label else fmt_value(v)))
+        for (sec, k), words in BOOL_WORDS.items():
+            cur = sections.get(sec)
+            if isinstance(cur, dict) and isinstance(cur.get(k), bool):
+                cur[k] = words[cur[k]]
         mname = sections.get("model", {}).get("name")
         if declared is not None and isinstance(mname, str):
             fill_declared(sections, declared(mname), generic)
@@ -311,7 +351,7 @@ def expand(
             _clean(fmt_value(sections.get(s, {}).get("name", default_names.get(s, "none"))))
             for s in ID_BASE
         ]
-        cid = "-".join(head + id_parts)
+        cid = "-".join(head + id_parts + id_suffix(sections, suffix_defaults))
         n = seen.get(cid, 0) + 1
         seen[cid] = n
         if n > 1:

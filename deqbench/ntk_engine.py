@@ -26,7 +26,15 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
+from .backward import (
+    AdjointMap,
+    forget_graph_adjoint,
+    graph_adjoint,
+    graph_adjoint_solve,
+    param_items,
+)
 from .deq import DEQLayer, DEQModel, deq_layers
+from .solvers.base import GraphCaptureError
 
 __all__ = [
     "NTKState",
@@ -227,6 +235,16 @@ def _adjoint(
     ``mode`` "direct"/"auto") or with the layer's backward solver."""
     from . import solvers
 
+    if mode != "direct":  # the captured adjoint (CUDA, launch-bound states): faster than direct
+        names, params = param_items(layer)
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            ga = graph_adjoint(layer, names, params, z, u.detach(), bcfg)
+            if ga is not None:
+                try:
+                    w, st, _ = graph_adjoint_solve(ga, z, u, g, bcfg)
+                    return w.detach(), st
+                except GraphCaptureError as exc:
+                    forget_graph_adjoint(layer, ga, str(exc))
     if _use_direct(mode, z):
         try:
             return _adjoint_direct(layer, z, u, g, bcfg.tol)
@@ -246,12 +264,8 @@ def _adjoint(
         )
         return jt + g
 
-    try:  # structured adjoint solvers (monDEQ splitting) read cell, z*, u and g from the map
-        from .backward import AdjointMap
-
-        amap: Any = AdjointMap(step, layer.cell, z, u, g)
-    except ImportError:  # pragma: no cover
-        amap = step
+    # structured adjoint solvers (monDEQ splitting) read cell, z*, u and g from the map
+    amap: Any = AdjointMap(step, layer.cell, z, u, g)
     w0 = g.clone() if bcfg.b_init == "grad" else torch.zeros_like(g)
     with torch.no_grad():
         w, st = solvers.get(bcfg.solver)(

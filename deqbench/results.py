@@ -210,7 +210,7 @@ def _backward_by_cell(suite_yaml: Path) -> dict[str, str]:
 
         from . import models
         from .matrix import SECTIONS, expand, normalize_section
-        from .specs import default_names, generic_fields
+        from .specs import default_names, generic_fields, runtime_defaults
 
         raw = yaml.safe_load(suite_yaml.read_text(encoding="utf-8")) or {}
         defaults = raw.get("defaults") or {}
@@ -226,7 +226,13 @@ def _backward_by_cell(suite_yaml: Path) -> dict[str, str]:
                 return {}
 
         drafts = expand(
-            base, raw.get("matrix"), {}, generic_fields(), default_names(), declared=declared
+            base,
+            raw.get("matrix"),
+            {},
+            generic_fields(),
+            default_names(),
+            declared=declared,
+            suffix_defaults={"runtime": runtime_defaults()},
         )
         return {d.id: str(d.sections.get("backward", {}).get("name", "")) for d in drafts}
     except Exception:

@@ -4,8 +4,10 @@ Sections: ``model``/``init``/``data`` are ``{name, **params}`` (params checked a
 factory's signature); ``solver`` is :class:`~deqbench.deq.SolverConfig`'s fields plus solver
 options (checked against the solver's ``OPTIONS`` where it declares them); ``backward`` is
 :class:`~deqbench.deq.BackwardConfig`'s fields plus adjoint solver options; ``train`` is
-:class:`~deqbench.train.TrainConfig` (unknown keys forbidden). The schemas are generated from
-those dataclasses so defaults live in one place.
+:class:`~deqbench.train.TrainConfig` (unknown keys forbidden); ``runtime`` is
+:class:`~deqbench.deq.Runtime` (unknown keys forbidden; a ``compile`` backend name is checked
+against ``torch._dynamo.list_backends``). The schemas are generated from those dataclasses so
+defaults live in one place.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from collections.abc import Callable, Iterable
 from functools import lru_cache
 from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+)
 
 from .errors import DeqbenchError
 from .matrix import SECTIONS, Draft
@@ -47,7 +56,7 @@ def _from_dataclass(
 @lru_cache(maxsize=1)
 def specs() -> dict[str, type[BaseModel]]:
     """Section -> pydantic model."""
-    from .deq import BackwardConfig, SolverConfig
+    from .deq import AMP_MODES, GRAPH_MODES, BackwardConfig, Runtime, SolverConfig
     from .train import TrainConfig
 
     pos = Annotated[int, Field(gt=0)]
@@ -93,7 +102,44 @@ def specs() -> dict[str, type[BaseModel]]:
                 "step_size": pos,
             },
         ),
+        "runtime": _from_dataclass(
+            "RuntimeSpec",
+            Runtime,
+            "forbid",
+            {
+                # YAML 1.1 reads an unquoted off/on as false/true
+                "cuda_graph": Annotated[
+                    Literal[GRAPH_MODES],  # type: ignore[valid-type]
+                    BeforeValidator(lambda v: {False: "off", True: "auto"}.get(v, v)),
+                ],
+                "amp": Literal[AMP_MODES],  # type: ignore[valid-type]
+                "compile": Annotated[bool | str, BeforeValidator(_compile_value)],
+                "compile_mode": Literal[COMPILE_MODES] | None,  # type: ignore[valid-type]
+            },
+        ),
     }
+
+
+def _compile_value(v: Any) -> Any:
+    if isinstance(v, bool) or (isinstance(v, str) and v):
+        return v
+    raise ValueError(f"expected true, false or a torch.compile backend name (got {v!r})")
+
+
+#: ``torch.compile``'s modes (``runtime.compile_mode``)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def runtime_defaults() -> dict[str, Any]:
+    """The ``runtime`` section's defaults (key -> value), e.g. ``amp: none``."""
+    return {k: f.default for k, f in specs()["runtime"].model_fields.items()}
+
+
+def compile_backends() -> list[str]:
+    """The ``torch.compile`` backends this torch knows (``runtime.compile``)."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
 
 
 def default_names() -> dict[str, str]:
@@ -191,8 +237,9 @@ class _Checker:
                 )
 
 
-def check_cell(draft: Draft, loc: Locator, errors: list[str]):
-    """Validate one expanded cell; append error lines; return a :class:`~deqbench.suite.Cell`."""
+def check_cell(draft: Draft, loc: Locator, errors: list[str], dtype: str = "float32"):
+    """Validate one expanded cell; append error lines; return a :class:`~deqbench.suite.Cell`.
+    ``dtype``: the suite's (``runtime.amp: bf16`` needs float32)."""
     from .data import DATASETS
     from .deq import BACKWARD_MODES
     from .registry import inits, models, solvers
@@ -263,9 +310,40 @@ def check_cell(draft: Draft, loc: Locator, errors: list[str]):
             )
         else:
             ck.kwargs("data", DATASETS[name], extras["data"], f"dataset '{name}'")
+    if "runtime" in values:
+        _check_runtime(ck, values["runtime"], dtype)
     if len(errors) > n0:
         return None
     return Cell(draft.id, **{s: values[s] for s in SECTIONS})
+
+
+def _check_runtime(ck: _Checker, rt: dict[str, Any], dtype: str) -> None:
+    """What the ``runtime`` schema cannot say alone: a known compile backend, a compile mode
+    only with compile, bf16 autocast only over float32."""
+    backend = rt["compile"]
+    if isinstance(backend, str):
+        names = compile_backends()
+        if backend not in names:
+            ck.add(
+                "runtime",
+                "compile",
+                f"unknown torch.compile backend '{backend}'{did_you_mean(backend, names)}; "
+                "use true (inductor), false or one of: "
+                + ", ".join(n for n in names if "TESTING" not in n and "minifier" not in n),
+            )
+    if rt["compile_mode"] is not None and rt["compile"] is False:
+        ck.add(
+            "runtime",
+            "compile_mode",
+            "is a torch.compile mode: set runtime.compile too (true or a backend)",
+        )
+    if rt["amp"] != "none" and dtype != "float32":
+        ck.add(
+            "runtime",
+            "amp",
+            f"{rt['amp']} autocast needs dtype float32 (the suite's dtype is {dtype}): "
+            "set dtype: float32 or runtime.amp: none",
+        )
 
 
 def check_analyses(

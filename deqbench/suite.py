@@ -14,17 +14,20 @@ A suite file (DESIGN.md "Suite YAML")::
       solver: {name: anderson, max_iter: 50, tol: 1.0e-4}
       backward: {name: ift, max_iter: 50, tol: 1.0e-6}
       train: {epochs: 2, batch_size: 64}
+      runtime: {amp: none}  # cuda_graph, amp, compile, compile_mode (deqbench.deq.Runtime)
     matrix:                 # cartesian product -> cells; a string means {name: ...}
       solver: [fixed_point, anderson]
       backward.k: [5, 10]   # dotted keys set one field
+      runtime.amp: [none, bf16]
     analyses: [metrics, solver_stats]
     output: results/
 
 Everything is checked before anything runs: unknown keys (with "did you mean"), types, registry
 names (models, solvers, inits, analyses, datasets, backward modes), model factory kwargs
-(``inspect.signature``), solver options, analysis ``Params``, the device. Every problem is one
-line ``FILE:LINE:COL: dotted.path: message``; all of them are raised together as a
-:class:`~deqbench.errors.ConfigError`.
+(``inspect.signature``), solver options, analysis ``Params``, the ``runtime`` section, the
+device. Every problem is one line ``FILE:LINE:COL: dotted.path: message``; all of them are
+raised together as a :class:`~deqbench.errors.ConfigError`. ``--set runtime.KEY=VALUE`` is
+short for ``--set defaults.runtime.KEY=VALUE``.
 
 Example:
     >>> import deqbench
@@ -76,6 +79,7 @@ class Defaults(_Strict):
     solver: Any = None
     backward: Any = None
     train: Any = None
+    runtime: Any = None
 
 
 class SuiteFile(_Strict):
@@ -116,7 +120,8 @@ class Cell:
 
     ``model``/``init``/``data``: ``{name, **params}``; ``solver``: ``{name, max_iter, tol,
     stop_mode, **options}``; ``backward``: BackwardConfig fields plus adjoint solver options;
-    ``train``: TrainConfig fields.
+    ``train``: TrainConfig fields; ``runtime``: :class:`~deqbench.deq.Runtime` fields (all of
+    them once validated; empty means the defaults).
     """
 
     id: str
@@ -126,6 +131,7 @@ class Cell:
     backward: dict[str, Any]
     train: dict[str, Any]
     data: dict[str, Any]
+    runtime: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {s: copy.deepcopy(getattr(self, s)) for s in SECTIONS}
@@ -158,6 +164,19 @@ class Cell:
         from .train import TrainConfig
 
         return TrainConfig(**self.train)
+
+    def runtime_config(self) -> Any:
+        """The cell's :class:`~deqbench.deq.Runtime`."""
+        from .deq import Runtime
+
+        return Runtime(**self.runtime)
+
+    def runtime_changes(self) -> dict[str, Any]:
+        """The runtime keys whose values differ from the defaults (``{}``: default runtime)."""
+        from .specs import runtime_defaults
+
+        d = runtime_defaults()
+        return {k: v for k, v in self.runtime.items() if k not in d or v != d[k]}
 
 
 @dataclass
@@ -192,7 +211,7 @@ class Suite:
         body = {
             "name": self.name, "seeds": self.seeds, "analyses": self.analyses, "device": self.device,
             "dtype": self.dtype, "threads": self.threads,
-            "cells": [{"id": c.id, **c.as_dict()} for c in self.cells],
+            "cells": [_hashed(c) for c in self.cells],
             **self.numeric_flags(),  # only when set, so older runs keep their hash
         }  # fmt: skip
         text = json.dumps(body, sort_keys=True, default=str)
@@ -207,6 +226,20 @@ class Suite:
         import yaml
 
         return yaml.safe_dump(self.resolved, sort_keys=False, default_flow_style=None)
+
+
+def _hashed(cell: Cell) -> dict[str, Any]:
+    """A cell as :attr:`Suite.hash` sees it: the runtime only where it is not the default (so
+    that runs made before the ``runtime`` section keep their hash)."""
+    d = {"id": cell.id, **cell.as_dict()}
+    del d["runtime"]
+    if changes := cell.runtime_changes():
+        d["runtime"] = changes
+    return d
+
+
+#: ``--set`` keys that are short for a longer path (``runtime.amp`` -> ``defaults.runtime.amp``)
+OVERRIDE_ALIASES = {"runtime": ("defaults", "runtime")}
 
 
 def _set_top(raw: dict[str, Any], loc: Locator, key: str, value: Any, label: str) -> None:
@@ -380,11 +413,20 @@ def _from_raw(
     seeds: Sequence[int] | None,
     output: str | None,
 ) -> Suite:
-    from .specs import check_analyses, check_cell, default_names, generic_fields
+    from .specs import check_analyses, check_cell, default_names, generic_fields, runtime_defaults
 
     if not isinstance(raw, dict):
         raise ConfigError(f"{loc.source}: a suite is a mapping (schema, name, data, defaults, ...)")
-    apply_overrides(raw, overrides, loc, NAMED)
+    if "runtime" in raw:
+        raise ConfigError(
+            loc.error(
+                ("runtime",),
+                "is a cell section: put it under defaults (defaults.runtime) or make it a "
+                "matrix axis (runtime.amp: [none, bf16])",
+                True,
+            )
+        )
+    apply_overrides(raw, overrides, loc, NAMED, OVERRIDE_ALIASES)
     if device is not None:
         _set_top(raw, loc, "device", device, f"--device {device}")
     if seeds is not None:
@@ -403,7 +445,8 @@ def _from_raw(
         path: tuple[Any, ...] = ("data",) if s == "data" else ("defaults", s)
         value = normalize_section(s, top.data if s == "data" else getattr(top.defaults, s))
         if not isinstance(value, dict):
-            errors.append(loc.error(path, "expected a name or a mapping"))
+            what = "a name or a mapping" if s in NAMED else "a mapping"
+            errors.append(loc.error(path, f"expected {what}"))
             value = {}
         base[s], base_src[s] = value, path
     matrix = top.matrix
@@ -415,11 +458,17 @@ def _from_raw(
     from . import models
 
     drafts = expand(
-        base, matrix, base_src, generic_fields(), default_names(), declared=models.defaults
+        base,
+        matrix,
+        base_src,
+        generic_fields(),
+        default_names(),
+        declared=models.defaults,
+        suffix_defaults={"runtime": runtime_defaults()},
     )
     cells: list[Cell] = []
     for d in drafts:
-        cell = check_cell(d, loc, errors)
+        cell = check_cell(d, loc, errors, top.dtype)
         if cell is not None:
             cells.append(cell)
     from .env import check_device

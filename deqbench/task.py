@@ -260,6 +260,8 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         inits.get(iname)(model, seed=task.seed, **iparams)
         if deq.is_deq(model):
             deq.configure(model, cell.solver_config(), cell.backward_config())
+        runtime = cell.runtime_config()
+        deq.set_runtime(model, runtime)  # every DEQ layer: compile, autocast, CUDA graphs
         from .models import computes_own_equilibrium
 
         if computes_own_equilibrium(mname):
@@ -301,6 +303,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
                 emit=emit,
                 seed=task.seed,
                 progress=progress,
+                runtime=runtime,
             )
             status, note = res.status, res.note
             for tally in (res.forward, res.adjoint):

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from .analyses.base import CellContext, EpochInfo, Row, StepInfo
 from .data import DataBundle
-from .deq import deq_layers, last_stats
+from .deq import Runtime, deq_layers, last_stats
+from .runtime import autocast, for_loss, model_runtime
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = (None, "none", "step", "multistep", "cosine")
@@ -52,6 +53,8 @@ class TrainConfig:
 
 #: share of training batches allowed to miss the solver tolerance before a cell is flagged
 MISSED_SHARE = 0.01
+#: the tightest tolerance advised under bf16 autocast (its relative residual floor is ~4e-3)
+BF16_TOL = 1e-2
 
 
 @dataclass
@@ -68,6 +71,7 @@ class SolveTally:
     worst: float = 0.0
     tol: float = float("nan")
     solver: str = ""  # the solver that ran (for the fix hint)
+    amp: str = "none"  # the runtime's autocast (bf16: the fix is a looser tolerance)
 
     def add(self, converged: float, residual: float, tol: float, solver: str = "") -> None:
         self.batches += 1
@@ -89,7 +93,11 @@ class SolveTally:
             return (f"{self.kind} solve missed tol {self.tol:g} in {share} <= "
                     f"{100 * MISSED_SHARE:g}%, not flagged; worst rel {self.worst:.3g})")  # fmt: skip
         others = [x for x in ("broyden", "anderson", "newton_krylov") if x != self.solver]
-        if self.kind == "forward":
+        key = "solver.tol" if self.kind == "forward" else "backward.tol"
+        if self.amp == "bf16" and self.tol < BF16_TOL:
+            fix = (f"bf16's relative residual floor is about 4e-3: set {key} >= {BF16_TOL:g} "
+                   "or runtime.amp: none")  # fmt: skip
+        elif self.kind == "forward":
             fix = f"raise solver.max_iter (--max-iter) or try another solver (e.g. {others[0]})"
         else:
             fix = (f"raise backward.max_iter or try another adjoint solver (backward.solver: "
@@ -165,9 +173,18 @@ def post_step(model: nn.Module) -> None:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, X: Tensor, y: Tensor, task: str, batch_size: int = 512
+    model: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    task: str,
+    batch_size: int = 512,
+    runtime: Runtime | None = None,
 ) -> dict[str, float]:
-    """Loss, accuracy (classification) or MSE (regression), and mean DEQ forward stats."""
+    """Loss, accuracy (classification) or MSE (regression), and mean DEQ forward stats.
+    ``runtime`` (default: the model's DEQ layers'): the forward runs under its autocast, the
+    loss in float32."""
+    if runtime is None:
+        runtime = model_runtime(model)
     was = model.training
     model.eval()
     loss_fn = loss_function(task)
@@ -177,9 +194,11 @@ def evaluate(
     conv: list[float] = []
     for i in range(0, X.shape[0], batch_size):
         xb, yb = X[i : i + batch_size], y[i : i + batch_size]
-        out = model(xb)
+        with autocast(runtime, xb.device):
+            out = model(xb)
+            loss = loss_fn(for_loss(out, runtime), yb)
         b = xb.shape[0]
-        tot_loss += float(loss_fn(out, yb)) * b
+        tot_loss += float(loss) * b
         if task == "classification":
             tot_correct += float((out.argmax(1) == yb).sum())
         n += b
@@ -224,13 +243,19 @@ def train(
     emit: Callable[[Any, Iterable[Row]], None] | None = None,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    runtime: Runtime | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``data`` (tensors already on the target device/dtype).
 
     ``callbacks`` are analyses (objects with ``on_step``/``on_epoch`` hooks); ``emit(analysis,
     rows)`` receives what they return. A NaN/inf loss stops training with status ``nan``
     (``diverged`` if the forward solver diverged on that batch); nothing is raised.
+    ``runtime`` (default: the model's DEQ layers'; see :mod:`deqbench.runtime`): the forward and
+    the loss run under its autocast (bf16), the loss in float32; parameters, gradients and the
+    optimiser stay in the model's dtype.
     """
+    if runtime is None:
+        runtime = model_runtime(model)
     callbacks = list(callbacks)
     Xtr, ytr = data.train
     Xte, yte = data.test
@@ -247,7 +272,7 @@ def train(
     result = TrainResult()
 
     def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
-        test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size)
+        test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime)
         rec = {
             "epoch": float(epoch),
             **{f"train_{k}": v for k, v in train_stats.items()},
@@ -258,8 +283,9 @@ def train(
         for cb in callbacks:
             _emit(emit, cb, cb.on_epoch(ctx, info))
 
+    result.forward.amp = result.adjoint.amp = runtime.amp
     if cfg.eval_before:
-        ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size)
+        ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime)
         epoch_end(0, ev)
 
     step = 0
@@ -274,8 +300,9 @@ def train(
         for idx in _batches(n, bs, gen, Xtr.device):
             xb, yb = Xtr[idx], ytr[idx]
             opt.zero_grad(set_to_none=True)
-            out = model(xb)
-            loss = loss_fn(out, yb)
+            with autocast(runtime, xb.device):
+                out = model(xb)
+                loss = loss_fn(for_loss(out, runtime), yb)
             lv = float(loss.detach())
             # The solvers' status strings are already on the host: no device sync per step here;
             # the residual summaries (which sync) are read once per step, after backward.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,18 +233,27 @@ def _message(e: dict[str, Any]) -> str:
 
 
 def apply_overrides(
-    raw: dict[str, Any], overrides: Iterable[str], loc: Locator, named: Iterable[str] = ()
+    raw: dict[str, Any],
+    overrides: Iterable[str],
+    loc: Locator,
+    named: Iterable[str] = (),
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
     """Apply ``KEY=VALUE`` overrides with dotted keys to ``raw`` (values parsed as YAML) and
     record them in ``loc``. ``matrix.solver.tol=[...]`` keeps the dot in the axis name; a string
-    value of a ``named`` section becomes ``{name: value}`` before a key is set inside it."""
+    value of a ``named`` section becomes ``{name: value}`` before a key is set inside it.
+    ``aliases`` maps a first key to the path it is short for (``runtime`` ->
+    ``defaults.runtime``)."""
     named = set(named)
+    aliases = aliases or {}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"--set {item}: expected KEY=VALUE (e.g. defaults.train.epochs=1)")
         parts: list[Any] = key.split(".")
+        if parts[0] in aliases:
+            parts = [*aliases[parts[0]], *parts[1:]]
         if parts[0] == "matrix" and len(parts) > 2:
             parts = ["matrix", ".".join(parts[1:])]
         cur: Any = raw

@@ -3,7 +3,9 @@ params, batch choice, when to measure, state preservation and picklable steps.
 
 A *step* is an instance of a module-level class holding the model and the batch, so the same
 object is timed in-process, measured for GPU peak memory in its own pass, and pickled into a
-fresh worker for CPU peak RSS (:func:`deqbench.measure.cpu_peak_rss`).
+fresh worker for CPU peak RSS (:func:`deqbench.measure.cpu_peak_rss`). A step runs the model
+forward and the loss under its ``runtime``'s autocast (default: the model's DEQ layers' runtime;
+the analyses pass the cell's), the loss in float32, as training does.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from ..deq import deq_layers
+from ..deq import Runtime, deq_layers
+from ..runtime import autocast, for_loss, model_runtime
 from .base import Analysis, CellContext
 
 Phase = Literal["init", "trained"]
@@ -161,15 +164,20 @@ def loss_for(task: Any) -> Any:
 # -- picklable steps ---------------------------------------------------------------------------
 
 
+def _runtime(step: Any) -> Runtime:
+    rt = getattr(step, "runtime", None)
+    return rt if rt is not None else model_runtime(step.model)
+
+
 class EvalStep:
     """One no-grad forward of ``model`` (eval mode) on ``x``; returns forward f-evaluations."""
 
-    def __init__(self, model: nn.Module, x: Tensor) -> None:
-        self.model, self.x = model, x
+    def __init__(self, model: nn.Module, x: Tensor, runtime: Runtime | None = None) -> None:
+        self.model, self.x, self.runtime = model, x, runtime
 
     def __call__(self) -> int:
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), autocast(_runtime(self), self.x.device):
             self.model(self.x)
         return forward_nstep(self.model)
 
@@ -178,16 +186,20 @@ class GradStep:
     """Forward with grad, loss, and the parameter gradients (``autograd.grad``; ``.grad`` is not
     touched); returns (forward f-evals, backward f-evals)."""
 
-    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, task: Any) -> None:
-        self.model, self.x, self.y, self.task = model, x, y, task
+    def __init__(
+        self, model: nn.Module, x: Tensor, y: Tensor, task: Any, runtime: Runtime | None = None
+    ) -> None:
+        self.model, self.x, self.y, self.task, self.runtime = model, x, y, task, runtime
 
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def __call__(self) -> tuple[int, int]:
         self.model.train()
+        rt = _runtime(self)
         with torch.enable_grad():
-            loss = loss_for(self.task)(self.model(self.x), self.y)
+            with autocast(rt, self.x.device):
+                loss = loss_for(self.task)(for_loss(self.model(self.x), rt), self.y)
             torch.autograd.grad(loss, self.params(), allow_unused=True)
         return forward_nstep(self.model), backward_nstep(self.model)
 
@@ -202,10 +214,17 @@ class TrainStep:
     would leave the step's own gradients out of its peak)."""
 
     def __init__(
-        self, model: nn.Module, x: Tensor, y: Tensor, task: Any, train: dict[str, Any] | None = None
+        self,
+        model: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        task: Any,
+        train: dict[str, Any] | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
         self.model, self.x, self.y, self.task = model, x, y, task
         self.train = dict(train or {})
+        self.runtime = runtime
         self.opt: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -221,8 +240,10 @@ class TrainStep:
             )
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
+        rt = _runtime(self)
         with torch.enable_grad():
-            loss = loss_for(self.task)(self.model(self.x), self.y)
+            with autocast(rt, self.x.device):
+                loss = loss_for(self.task)(for_loss(self.model(self.x), rt), self.y)
             loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -33,6 +33,10 @@ plot ``backward_memory`` (IFT flat, unrolled linear).
 
 Rows have ``step`` 0 (before training) or the number of epochs (after training).
 
+The measured steps (timed, activation and peak memory, the series) run under the cell's
+``runtime`` (bf16 autocast, the loss in float32); the reference gradient stays float64 (autocast
+leaves float64 alone).
+
 The gradient functions (reference, accuracy) are in :mod:`deqbench.gradients`.
 
 Example (plain functions):
@@ -60,7 +64,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
-from ..deq import BackwardConfig, DEQLayer, SolverConfig, configure, deq_layers, last_stats
+from ..deq import BackwardConfig, DEQLayer, Runtime, SolverConfig, configure, deq_layers, last_stats
 from ..gradients import (  # noqa: F401  (re-exported: the plain functions of this analysis)
     DENSE_MAX,
     GradVector,
@@ -72,6 +76,7 @@ from ..gradients import (  # noqa: F401  (re-exported: the plain functions of th
 )
 from ..measure import MIB, Memory, flag_rows, peak_memory, saved_tensor_bytes, time_phases
 from ..registry import analyses
+from ..runtime import autocast, for_loss, model_runtime
 from ._perf import (
     GradStep,
     PerfAnalysis,
@@ -194,16 +199,19 @@ def measure_mode(
     warmup: int = 2,
     memory: bool = True,
     memory_cpu: bool = True,
+    runtime: Runtime | None = None,
 ) -> dict[str, Any]:
     """Time, memory, solver counts and gradient accuracy of one training step of ``model`` with
-    ``backward`` (and the forward solver ``forward``, default: the model's). The model's
-    configs, buffers and mode are restored afterwards.
+    ``backward`` (and the forward solver ``forward``, default: the model's), under ``runtime``
+    (default: the model's DEQ layers'). The model's configs, buffers and mode are restored
+    afterwards.
 
     Returns a dict with ``timing`` ({forward, backward, total} Timings, results = (forward,
     backward) f-evals per repeat), ``memory`` (Memory or None), ``activation_bytes``,
     ``stats`` (:func:`deqbench.deq.last_stats` of the untimed gradient pass), ``f_evals_grad``,
     ``cosine`` and ``rel_error`` (NaN without ``g_ref``)."""
     device = x.device
+    rt = runtime if runtime is not None else model_runtime(model)
     with preserved(model):
         configure(model, forward, backward)
         params = list(_param_dict(model).values())
@@ -211,7 +219,8 @@ def measure_mode(
 
         def step(mark: Any) -> tuple[int, int]:
             model.train()
-            loss = loss_fn(model(x), y)
+            with autocast(rt, device):
+                loss = loss_fn(for_loss(model(x), rt), y)
             nf = forward_nstep(model)
             mark("forward")
             torch.autograd.grad(loss, params, allow_unused=True)
@@ -220,13 +229,16 @@ def measure_mode(
         timing = time_phases(
             step, ("forward", "backward"), device=device, repeats=repeats, warmup=warmup
         )
-        g = grad_vector(model, x, y, task, names=g_ref.names if g_ref is not None else None)
+        with autocast(rt, device):
+            g = grad_vector(model, x, y, task, names=g_ref.names if g_ref is not None else None)
         stats = last_stats(model)
         fe_grad = sum(int(layer.f_evals_grad) for layer in deq_layers(model))
-        with preserved(model):
+        with preserved(model), autocast(rt, device):
             model.train()
-            act, _ = saved_tensor_bytes(lambda: loss_fn(model(x), y))
-        mem = peak_memory(GradStep(model, x, y, task), device, cpu=memory_cpu) if memory else None
+            act, _ = saved_tensor_bytes(lambda: loss_fn(for_loss(model(x), rt), y))
+        mem = (
+            peak_memory(GradStep(model, x, y, task, rt), device, cpu=memory_cpu) if memory else None
+        )
     cos, err = gradient_accuracy(g, g_ref) if g_ref is not None else (math.nan, math.nan)
     return {
         "timing": timing,
@@ -348,14 +360,16 @@ def memory_vs_iterations(
     modes: Sequence[str] = ("ift", "unrolled"),
     memory: bool = True,
     memory_cpu: bool = True,
+    runtime: Runtime | None = None,
 ) -> Any:
     """Memory of one training step against the number of forward iterations N: ``ift`` with a
     forward of exactly N fixed-point iterations (tol 0) and the model's adjoint settings, and
-    ``unrolled`` with K = N. Returns a DataFrame: mode, iterations, activation_mib, peak_mib,
-    forward_nstep."""
+    ``unrolled`` with K = N, under ``runtime`` (default: the model's DEQ layers'). Returns a
+    DataFrame: mode, iterations, activation_mib, peak_mib, forward_nstep."""
     import pandas as pd
 
     layer = _first_layer(model)
+    rt = runtime if runtime is not None else model_runtime(model)
     base_b = layer.backward_cfg
     out = []
     with preserved(model):
@@ -373,10 +387,11 @@ def memory_vs_iterations(
                     )
                 configure(model, fwd, bwd)
                 model.train()
-                act, _ = saved_tensor_bytes(lambda: loss_fn(model(x), y))
+                with autocast(rt, x.device):
+                    act, _ = saved_tensor_bytes(lambda: loss_fn(for_loss(model(x), rt), y))
                 nf = forward_nstep(model)
                 mem = (
-                    peak_memory(GradStep(model, x, y, task), x.device, cpu=memory_cpu)
+                    peak_memory(GradStep(model, x, y, task, rt), x.device, cpu=memory_cpu)
                     if memory
                     else Memory(math.nan, note="memory off")
                 )
@@ -505,6 +520,7 @@ class Backward(PerfAnalysis):
                         warmup=p.warmup,
                         memory=p.memory,
                         memory_cpu=p.memory_cpu,
+                        runtime=ctx.runtime,
                     )
                 except torch.cuda.OutOfMemoryError as exc:
                     torch.cuda.empty_cache()
@@ -534,6 +550,7 @@ class Backward(PerfAnalysis):
                     modes=p.memory_series_modes,
                     memory=p.memory,
                     memory_cpu=p.memory_cpu,
+                    runtime=ctx.runtime,
                 )
                 df.insert(0, "step", step)
                 self._series = getattr(self, "_series", [])

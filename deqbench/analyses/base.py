@@ -118,7 +118,14 @@ class CellContext:
         X, y = self.data.test if split == "test" else self.data.train
         if max_samples is not None:
             X, y = X[:max_samples], y[:max_samples]
-        return evaluate(self.model, X, y, self.data.task)
+        return evaluate(self.model, X, y, self.data.task, runtime=self.runtime)
+
+    @property
+    def runtime(self) -> Any:
+        """The cell's :class:`~deqbench.deq.Runtime` (its ``runtime`` section)."""
+        from ..runtime import cell_runtime
+
+        return cell_runtime(self.cell)
 
 
 class Analysis:

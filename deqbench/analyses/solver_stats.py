@@ -13,6 +13,11 @@ Rows (analysis ``solver_stats``):
   both solves are measured: ``forward_nstep`` / ``backward_nstep`` mean and ``*_max``, residual
   max, converged fraction.
 
+The ``forward_nstep`` rows' note says what ran (the cell's ``runtime``): how the forward solves
+ran (``path=eager | graph | compiled``, ``+``-joined when an epoch saw several) and the autocast
+(``amp=none | bf16``), plus ``compile=<backend>`` when compiled, e.g. ``path=graph, amp=bf16``.
+The passes this analysis makes itself run under the cell's runtime too.
+
 Series: ``solver_steps`` (one line per training batch) and ``solver_trace`` (the residual after
 each forward iteration on ``trace_samples`` test inputs, at init and after training).
 A model without DEQ layers (``tied_repeat``) gets one ``skipped`` row.
@@ -34,8 +39,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..deq import deq_layers, is_deq, last_stats
+from ..deq import Runtime, deq_layers, is_deq, last_stats
 from ..registry import analyses
+from ..runtime import autocast, for_loss, forward_paths, model_runtime, runtime_note
 from .base import Analysis, CellContext, EpochInfo, Row, StepInfo
 
 FORWARD = (
@@ -49,17 +55,19 @@ BACKWARD = ("backward_nstep", "backward_rel_residual", "backward_converged")
 UNITS = {"forward_nstep": "f-evals", "backward_nstep": "f-evals", "forward_njvp": "JVPs"}
 
 
-def residual_trace(model: torch.nn.Module, x: torch.Tensor) -> Any:
-    """Per-iteration residuals of the forward solve(s) of ``model`` on input ``x``.
+def residual_trace(model: torch.nn.Module, x: torch.Tensor, runtime: Runtime | None = None) -> Any:
+    """Per-iteration residuals of the forward solve(s) of ``model`` on input ``x`` (under
+    ``runtime``'s autocast; default: the model's DEQ layers' runtime).
 
     Returns a DataFrame with columns layer, iteration (1-based f-evaluation), rel_max, rel_mean,
     abs_max, abs_mean (over the batch). Empty for a model without DEQ layers.
     """
     import pandas as pd
 
+    rt = runtime if runtime is not None else model_runtime(model)
     was = model.training
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), autocast(rt, x.device):
         model(x)
     model.train(was)
     frames = []
@@ -93,16 +101,20 @@ def solve_stats(
     backward: bool = False,
     loss_fn: Any = None,
     max_batches: int | None = None,
+    runtime: Runtime | None = None,
 ) -> Any:
     """Forward (and, with ``backward=True``, backward) solver statistics per batch of ``X``.
 
     The model is put in eval mode; with ``backward`` the loss gradient w.r.t. the parameters is
     computed with :func:`torch.autograd.grad` (``.grad`` is not touched, nothing is stepped), so the
-    configured backward mode runs its adjoint solve. Returns a DataFrame, one row per batch, with
-    the keys of :func:`deqbench.deq.last_stats`.
+    configured backward mode runs its adjoint solve. The forward runs under ``runtime``'s
+    autocast (default: the model's DEQ layers' runtime), the loss in float32. Returns a
+    DataFrame, one row per batch, with the keys of :func:`deqbench.deq.last_stats` and ``path``
+    (how the forward solves ran: eager, graph or compiled).
     """
     import pandas as pd
 
+    rt = runtime if runtime is not None else model_runtime(model)
     if loss_fn is None:
         loss_fn = torch.nn.functional.cross_entropy
     params = [p for p in model.parameters() if p.requires_grad]
@@ -116,12 +128,20 @@ def solve_stats(
             xb = X[i : i + batch_size]
             if backward and y is not None and params:
                 with torch.enable_grad():
-                    loss = loss_fn(model(xb), y[i : i + batch_size])
+                    with autocast(rt, xb.device):
+                        loss = loss_fn(for_loss(model(xb), rt), y[i : i + batch_size])
                     torch.autograd.grad(loss, params, allow_unused=True)
             else:
-                with torch.no_grad():
+                with torch.no_grad(), autocast(rt, xb.device):
                     model(xb)
-            out.append({"batch": b, "size": int(xb.shape[0]), **last_stats(model)})
+            out.append(
+                {
+                    "batch": b,
+                    "size": int(xb.shape[0]),
+                    **last_stats(model),
+                    "path": forward_paths(model),
+                }
+            )
     finally:
         model.train(was)
     return pd.DataFrame(out)
@@ -146,9 +166,10 @@ class SolverStatsAnalysis(Analysis):
         super().__init__(params)
         self.steps: list[dict[str, float]] = []
         self.traces: list[Any] = []
+        self.paths: dict[int, set[str]] = {}  # epoch -> how its training solves ran
 
     def _trace(self, ctx: CellContext, phase: str) -> None:
-        df = residual_trace(ctx.model, ctx.data.test[0][: self.params.trace_samples])
+        df = residual_trace(ctx.model, ctx.data.test[0][: self.params.trace_samples], ctx.runtime)
         df.insert(0, "phase", phase)
         self.traces.append(df)
         import pandas as pd
@@ -172,15 +193,25 @@ class SolverStatsAnalysis(Analysis):
             self.steps.append(
                 {"epoch": info.epoch, "step": info.step, "loss": info.loss, **info.deq}
             )
+            self.paths.setdefault(info.epoch, set()).add(forward_paths(ctx.model))
         return ()
 
     def on_epoch(self, ctx: CellContext, info: EpochInfo):
         if not is_deq(ctx.model):
             return
+        rt = ctx.runtime
+        test_path = forward_paths(ctx.model)  # the test pass just ran
+        notes = {
+            # epoch 0's train variant is an evaluation pass like the test one
+            "train": runtime_note(self.paths.get(info.epoch) or test_path, rt),
+            "test": runtime_note(test_path, rt),
+        }
         for variant, stats in (("train", info.train), ("test", info.test)):
             for k in FORWARD + BACKWARD:
                 if k in stats:
-                    yield Row(k, stats[k], variant=variant, step=info.epoch, unit=UNITS.get(k, ""))
+                    note = notes[variant] if k == "forward_nstep" else ""
+                    yield Row(k, stats[k], variant=variant, step=info.epoch,
+                              unit=UNITS.get(k, ""), note=note)  # fmt: skip
         if self.steps:
             import pandas as pd
 
@@ -200,12 +231,15 @@ class SolverStatsAnalysis(Analysis):
             backward=self.params.final_backward,
             loss_fn=ctx.loss_fn or loss_function(ctx.task),
             max_batches=self.params.max_test_batches,
+            runtime=ctx.runtime,
         )
         w = df["size"] / df["size"].sum()
+        note = runtime_note(set(df["path"]) if "path" in df else None, ctx.runtime)
         for k in ("forward_nstep", "forward_njvp", "backward_nstep"):
             if k in df:
                 unit = UNITS[k]
-                yield Row(k, float((df[k].fillna(0) * w).sum()), variant="final_test", unit=unit)
+                yield Row(k, float((df[k].fillna(0) * w).sum()), variant="final_test", unit=unit,
+                          note=note if k == "forward_nstep" else "")  # fmt: skip
                 yield Row(f"{k}_max", float(df[k].max()), variant="final_test", unit=unit)
         for k in ("forward_rel_residual", "forward_abs_residual", "backward_rel_residual"):
             if k in df:

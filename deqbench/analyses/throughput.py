@@ -5,16 +5,21 @@ Rows (analysis ``throughput``; ``step`` 0 = before training, = epochs after trai
 * ``eval_ms`` (one row per timed repeat, ``repeat`` = index) and ``eval_ms_median`` /
   ``_iqr`` / ``_spread`` (IQR / median; the note flags a spread above 10%): a no-grad forward of
   one batch in eval mode; ``eval_samples_per_s`` from the median; ``eval_forward_nstep``: the
-  f-evaluations of every timed repeat (counted in the same repeat);
+  f-evaluations of every timed repeat (counted in the same repeat; the note says how the solve
+  ran and under which autocast, e.g. ``path=graph, amp=bf16``); ``eval_forward_rel_residual`` /
+  ``eval_forward_converged``: the final residual (batch max) of the last timed repeat's solve
+  and whether it met the solver's tolerance (read after the timing: no sync inside it);
 * ``train_ms`` (same layout), ``train_samples_per_s``, ``train_forward_nstep`` /
-  ``train_backward_nstep``: a full optimiser step (zero_grad, forward, loss, backward, step with
-  the cell's optimiser) on a copy of the model, so the model under analysis is not changed;
+  ``train_backward_nstep``, ``train_{forward,backward}_{rel_residual,converged}``: a full
+  optimiser step (zero_grad, forward, loss, backward, step with the cell's optimiser) on a copy
+  of the model, so the model under analysis is not changed;
 * ``eval_peak_memory`` / ``train_peak_memory`` (MiB) in their own pass: GPU
   ``max_memory_allocated`` above the baseline; CPU peak RSS of a fresh worker process;
 * ``param_count``, ``batch_size``, ``threads`` (and on GPU the TF32 / cudnn.benchmark flags).
 
 Timing: CUDA events on GPU, ``perf_counter`` on CPU with the thread count recorded; ``warmup``
-untimed calls first; every repeat stored (DESIGN.md "Measuring").
+untimed calls first; every repeat stored (DESIGN.md "Measuring"). Every pass (timed and memory)
+runs under the cell's ``runtime`` (bf16 autocast, compiled cell, CUDA graphs), as training does.
 
 Example (plain functions):
     >>> import deqbench, torch
@@ -35,8 +40,10 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
+from ..deq import Runtime, last_stats
 from ..measure import Memory, Timing, flag_rows, param_count, peak_memory, sync, time_fn
 from ..registry import analyses
+from ..runtime import forward_paths, model_runtime, runtime_note
 from ._perf import (
     EvalStep,
     PerfAnalysis,
@@ -64,29 +71,36 @@ def measure_throughput(
     train_step: bool = True,
     memory: bool = True,
     memory_cpu: bool = True,
+    runtime: Runtime | None = None,
 ) -> dict[str, Any]:
-    """Eval forward and train step timings and peak memory of ``model`` on batch ``x``.
+    """Eval forward and train step timings and peak memory of ``model`` on batch ``x``, under
+    ``runtime`` (default: the model's DEQ layers').
 
     Returns a dict: ``eval`` (:class:`~deqbench.measure.Timing`), ``eval_nstep`` (f-evals per
-    repeat), ``eval_memory`` (:class:`~deqbench.measure.Memory`), and with ``train_step`` and
-    ``y``: ``train``, ``train_nstep`` (forward, backward per repeat), ``train_memory``. The model's
-    buffers and mode are restored; the train step runs on a copy.
+    repeat), ``eval_stats`` (:func:`~deqbench.deq.last_stats` of the last timed repeat),
+    ``eval_path`` (how its solves ran), ``eval_memory`` (:class:`~deqbench.measure.Memory`), and
+    with ``train_step`` and ``y``: ``train``, ``train_nstep`` (forward, backward per repeat),
+    ``train_stats``, ``train_path``, ``train_memory``; ``runtime``. The model's buffers and mode
+    are restored; the train step runs on a copy.
     """
     device = x.device
-    out: dict[str, Any] = {}
+    rt = runtime if runtime is not None else model_runtime(model)
+    out: dict[str, Any] = {"runtime": rt}
     with preserved(model):
-        ev = EvalStep(model, x)
+        ev = EvalStep(model, x, rt)
         t = time_fn(ev, device=device, repeats=repeats, warmup=warmup)
         out["eval"], out["eval_nstep"] = t, list(t.results)
+        out["eval_stats"], out["eval_path"] = last_stats(model), forward_paths(model)
         if memory:
             out["eval_memory"] = peak_memory(ev, device, cpu=memory_cpu)
     if train_step and y is not None:
-        ts = TrainStep(detached_copy(model), x, y, task, train)
+        ts = TrainStep(detached_copy(model), x, y, task, train, rt)
         t = time_fn(ts, device=device, repeats=repeats, warmup=warmup)
         out["train"], out["train_nstep"] = t, list(t.results)
+        out["train_stats"], out["train_path"] = last_stats(ts.model), forward_paths(ts.model)
         if memory:
             out["train_memory"] = peak_memory(
-                TrainStep(detached_copy(model), x, y, task, train), device, cpu=memory_cpu
+                TrainStep(detached_copy(model), x, y, task, train, rt), device, cpu=memory_cpu
             )
     return out
 
@@ -116,6 +130,13 @@ _NSTEP_METRICS = {
     "eval": ("eval_forward_nstep",),
     "train": ("train_forward_nstep", "train_backward_nstep"),
 }
+#: last_stats keys -> metric suffix of the residual rows beside the timings
+_RESIDUALS = {
+    "forward_rel_residual": "forward_rel_residual",
+    "forward_converged": "forward_converged",
+    "backward_rel_residual": "backward_rel_residual",
+    "backward_converged": "backward_converged",
+}
 
 
 def throughput_rows(
@@ -140,12 +161,19 @@ def throughput_rows(
         )
         # f-evals per repeat: eval n = forward; train n = (forward, backward)
         metrics = _NSTEP_METRICS[kind]
+        rt = res.get("runtime")
+        note = runtime_note(res.get(f"{kind}_path"), rt) if rt is not None else ""
         for i, n in enumerate(res.get(f"{kind}_nstep") or []):
             values = (n,) if kind == "eval" else n
             rows += [
-                Row(m, v, variant=variant, step=step, repeat=i, unit="f-evals")
+                Row(m, v, variant=variant, step=step, repeat=i, unit="f-evals", note=note)
                 for m, v in zip(metrics, values)
             ]
+        # the final residuals of the last timed repeat's solves, beside its counts
+        stats = res.get(f"{kind}_stats") or {}
+        for k, suffix in _RESIDUALS.items():
+            if k in stats:
+                rows.append(Row(f"{kind}_{suffix}", stats[k], variant=variant, step=step))
         mem: Memory | None = res.get(f"{kind}_memory")
         if mem is not None:
             rows.append(mem.row(f"{kind}_peak_memory", variant=variant, step=step))
@@ -183,6 +211,7 @@ class Throughput(PerfAnalysis):
                 train_step=p.train_step,
                 memory=p.memory,
                 memory_cpu=p.memory_cpu,
+                runtime=ctx.runtime,
             )
             yield from throughput_rows(res, bs, step=step)
             yield Row("param_count", param_count(ctx.model), step=step, unit="parameters")

@@ -43,11 +43,12 @@ from .base import (
     graph_loop,
     graph_mode,
     graph_state,
+    graph_steps,
     option_error,
     positive_int,
 )
 
-OPTIONS = COMMON_OPTIONS | {"m", "beta", "lam", "lam_abs", "cuda_graph"}
+OPTIONS = COMMON_OPTIONS | {"m", "beta", "lam", "lam_abs", "cuda_graph", "graph_steps"}
 
 
 @solvers.register("anderson")
@@ -76,7 +77,7 @@ def anderson(
             sample (default 1e-8).
         lam_abs: absolute regulariser added to lam_eff (default 0; TorchDEQ's ``lam`` is
             ``lam=0, lam_abs=1e-4``).
-        returns, check_every, protect_thres, cuda_graph: as for ``fixed_point``. With
+        returns, check_every, protect_thres, cuda_graph, graph_steps: as for ``fixed_point``. With
             ``cuda_graph`` every step works on all m slots (unused ones are masked out of the
             least-squares problem), so one captured step serves the whole solve.
 
@@ -115,6 +116,7 @@ def anderson(
     dev, dt = z0.device, z0.dtype
     gmode = graph_mode("anderson", options)
     if gmode is not None:
+        steps = graph_steps("anderson", options, z0)
         nstep, fallbacks = _static_steps(
             f,
             z0,
@@ -129,11 +131,10 @@ def anderson(
             lam,
             lam_abs,
             max_iter,
+            steps,
         )
-        return tracker.finish(
-            nstep,
-            {"m": m, "lam": lam, "lam_abs": lam_abs, "fallbacks": fallbacks, "cuda_graph": gmode},
-        )
+        info = {"m": m, "lam": lam, "lam_abs": lam_abs, "fallbacks": fallbacks}
+        return tracker.finish(nstep, info | {"cuda_graph": gmode, "graph_steps": steps})
     Fb = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
     Gb = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
     sdt = _system_dtype(dt)
@@ -215,6 +216,7 @@ def _static_steps(
     lam: float,
     lam_abs: float,
     max_iter: int,
+    steps: int = 1,
 ) -> tuple[int, Tensor]:
     """Anderson on static buffers (the ring slot and the number of used slots live on the
     device), so that one step can be captured in a CUDA graph and replayed; unused slots get a
@@ -222,7 +224,7 @@ def _static_steps(
     bsz, dev, dt = z0.shape[0], z0.device, z0.dtype
     sdt = _system_dtype(dt)
     key = ("anderson", f, tuple(z0.shape), dt, dev, max_iter, m, beta, lam, lam_abs, returns,
-           stop_mode)  # fmt: skip
+           stop_mode, steps)  # fmt: skip
     graph, st = graph_state(gmode, key)
     st["bufs"] = tracker.enable_device_mode(z0, st.get("bufs"))
     if "xs" not in st:
@@ -231,14 +233,16 @@ def _static_steps(
         st["Gb"] = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
         st["it"] = torch.empty(1, dtype=torch.long, device=dev)
         st["fallbacks"] = torch.empty(bsz, dtype=torch.int64, device=dev)
+        # every tensor the captured step reads must live as long as the cached graph
+        st["ones"] = torch.ones(bsz, m, 1, dtype=sdt, device=dev)
+        st["ids"] = torch.arange(m, device=dev)
     xs, Fb, Gb, it, fallbacks = st["xs"], st["Fb"], st["Gb"], st["it"], st["fallbacks"]
+    ones, ids = st["ones"], st["ids"]
     xs.copy_(z0)
     Fb.zero_()
     Gb.zero_()
     it.zero_()
     fallbacks.zero_()
-    ones = torch.ones(bsz, m, 1, dtype=sdt, device=dev)
-    ids = torch.arange(m, device=dev)
     Gn = Gb.view(bsz * nc, m, cd)
     Fn = Fb.view(bsz * nc, m, cd)
     xv = xs.view(bsz, nc, 1, cd)
@@ -266,6 +270,17 @@ def _static_steps(
             xs.view(bsz * nc, 1, cd).copy_(xn)
 
     nstep = graph_loop(
-        "anderson", tracker, body, max_iter, mode=gmode, key=key, graph=graph, state=st
+        "anderson",
+        tracker,
+        body,
+        max_iter,
+        mode=gmode,
+        key=key,
+        graph=graph,
+        state=st,
+        steps=steps,
     )
     return nstep, fallbacks.clone()
+
+
+anderson.supports_cuda_graph = True  # type: ignore[attr-defined]

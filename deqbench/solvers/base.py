@@ -23,9 +23,10 @@ trend predicts convergence at the current step, so the f-evaluation count is not
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,15 @@ COMMON_OPTIONS = {"returns", "check_every", "protect_thres"}
 
 class SolverOptionError(ConfigError, ValueError):
     """An invalid solver option or option value (a ConfigError that is also a ValueError)."""
+
+
+class GraphCaptureError(RuntimeError):
+    """f could not be captured in a CUDA graph (host syncs, changing shapes, ...)."""
+
+
+def supports_graph(solver: Any) -> bool:
+    """Whether a registered solver function takes the ``cuda_graph`` option."""
+    return bool(getattr(solver, "supports_cuda_graph", False))
 
 
 @dataclass
@@ -64,6 +74,10 @@ class SolverStats:
         extra: solver-specific diagnostics (``returned`` is "x": the iterate, not f(x)).
         njvp: Jacobian-vector products made (forward-mode AD), counted apart from ``nstep``
             (0 for solvers that make none; ``newton_krylov``).
+        path: how the solve ran: "eager", "graph" (replayed CUDA graph) or "compiled" (the
+            cell compiled with torch.compile, run eagerly by the solver). Set by the DEQ layer
+            (:attr:`deqbench.deq.Runtime.cuda_graph`); a direct call with ``cuda_graph`` set
+            reports "graph".
 
     Example:
         >>> import torch, deqbench
@@ -86,6 +100,7 @@ class SolverStats:
     stop_mode: str = "rel"
     extra: dict[str, Any] = field(default_factory=dict)
     njvp: int = 0
+    path: str = "eager"
 
     @property
     def abs_max(self) -> float:
@@ -369,6 +384,8 @@ class Tracker:
         self.exact_reads = 0
         self.device_mode = False
         self.last_allbetter = True  # host: whether every sample improved at the last read step
+        self.bounds: list[int] = []  # step counts after each host-visible chunk (events there)
+        self.conv_at: int | None = None  # f-evaluations up to the first iterate below tol
 
     # -- per step ---------------------------------------------------------------------------
     def record(self, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
@@ -398,6 +415,7 @@ class Tracker:
             ev.record()
             self.events[k] = ev
         self.k = k + 1
+        self.bounds.append(self.k)
 
     # -- device mode (CUDA graphs) ----------------------------------------------------------
     def enable_device_mode(
@@ -414,7 +432,7 @@ class Tracker:
             bufs = {
                 "trace": self.trace,
                 "row": torch.empty(4, self.B, dtype=rdtype, device=dev),
-                "st": torch.zeros(4, dtype=rdtype, device=dev),
+                "st": torch.zeros(GRAPH_STEPS_MAX, 4, dtype=rdtype, device=dev),
                 "low": torch.empty(self.B, dtype=rdtype, device=dev),
                 "k": torch.empty(1, dtype=torch.long, device=dev),
                 "nf": torch.empty(self.B, dtype=rdtype, device=dev),
@@ -427,11 +445,12 @@ class Tracker:
         self.trace = bufs["trace"]
         self.dev_row, self.dev_st, self.dev_low = bufs["row"], bufs["st"], bufs["low"]
         self.dev_k, self.dev_nf, self.best_z = bufs["k"], bufs["nf"], bufs["best"]
+        self.dev_j = 0  # row of dev_st the next device_record writes (the step in its chunk)
         return bufs
 
     def device_record(self, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
         """:meth:`record` with static buffers only (capturable); call :meth:`commit` after."""
-        row, best = self.dev_row, self.best_z
+        row, best, st = self.dev_row, self.best_z, self.dev_st[self.dev_j]
         assert best is not None
         batch_norm(fz - z if d is None else d, out=row[0])
         batch_norm(fz, out=self.dev_nf)
@@ -443,49 +462,54 @@ class Tracker:
             torch.fmin(res, self.dev_low, out=row[2])
             self.dev_low.copy_(row[2])
             torch.sub(res, row[2], out=row[3])
-            torch.amax(row, dim=1, out=self.dev_st)
+            torch.amax(row, dim=1, out=st)
         else:
             best.copy_(z)
-            torch.amax(row[:2], dim=1, out=self.dev_st[:2])
+            torch.amax(row[:2], dim=1, out=st[:2])
         self.trace.index_copy_(0, self.dev_k, row.unsqueeze(0))
         self.dev_k.add_(1)
 
-    def commit(self) -> None:
-        """Host side of a step made by :meth:`device_record` (eagerly or by a graph replay)."""
+    def commit(self, steps: int = 1) -> None:
+        """Host side of ``steps`` steps made by :meth:`device_record` (eagerly or by one graph
+        replay): one asynchronous copy of their summaries and one event."""
         k = self.k
         if self.cuda:
-            self.hstats[k].copy_(self.dev_st, non_blocking=True)
+            self.hstats[k : k + steps].copy_(self.dev_st[:steps], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
-            self.events[k] = ev
+            self.events[k + steps - 1] = ev
         else:
-            self.dstats[k].copy_(self.dev_st)
-        self.k = k + 1
+            self.dstats[k : k + steps].copy_(self.dev_st[:steps])
+        self.k = k + steps
+        self.bounds.append(self.k)
 
     def stop(self) -> bool:
         """Whether to stop after the step just recorded (converged, diverged or stagnated)."""
         k = self.k
+        prev = self.bounds[-2] if len(self.bounds) > 1 else 0  # the chunk before the last
         if self.check_every is not None:
-            if k % self.check_every == 0:
+            if k // self.check_every > prev // self.check_every:
                 self._consume(k)
             else:
                 while len(self.pending) > self.MAX_PENDING:
                     self._resolve(self.pending[0][0], False)
-        elif not self.cuda or k == 1:
+        elif not self.cuda or prev == 0:
             self._consume(k)
         else:
-            self._consume(k - 1)  # finished or about to: step k keeps the GPU busy meanwhile
-            if self.status is None and self._near():
+            self._consume(prev)  # finished or about to: the last chunk keeps the GPU busy
+            if self.status is None and self._near(k - self.read):
                 self.exact_reads += 1
                 self._consume(k)
         return self.status is not None
 
-    def _near(self) -> bool:
+    def _near(self, ahead: int = 1) -> bool:
+        """Whether the residual trend predicts convergence within the ``ahead`` steps the host
+        has not read yet (a replayed graph makes several)."""
         h = self.best_hist
         if not h:
             return True
         ratio = h[-1] / h[-2] if len(h) > 1 and h[-2] > 0 else 1.0
-        return h[-1] * min(ratio, 1.0) < self.NEAR * self.tol
+        return h[-1] * min(ratio, 1.0) ** max(1, ahead) < self.NEAR * self.tol
 
     def _resolve(self, j: int, allbetter: bool) -> None:
         """Make the pending iterate of step j (the oldest) the returned one where it is lowest.
@@ -529,6 +553,7 @@ class Tracker:
                 self.status = "diverged"
             elif best < self.tol:
                 self.status = "converged"
+                self.conv_at = j + 1
             elif self.stagnation is not None and self._stagnated(best):
                 self.status = "stagnated"
         self.read = upto
@@ -571,6 +596,8 @@ class Tracker:
             lowest_step = k - 1
         top = self.best_hist[-1]  # batch max of the returned residuals (stop mode)
         info = {"returned": "x", "lowest_steps": lowest_steps, "host_reads_exact": self.exact_reads}
+        if self.conv_at is not None and self.conv_at < k:
+            info["nstep_to_tol"] = self.conv_at  # steps past it came from checking per chunk
         info.update(extra or {})
         stats = make_stats(
             self.solver,
@@ -587,6 +614,8 @@ class Tracker:
             extra=info,
             converged=math.isfinite(top) and top < self.tol,
         )
+        if self.device_mode and self.cuda:
+            stats.path = "graph"
         z = self.best_z
         if self.device_mode:
             z = z.clone()
@@ -595,14 +624,48 @@ class Tracker:
         return z, stats
 
 
-#: captured solver steps kept by ``cuda_graph="cache"``: key -> (graph, static state)
+#: captured solver steps kept by ``cuda_graph="cache"``: key -> (graph, static state), most
+#: recently used last
 _GRAPH_CACHE: dict[tuple, tuple[Any, dict[str, Any]]] = {}
-GRAPH_CACHE_SIZE = 8
+GRAPH_CACHE_SIZE = 16
+#: most steps captured in one graph (``graph_steps``)
+GRAPH_STEPS_MAX = 16
+#: ``graph_steps="auto"``: states of at most this many elements get AUTO_STEPS steps per graph
+#: (launch-bound: one host round trip per chunk instead of per step), larger ones one
+AUTO_NUMEL = 1 << 21
+AUTO_STEPS = 2
+
+
+@contextlib.contextmanager
+def forbid_sync() -> Iterator[None]:
+    """CUDA operations that synchronise with the host raise inside (``torch.cuda``'s sync debug
+    mode): a step that runs clean here can be captured. Probing this way avoids a capture that
+    fails halfway, which leaves the CUDA generator in capture state (later random ops raise
+    "Offset increment outside graph capture")."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+#: captures and replays made in this process (diagnostics)
+GRAPH_COUNTS = {"captures": 0, "replays": 0}
 
 
 def clear_graph_cache() -> None:
     """Drop every cached CUDA graph (and the memory its static buffers hold)."""
     _GRAPH_CACHE.clear()
+
+
+def drop_graphs(fs: list[Any]) -> None:
+    """Drop the cached graphs captured for any of the maps ``fs`` (keys hold f itself)."""
+    if not fs:
+        return
+    ids = {id(f) for f in fs}
+    for key in [k for k in _GRAPH_CACHE if len(k) > 1 and id(k[1]) in ids]:
+        del _GRAPH_CACHE[key]
 
 
 def graph_mode(solver: str, options: dict[str, Any]) -> str | None:
@@ -617,11 +680,30 @@ def graph_mode(solver: str, options: dict[str, Any]) -> str | None:
     raise option_error(solver, f"cuda_graph must be False, True or 'cache', got {v!r}")
 
 
+def graph_steps(solver: str, options: dict[str, Any], z0: Tensor) -> int:
+    """The validated ``graph_steps`` option: steps per replayed graph ("auto": AUTO_STEPS for
+    states of at most AUTO_NUMEL elements, else 1)."""
+    v = options.get("graph_steps", "auto")
+    if v == "auto":
+        return AUTO_STEPS if z0.numel() <= AUTO_NUMEL else 1
+    k = positive_int(solver, "graph_steps", v)
+    if k > GRAPH_STEPS_MAX:
+        raise option_error(solver, f"graph_steps must be at most {GRAPH_STEPS_MAX}, got {k}")
+    return k
+
+
 def graph_state(mode: str | None, key: tuple) -> tuple[Any, dict[str, Any]]:
     """(graph or None, static state dict to fill or reuse) for a solve."""
     if mode == "cache" and key in _GRAPH_CACHE:
-        return _GRAPH_CACHE[key]
+        hit = _GRAPH_CACHE.pop(key)
+        _GRAPH_CACHE[key] = hit  # most recently used
+        return hit
     return None, {}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def graph_loop(
@@ -635,58 +717,88 @@ def graph_loop(
     graph: Any = None,
     state: dict[str, Any] | None = None,
     warmup: int = 1,
+    steps: int = 1,
 ) -> int:
     """Run ``body`` (one solver step on static buffers, ending in ``tracker.device_record``)
-    ``warmup`` times eagerly, then capture it in a CUDA graph and replay it until the tracker
-    stops or ``max_iter`` steps were made. Returns the number of steps (f-evaluations) made.
+    ``warmup`` times eagerly, then capture ``steps`` of it in one CUDA graph and replay it
+    until the tracker stops or ``max_iter`` steps were made (the last ``< steps`` steps run
+    eagerly on the same buffers, so ``max_iter`` is never exceeded). Returns the number of
+    steps (f-evaluations) made.
 
-    The eager steps are real steps (they also let cuDNN/cuBLAS pick their algorithms before
-    capture, on a side stream as CUDA graphs require). f is called once more, during capture,
-    without evaluating anything. Each replay costs one launch instead of one per kernel, but
-    capturing and instantiating costs about a millisecond or more per solve; ``mode="cache"``
-    keeps the graph (and ``state``, its static buffers) under ``key`` and replays it from the
-    first step in later solves, which is valid only while f and every tensor it reads are the
-    same objects at the same addresses (the usual static-input CUDA-graph pattern).
+    The host reads the residual summaries once per replay, so up to ``steps - 1`` steps past
+    the first converged iterate can be made (counted in ``nstep``; ``extra["nstep_to_tol"]``
+    says where the tolerance was first met). The eager steps are real steps (they also let
+    cuDNN/cuBLAS pick their algorithms before capture, on a side stream as CUDA graphs
+    require). f is called ``steps`` times more during capture, without evaluating anything.
+    Each replay costs one launch instead of one per kernel, but capturing and instantiating
+    costs about a millisecond or more per solve; ``mode="cache"`` keeps the graph (and
+    ``state``, its static buffers) under ``key`` and replays it from the first step in later
+    solves, which is valid only while f and every tensor it reads are the same objects at the
+    same addresses (the usual static-input CUDA-graph pattern).
     """
     nstep = 0
-    if not tracker.cuda:  # no graphs on CPU: the same static body, eagerly (tests use this)
-        while True:
+
+    def eager_step(probe: bool = False) -> bool:
+        nonlocal nstep
+        tracker.dev_j = 0
+        if probe:
+            try:
+                with forbid_sync():
+                    body()
+            except RuntimeError as exc:
+                raise GraphCaptureError(
+                    f"solver '{solver}': f synchronises with the host ({_first_line(exc)}), so "
+                    "it cannot be captured in a CUDA graph"
+                ) from exc
+        else:
             body()
-            nstep += 1
-            tracker.commit()
-            if tracker.stop() or nstep >= max_iter:
-                return nstep
+        nstep += 1
+        tracker.commit(1)
+        return tracker.stop() or nstep >= max_iter
+
+    if not tracker.cuda:  # no graphs on CPU: the same static body, eagerly (tests use this)
+        while not eager_step():
+            pass
+        return nstep
     if graph is None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        done = False
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                body()
-                nstep += 1
-                tracker.commit()
-                if tracker.stop() or nstep >= max_iter:
+                if eager_step(probe=True):
+                    done = True
                     break
         torch.cuda.current_stream().wait_stream(side)
-        if tracker.status is not None or nstep >= max_iter:
+        if done or nstep + steps > max_iter:
+            while not done:
+                done = eager_step()
             return nstep
         graph = torch.cuda.CUDAGraph()
+        GRAPH_COUNTS["captures"] += 1
         try:
             with torch.cuda.graph(graph):
-                body()
+                for j in range(steps):
+                    tracker.dev_j = j
+                    body()
         except Exception as exc:
-            raise RuntimeError(
-                f"solver '{solver}': cuda_graph is on, but f could not be captured in a CUDA "
-                f"graph ({type(exc).__name__}: {exc}); f must not synchronise with the host or "
-                "change shapes; use cuda_graph=False"
+            raise GraphCaptureError(
+                f"solver '{solver}': f could not be captured in a CUDA graph "
+                f"({type(exc).__name__}: {_first_line(exc)}); f "
+                "must not synchronise with the host or change shapes"
             ) from exc
         if mode == "cache" and key is not None:
             while len(_GRAPH_CACHE) >= GRAPH_CACHE_SIZE:
                 _GRAPH_CACHE.pop(next(iter(_GRAPH_CACHE)))
             _GRAPH_CACHE[key] = (graph, state if state is not None else {})
-    while nstep < max_iter:
+    while nstep + steps <= max_iter:
+        GRAPH_COUNTS["replays"] += 1
         graph.replay()
-        nstep += 1
-        tracker.commit()
+        nstep += steps
+        tracker.commit(steps)
         if tracker.stop():
-            break
+            return nstep
+    if nstep < max_iter:
+        while not eager_step():
+            pass
     return nstep

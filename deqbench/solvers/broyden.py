@@ -30,6 +30,12 @@ Implementation notes (derived from these equations):
 It stops on tol, divergence (non-finite or blown-up residual) or stagnation (more than 30 steps,
 lowest residual below 3 tol and max/min of the last 30 residuals below 1.3), and returns x (not
 f(x)), the lowest-residual iterate per sample by default.
+
+``cuda_graph`` runs the same method on static buffers (:func:`_static_steps`): the pair count,
+ring slot and restart flag live on the device, every step reads all ``memory`` pairs with zero
+coefficients on those not in use, and the restart update is folded into the ordinary one
+(B dg = B g+ - r with r = B g the previous direction, or -g on a restart), so one captured step
+serves the whole solve and makes the eager path's iterates up to rounding.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ from .base import (
     check_output,
     chunking,
     flat,
+    graph_loop,
+    graph_mode,
+    graph_state,
+    graph_steps,
     option_error,
     positive_int,
 )
@@ -62,6 +72,8 @@ OPTIONS = COMMON_OPTIONS | {
     "ls_max_trials",
     "ls_c1",
     "stagnation",
+    "cuda_graph",
+    "graph_steps",
 }
 
 
@@ -96,12 +108,21 @@ def broyden(
             ``LBFGS_thres``), which is cheaper per restart but not a Broyden matrix any more and
             can diverge on long solves.
         line_search: Armijo backtracking on ||g||^2 (default False). Each trial is one
-            f-evaluation, and deciding whether to backtrack reads one flag on the host.
+            f-evaluation, and deciding whether to backtrack reads one flag on the host (on the
+            device with ``cuda_graph``).
         ls_max_trials: trials per step, step size halved each time (default 4).
         ls_c1: Armijo constant: accept when ||g(x + s p)||^2 <= (1 - c1 s) ||g(x)||^2
             (default 1e-4).
         stagnation: stop as stagnated, see the module docstring (default True).
-        returns, check_every, protect_thres: as for ``fixed_point``.
+        returns, check_every, protect_thres, cuda_graph, graph_steps: as for ``fixed_point``.
+            With ``cuda_graph`` every step works on all ``memory`` pairs (those not in use get
+            zero coefficients) and the restart or ring rule is applied on the device, so one
+            captured step serves the whole solve, with the eager path's iterates up to
+            rounding. With ``line_search`` each trial is one step and the backtracking decision
+            is made on the device; a rejected trial is recorded as the accepted point again, so
+            the traces have one row per f-evaluation (the eager path's one per accepted point)
+            while the stop decisions and the returned iterate are the eager path's (the
+            stagnation window counts rows, repeats included).
 
     Returns:
         (z, SolverStats); ``extra["skipped_updates"]`` counts per-sample rejected updates.
@@ -127,6 +148,8 @@ def broyden(
     if on_full not in ("restart", "ring"):
         raise option_error("broyden", f"on_full must be 'restart' or 'ring', got {on_full!r}")
     stagnation = (30, 1.3, 3.0) if options.get("stagnation", True) else None
+    gmode = graph_mode("broyden", options)
+    steps = graph_steps("broyden", options, z0)
 
     tracker = Tracker(
         "broyden",
@@ -143,6 +166,14 @@ def broyden(
     dim = flat(z0).shape[1]
     nc, cd = chunking(bsz, dim, dev)  # each sample's vector as nc chunks of length cd
     cap = max(1, min(memory, max_iter - 2))  # pairs ever stored
+    if gmode is not None:
+        nstep, npairs, restarts, skipped = _static_steps(
+            f, z0, tracker, gmode, common.returns, stop_mode, cap, nc, cd, on_full,
+            line_search, ls_trials, c1, max_iter, steps,
+        )  # fmt: skip
+        info = {"memory": memory, "pairs": npairs, "restarts": restarts}
+        info |= {"skipped_updates": skipped, "cuda_graph": gmode, "graph_steps": steps}
+        return tracker.finish(nstep, info)
 
     def rows(buf: Tensor, a: int, b: int) -> Tensor:
         """Rows a:b of every sample as a (B * nc, b - a, cd) view (no copy)."""
@@ -285,3 +316,206 @@ def broyden(
             "skipped_updates": skipped,
         },
     )
+
+
+def _static_steps(
+    f: Callable[[Tensor], Tensor],
+    z0: Tensor,
+    tracker: Tracker,
+    gmode: str,
+    returns: str,
+    stop_mode: str,
+    cap: int,
+    nc: int,
+    cd: int,
+    on_full: str,
+    line_search: bool,
+    ls_trials: int,
+    c1: float,
+    max_iter: int,
+    steps: int,
+) -> tuple[int, int, int, Tensor]:
+    """Broyden on static buffers, one f-evaluation per step, so that a step can be captured in
+    a CUDA graph and replayed. Returns (nstep, pairs, restarts, skipped_updates).
+
+    A step first makes the update from the previous evaluation (the eager loop's update, moved
+    to the next step so that the last evaluation makes none), then evaluates f at the new
+    point. The step counter, pair count (hence the restart flag and the ring slot) and, with a
+    line search, the step sizes, trial count, accepted point and the decision whether to accept
+    the last trial (made right after its evaluation, which is recorded as the accepted point
+    again when rejected) live on the device. Every step forms the products with all ``cap``
+    pairs; pairs not in use (not yet written, or dropped by a restart) get zero coefficients.
+    With r = B g(x) (q, or -dx / s) and r = -g(x) on a restart (B = -I again), B dg = B g+ - r,
+    so
+
+        u = (dx - B g+ + r) / den,   den = v.dg = e - dx.r,   q+ = B g+ + u e,   e = dx.B g+,
+
+    which is the eager path's ordinary update (r = -dx / s) and its restart update (B g+ = -g+,
+    v = -dx) in one set of kernels, with per-sample coefficients that select the eager path's
+    own expressions. Before the first evaluation every buffer is zero and the update is a no-op
+    (dx = 0); after it, dx = 0 makes the update degenerate, which leaves q+ = -g_0: the eager
+    path's first (fixed-point) step. Neither stores a pair or counts a skip.
+    """
+    shape, dev, dt = z0.shape, z0.device, z0.dtype
+    bsz = int(shape[0])
+    R = 2 + 2 * cap  # rows of A: [g, dx, u_0, v_0, ...]
+    restart = on_full == "restart"
+    key = ("broyden", f, tuple(shape), dt, dev, max_iter, cap, on_full, line_search, ls_trials,
+           c1, returns, stop_mode, steps)  # fmt: skip
+    graph, st = graph_state(gmode, key)
+    st["bufs"] = tracker.enable_device_mode(z0, st.get("bufs"))
+    if "xs" not in st:
+        st["xs"] = torch.empty_like(z0, memory_format=torch.contiguous_format)
+        st["A"] = torch.empty(bsz, nc, R, cd, dtype=dt, device=dev)
+        C = st["C"] = torch.zeros(bsz, 2, R, dtype=dt, device=dev)
+        C[:, 0, 0] = -1.0  # row 0: B g+ = -g+ + sum_j (v_j.g+) u_j
+        C[:, 1, 1] = -1.0  # row 1: v = B^T dx = -dx + sum_j (u_j.dx) v_j
+        st["ids"] = torch.arange(cap, device=dev)
+        st["cnt"] = torch.empty(4, dtype=torch.long, device=dev)  # evals, pairs, restarts, trials
+        st["skipped"] = torch.empty(bsz, dtype=torch.int64, device=dev)
+        if restart or line_search:  # g at the point the last step came from (restart update)
+            st["gx"] = torch.empty(bsz, nc, cd, dtype=dt, device=dev)
+        if line_search:
+            st["xa"] = torch.empty(bsz, nc, cd, dtype=dt, device=dev)  # the accepted point
+            st["q"] = torch.empty(bsz, nc, cd, dtype=dt, device=dev)  # B g(xa)
+            st["s"] = torch.empty(bsz, 1, 1, dtype=dt, device=dev)  # step sizes
+            st["gn2"] = torch.empty(2, bsz, dtype=dt, device=dev)  # ||g||^2: accepted, trial
+            st["Fa"] = torch.empty_like(z0, memory_format=torch.contiguous_format)  # f(xa)
+            st["okb"] = torch.empty(bsz + 1, dtype=torch.bool, device=dev)  # Armijo, accept
+    xs, A, C, ids, cnt, skipped = st["xs"], st["A"], st["C"], st["ids"], st["cnt"], st["skipped"]
+    xs.copy_(z0)
+    A.zero_()  # also: zero coefficients must meet finite rows
+    cnt.zero_()
+    skipped.zero_()
+    it, npairs, nrestarts, trials = cnt[0:1], cnt[1:2], cnt[2:3], cnt[3:4]
+    gx = st.get("gx")
+    if gx is not None:
+        gx.zero_()
+    if line_search:
+        xa, q, s, gn2, Fa, okb = st["xa"], st["q"], st["s"], st["gn2"], st["Fa"], st["okb"]
+        xa.zero_()
+        q.zero_()
+        s.fill_(1.0)
+        gn2.zero_()
+        okb.fill_(True)  # before the first evaluation: "accept" z0 itself
+        gn2a, gn2t = gn2[0], gn2[1]
+        ok_ls, accb = okb[:bsz], okb[bsz:]
+    tiny = torch.finfo(dt).eps ** 0.5
+    xv = xs.view(bsz, nc, cd)
+    g, dx = A[:, :, 0], A[:, :, 1]
+    An = A.view(bsz * nc, R, cd)
+    Wn = A[:, :, :2].view(bsz * nc, 2, cd)  # [g+, dx]
+
+    def update() -> None:
+        """The Broyden update from the last evaluation (g+ = g, dx: the step to it) and the
+        point to evaluate next."""
+        upd = it >= 2  # whether an update is made (counted)
+        if line_search:
+            acc = accb  # the last trial was accepted (decided after its evaluation)
+            upd = upd & acc
+            torch.mul(q, -s, out=dx)
+        # -- pairs in use, the slot of the new pair -------------------------------------------
+        if restart:
+            rs = npairs >= cap  # B = -I again, then this step's update of it
+            eff = torch.where(rs, 0, npairs)
+            slot = eff
+        else:
+            rs = None
+            eff = npairs.clamp(max=cap)
+            slot = npairs.remainder(cap)
+        use = ids < eff
+        # -- [B g+, v] from two products over A, as the eager path (unused pairs zeroed) ------
+        P = torch.bmm(An, Wn.transpose(1, 2))
+        P = P.view(bsz, nc, R, 2).sum(1) if nc > 1 else P.view(bsz, R, 2)
+        C[:, 0, 2::2] = torch.where(use, P[:, 3::2, 0], 0.0)  # v_j . g+
+        C[:, 1, 3::2] = torch.where(use, P[:, 2::2, 1], 0.0)  # u_j . dx
+        Cx = C if nc == 1 else C.unsqueeze(1).expand(bsz, nc, 2, R).reshape(-1, 2, R)
+        Y = torch.bmm(Cx, An).view(bsz, nc, 2, cd)
+        Bg = Y[:, :, 0]
+        e = torch.linalg.vecdot(C[:, 0], P[:, :, 1])  # dx . B g+ (= v . g+)
+        dd = P[:, 1, 1]  # dx . dx
+        den = e + dd / s.view(bsz) if line_search else e + dd  # v . dg with r = -dx / s
+        ref = dd
+        if rs is not None:  # r = -g: v . dg = -dx . dg = e + dx . g
+            dxg = _dot(dx, gx)
+            den = torch.where(rs, e + dxg, den)
+            ref = torch.where(rs, dxg.abs(), dd)
+        inv = 1.0 / den
+        ok = torch.isfinite(inv) & (den.abs() > tiny * (e.abs() + ref))
+        inv = torch.where(ok, inv, 0.0)
+        skipped.add_(~ok & upd)
+        # u = (dx + r - B g+) / den: -B g+ / den, plus dx (1 - 1/s) / den with a line search,
+        # plus (dx - g) / den on a restart
+        invb = inv.view(bsz, 1, 1)
+        u = Bg * -invb
+        if line_search:
+            cw = 1.0 - 1.0 / s
+            if rs is not None:
+                cw = torch.where(rs, 1.0, cw)
+            u.addcmul_(dx, cw * invb)
+        elif rs is not None:
+            u.addcmul_(dx, rs * invb)
+        if rs is not None:
+            u.addcmul_(gx, rs * invb, value=-1.0)
+        if not line_search:
+            # next dx = -q+ = -(B g+ + u e): the eager path's -B g+ (dx.dx) / den when updated
+            # (-B g+ when skipped); on a restart -B g+ - u e
+            a = torch.where(ok, -dd * inv, -1.0)
+            if rs is not None:
+                a = torch.where(rs, -1.0, a)
+            torch.mul(Bg, a.view(bsz, 1, 1), out=dx)
+            if rs is not None:
+                dx.addcmul_(u, torch.where(rs, -e, 0.0).view(bsz, 1, 1))
+            rows = 2 + 2 * slot  # written even when no update is made: then not in use
+            A.index_copy_(2, rows, u.unsqueeze(2))
+            A.index_copy_(2, rows + 1, Y[:, :, 1:2])
+            xv.add_(dx)
+        else:
+            qn = torch.addcmul(Bg, u, e.view(bsz, 1, 1))
+            Bg.copy_(u)  # Y = [u, v]
+            rows = torch.cat([2 + 2 * slot, 3 + 2 * slot])
+            A.index_copy_(2, rows, torch.where(upd, Y, A.index_select(2, rows)))
+            torch.where(acc, qn, q, out=q)
+            torch.where(acc, xv, xa, out=xa)
+            torch.where(acc, g, gx, out=gx)
+            torch.where(acc, gn2t, gn2a, out=gn2a)
+            torch.where(ok_ls.view(bsz, 1, 1), s, 0.5 * s, out=s).masked_fill_(acc, 1.0)
+            trials.masked_fill_(acc, 0)
+            torch.addcmul(xa, s, q, value=-1.0, out=xv)  # the next trial point x - s q
+        if rs is not None:
+            nrestarts.add_(rs & upd)
+            torch.where(upd, torch.where(rs, 1, npairs + 1), npairs, out=npairs)
+        else:
+            torch.where(upd, npairs + 1, npairs, out=npairs)
+
+    def body() -> None:
+        update()
+        if restart and not line_search:
+            gx.copy_(g)  # g before the step (line search: g at the accepted point, above)
+        fx = f(xs)
+        check_output("broyden", xs, fx)
+        torch.sub(fx.reshape(bsz, nc, cd), xv, out=g)
+        it.add_(1)
+        if not line_search:
+            tracker.device_record(xs, fx, g)
+            return
+        # accept the trial as the eager path does: all samples pass Armijo, or the trials or
+        # the evaluations are used up; a rejected trial is recorded as the accepted point again
+        trials.add_(1)
+        batch_norm(g, out=gn2t).square_()
+        torch.le(gn2t, (1 - c1 * s.view(bsz)) * gn2a, out=ok_ls)
+        acc = (it == 1) | ok_ls.all() | (trials >= ls_trials) | (it >= max_iter)
+        accb.copy_(acc)
+        torch.where(acc, fx, Fa, out=Fa)
+        zr = torch.where(acc, xs, xa.view(shape))
+        tracker.device_record(zr, Fa, torch.where(acc, g, gx))
+
+    nstep = graph_loop(
+        "broyden", tracker, body, max_iter, mode=gmode, key=key, graph=graph, state=st,
+        steps=steps,
+    )  # fmt: skip
+    npairs_, restarts_ = cnt[1:3].tolist()
+    return nstep, min(npairs_, cap), restarts_, skipped.clone()
+
+
+broyden.supports_cuda_graph = True  # type: ignore[attr-defined]

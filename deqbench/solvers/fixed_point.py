@@ -25,10 +25,11 @@ from .base import (
     graph_loop,
     graph_mode,
     graph_state,
+    graph_steps,
     option_error,
 )
 
-OPTIONS = COMMON_OPTIONS | {"tau", "cuda_graph"}
+OPTIONS = COMMON_OPTIONS | {"tau", "cuda_graph", "graph_steps"}
 
 
 @solvers.register("fixed_point")
@@ -67,7 +68,10 @@ def fixed_point(
             "cache", read the same tensors at the same addresses every call (copy new inputs
             into them). f is called in the eager step and once during capture (which evaluates
             nothing), not per replay; ``nstep`` counts evaluations. On CPU the static step runs
-            eagerly.
+            eagerly. A DEQ layer turns "cache" on by itself on CUDA (``Runtime.cuda_graph``).
+        graph_steps: steps per captured graph (default "auto": 4 for states of at most 2M
+            elements, else 1): the host reads the residuals once per replay, so up to
+            graph_steps - 1 steps past convergence may be made (``extra["nstep_to_tol"]``).
 
     Returns:
         (z, SolverStats)
@@ -89,8 +93,9 @@ def fixed_point(
     )
     gmode = graph_mode("fixed_point", options)
     if gmode is not None:
+        steps = graph_steps("fixed_point", options, z0)
         key = ("fixed_point", f, tuple(z0.shape), z0.dtype, z0.device, max_iter, tau,
-               common.returns, stop_mode)  # fmt: skip
+               common.returns, stop_mode, steps)  # fmt: skip
         graph, state = graph_state(gmode, key)
         state["bufs"] = tracker.enable_device_mode(z0, state.get("bufs"))
         if "zs" not in state:
@@ -109,9 +114,17 @@ def fixed_point(
                 zs.add_(d, alpha=tau)
 
         nstep = graph_loop(
-            "fixed_point", tracker, body, max_iter, mode=gmode, key=key, graph=graph, state=state
+            "fixed_point",
+            tracker,
+            body,
+            max_iter,
+            mode=gmode,
+            key=key,
+            graph=graph,
+            state=state,
+            steps=steps,
         )
-        return tracker.finish(nstep, {"tau": tau, "cuda_graph": gmode})
+        return tracker.finish(nstep, {"tau": tau, "cuda_graph": gmode, "graph_steps": steps})
 
     z = z0
     nstep = 0
@@ -132,3 +145,6 @@ def fixed_point(
                 break
             z = torch.add(z, d, alpha=tau)  # a fresh tensor: the tracker holds earlier iterates
     return tracker.finish(nstep, {"tau": tau})
+
+
+fixed_point.supports_cuda_graph = True  # type: ignore[attr-defined]
