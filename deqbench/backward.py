@@ -124,9 +124,13 @@ class GraphAdjoint:
         self.inputs = [self.zs] + ([self.us] if u_grad else []) + self.ps
         cell, rt = layer.cell, layer.runtime
 
+        # buffers too (e.g. BatchNorm statistics updated in place by training forwards)
+        tensors = dict(zip(names, self.ps))
+        tensors.update({n: b.data for n, b in cell.named_buffers()})
+
         def record() -> Tensor:
             with torch.enable_grad(), rt.autocast(z.device):
-                out = functional_call(cell, dict(zip(names, self.ps)), (self.zs, self.us))
+                out = functional_call(cell, tensors, (self.zs, self.us))
             return out.to(self.zs.dtype)
 
         from .solvers.base import forbid_sync
@@ -180,11 +184,16 @@ def graph_adjoint(
         or z.numel() > AUTO_NUMEL
         or "cuda_graph" in cfg.options
         or not supports_graph(solvers.get(cfg.solver))
+        or not getattr(layer.cell, "cuda_graph_safe", True)
         or torch.cuda.is_current_stream_capturing()
     ):
         return None
     own = [q for q in layer.cell.parameters() if q.requires_grad]
-    if len(own) != len(params) or any(a is not b for a, b in zip(own, params)):
+    if (
+        len(own) != len(params)
+        or any(a is not b for a, b in zip(own, params))
+        or not all(isinstance(q, nn.Parameter) for q in own)
+    ):
         return None  # parameters substituted (functional_call): no stable storage to capture
     key = (
         tuple(z.shape), z.dtype, z.stride(), tuple(u.shape), u.dtype, u.stride(),
@@ -411,8 +420,9 @@ class _ImplicitFunction(torch.autograd.Function):
 
             try:
                 w, stats, nvjp = graph_adjoint_solve(ga, z, u, g, cfg)
-            except GraphCaptureError as exc:  # the VJPs cannot be captured: eager from now on
-                forget_graph_adjoint(layer, ga, str(exc))
+            except (GraphCaptureError, RuntimeError) as exc:  # eager from now on
+                # RuntimeError: e.g. the recording's saved tensors were modified in place
+                forget_graph_adjoint(layer, ga, f"{type(exc).__name__}: {exc}")
                 ga = None
             if ga is not None:
                 grads = ga.grads(w)

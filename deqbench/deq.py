@@ -128,6 +128,9 @@ class Runtime:
             (batch shape, dtype, parameter storage, train/eval mode) and replayed afterwards; a
             cell that cannot be captured (host syncs, shapes that change) falls back to eager
             once and is remembered. ``SolverStats.path`` says which path ran. "off": eager.
+            A cell whose forward keeps Python-level state (caches keyed on parameter versions,
+            counters) must set the class attribute ``cuda_graph_safe = False`` (OptEq does):
+            a replayed graph re-runs kernels, not Python.
             A solver's own ``cuda_graph`` option, where set, wins.
         amp: "none" (default) or "bf16": the cell (and, in training, the whole model forward)
             runs under bfloat16 autocast, while the solver's iterate, residuals, Anderson
@@ -268,6 +271,7 @@ class DEQLayer(nn.Module):
         self.__dict__["_compiled"] = None
         self._static_maps.clear()
         self._no_graph.clear()
+        self.__dict__.pop("_captures", None)
         self.__dict__.pop("_graph_adjoints", None)
         self.__dict__.pop("_no_graph_adjoint", None)
 
@@ -360,6 +364,7 @@ class DEQLayer(nn.Module):
             or u.device.type != "cuda"
             or z0.numel() > AUTO_NUMEL  # not launch-bound: a graph gains nothing (conv64)
             or "cuda_graph" in cfg.options
+            or not getattr(self.cell, "cuda_graph_safe", True)
             or not supports_graph(fn)
             or torch.is_grad_enabled()
             or torch.cuda.is_current_stream_capturing()
@@ -380,6 +385,14 @@ class DEQLayer(nn.Module):
         )
         if base in self._no_graph:
             return None
+        if base not in self._static_maps:
+            # Parameters substituted per call (functional_call in landscapes, finite-difference
+            # Hessians) change the key every time: capturing each would cost more than it saves.
+            if not all(isinstance(t, nn.Parameter) for t in self.cell.parameters()):
+                return None
+            n = self.__dict__["_captures"] = self.__dict__.get("_captures", 0) + 1
+            if n > MAX_CAPTURES:  # keys keep changing: stay eager
+                return None
         return base + (torch.is_autocast_enabled(),)
 
     def state_dtype(self, t: Tensor) -> Tensor:
@@ -414,7 +427,9 @@ class DEQLayer(nn.Module):
 
 
 #: static maps (hence captured solves) kept per layer
-STATIC_MAPS = 4
+STATIC_MAPS = 8
+#: captures per layer after which its solves stay eager (static keys that keep changing)
+MAX_CAPTURES = 256
 
 
 def set_runtime(model: nn.Module, runtime: Runtime) -> None:

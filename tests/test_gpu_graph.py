@@ -183,3 +183,37 @@ def test_bf16_runtime_keeps_float32_state():
     ref = DEQLayer(cell, SolverConfig("anderson", max_iter=60, tol=1e-6))
     zr, _ = ref.solve(u, torch.zeros_like(u))
     assert float((z - zr).norm() / zr.norm()) < 3e-2
+
+
+def test_substituted_parameters_stay_eager():
+    """Under functional_call (landscapes, finite-difference Hessians) the parameters are new
+    tensors at every call: no capture per call, the eager path, the same answer."""
+    from torch.func import functional_call
+
+    cell = TanhCell(32).cuda()
+    layer = DEQLayer(cell, SolverConfig("anderson", max_iter=60, tol=1e-6))
+    u = torch.randn(8, 32, device="cuda")
+    for scale in (1.0, 0.9):
+        w = {"W": cell.W.detach() * scale}
+        z = functional_call(layer, {f"cell.{k}": v for k, v in w.items()}, (u,), strict=False)
+        st = layer.last_forward_stats
+        assert st.path == "eager" and st.converged
+        zr = torch.zeros_like(u)
+        for _ in range(200):
+            zr = torch.tanh(zr @ w["W"].T + u)
+        torch.testing.assert_close(z, zr, rtol=1e-4, atol=1e-5)
+    assert not layer._static_maps
+
+
+def test_cells_with_python_state_opt_out():
+    """OptEq's units cache their scale and refresh power-iteration vectors in Python: its cell
+    declares cuda_graph_safe = False and its solves and adjoints stay eager."""
+    import deqbench
+
+    model = deqbench.models.create("opteq_tiny").cuda()
+    x = torch.randn(4, *model.in_shape, device="cuda") if hasattr(model, "in_shape") else None
+    if x is None:
+        pytest.skip("opteq_tiny has no in_shape attribute")
+    model(x).sum().backward()
+    assert model.deq.last_forward_stats.path == "eager"
+    assert model.deq.last_backward_stats.path == "eager"

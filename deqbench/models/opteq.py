@@ -356,6 +356,11 @@ class OptEqCell(nn.Module):
     a regulariser.
     """
 
+    #: the units keep Python-level state (a cached scale, power-iteration vectors refreshed
+    #: when V changes): a captured CUDA graph would replay stale values, so the DEQ layer's
+    #: solves stay eager (deqbench.deq.Runtime.cuda_graph)
+    cuda_graph_safe = False
+
     def __init__(
         self,
         units: Sequence[OptEqUnit],

@@ -627,7 +627,7 @@ class Tracker:
 #: captured solver steps kept by ``cuda_graph="cache"``: key -> (graph, static state), most
 #: recently used last
 _GRAPH_CACHE: dict[tuple, tuple[Any, dict[str, Any]]] = {}
-GRAPH_CACHE_SIZE = 16
+GRAPH_CACHE_SIZE = 32
 #: most steps captured in one graph (``graph_steps``)
 GRAPH_STEPS_MAX = 16
 #: ``graph_steps="auto"``: states of at most this many elements get AUTO_STEPS steps per graph
