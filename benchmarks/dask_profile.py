@@ -41,8 +41,8 @@ def measured(task):
 
     import torch
 
-    from deqbench import train as trainmod
-    from deqbench.executors.dask import run_cell
+    from deqbench.run import train as trainmod
+    from deqbench.run.executors.dask import run_cell
 
     spent = {"train": 0.0}
     orig = trainmod.train
@@ -110,7 +110,7 @@ def in_thread(tasks, with_sampler: bool):
 
 
 def in_dask(tasks, workers: int, profile: bool, device: str, concurrent: bool):
-    from deqbench.executors.dask import DaskExecutor
+    from deqbench.run.executors.dask import DaskExecutor
 
     ex = DaskExecutor(workers=workers, profile=profile, max_per_gpu=1)
     t = time.perf_counter()
@@ -152,8 +152,8 @@ def main() -> None:
 
     import torch
 
-    from deqbench.suite import load_suite
-    from deqbench.task import Task
+    from deqbench.run.suite import load_suite
+    from deqbench.run.task import Task
 
     suite = load_suite(args.suite, overrides=overrides, device=args.device, seeds=[0])
     device = suite.resolved_device()

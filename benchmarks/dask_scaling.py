@@ -62,7 +62,7 @@ def cmd_time(args: argparse.Namespace, extra: list[str]) -> None:
     if not runs:
         raise SystemExit(f"no run directory under {out} (exit {rc})")
     run_dir = runs[-1]
-    from deqbench.results import RUNNER, load_results
+    from deqbench.run.results import RUNNER, load_results
 
     df = load_results(run_dir)
     tasks = df[["cell_id", "seed"]].drop_duplicates()
@@ -93,7 +93,7 @@ def cmd_time(args: argparse.Namespace, extra: list[str]) -> None:
 
 
 def _rows(run_dir: str):
-    from deqbench.results import load_results
+    from deqbench.run.results import load_results
 
     df = load_results(run_dir)
     df = df[df.unit != "s"]

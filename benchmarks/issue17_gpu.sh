@@ -31,7 +31,7 @@ t0=$(date +%s)
 {
   echo "# setup $(date -u +%FT%TZ) on $(hostname)"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv || true
-  if ! "$PY" -c "import pydantic, deqbench.specs" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  if ! "$PY" -c "import pydantic, deqbench.run.specs" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     echo "installing deqbench's dependencies from .whl/ into /tmp/site"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cells as cellmod  # noqa: E402
 
 import deqbench  # noqa: E402
-from deqbench.measure import Timing, f_time  # noqa: E402
+from deqbench.performance.measure import Timing, f_time  # noqa: E402
 from deqbench.solvers.base import residuals  # noqa: E402
 
 SOLVERS = ("fixed_point", "anderson", "broyden", "newton_krylov")
@@ -81,7 +81,7 @@ class Timer:
 
 def time_f(cell: cellmod.Cell, repeats: int, loop: int = 20) -> tuple[float, float]:
     """Median per-call (wall ms, thread CPU ms) of f in a plain loop z <- f(z) (no bookkeeping):
-    deqbench.measure.f_time, the same t_f the analyses use."""
+    deqbench.performance.measure.f_time, the same t_f the analyses use."""
     t = f_time(cell.f, cell.z0, repeats=max(repeats, 5), warmup=3, loop=loop)
     cpu = statistics.median(t.cpu_times) * 1e3 if t.cpu_times else float("nan")
     return t.median * 1e3, cpu

@@ -10,7 +10,7 @@ Part 1, convolution spectral norms (C -> C, k x k, n x n input):
   circular bound is for zero padding.
 
 Part 2, initialisation cost: kGLM vs random init of a fully connected layer pair (n x n) and a
-C -> C 5x5 conv pair on 32x32 inputs (deqbench.analyses.kglm.init_cost_fc / init_cost_conv).
+C -> C 5x5 conv pair on 32x32 inputs (deqbench.kglm.analysis.init_cost_fc / init_cost_conv).
 
 GPU: CUDA events after warm-ups, float32 with TF32 off, cudnn.benchmark on; the FFT and the
 per-frequency SVDs run in float64 on the device. CPU: perf_counter and thread CPU time with an
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deqbench import spectral as sp  # noqa: E402
-from deqbench.analyses.kglm import init_cost_conv, init_cost_fc  # noqa: E402
+from deqbench.kglm.analysis import init_cost_conv, init_cost_fc  # noqa: E402
 
 
 def timed(

@@ -65,8 +65,6 @@ sys.path.insert(0, str(ROOT))
 import cells as cellmod  # noqa: E402
 
 import deqbench  # noqa: E402
-from deqbench.analyses.backward import measure_mode  # noqa: E402
-from deqbench.analyses.throughput import measure_throughput, reference_loop_ms  # noqa: E402
 from deqbench.deq import (  # noqa: E402
     BackwardConfig,
     CellMap,
@@ -76,14 +74,16 @@ from deqbench.deq import (  # noqa: E402
     configure,
     set_runtime,
 )
-from deqbench.gradients import CellModel, InnerProductLoss, reference_gradient  # noqa: E402
-from deqbench.measure import (  # noqa: E402
+from deqbench.performance.backward import measure_mode  # noqa: E402
+from deqbench.performance.gradients import CellModel, InnerProductLoss, reference_gradient  # noqa: E402
+from deqbench.performance.measure import (  # noqa: E402
     f_time,
     gpu_peak_memory,
     is_cuda,
     solver_time_to_tol,
     time_fn,
 )
+from deqbench.performance.throughput import measure_throughput, reference_loop_ms  # noqa: E402
 from deqbench.solvers.base import residuals  # noqa: E402
 
 PAIRS = (
@@ -943,7 +943,7 @@ def summarize(
 
 
 def plots(out: Path, solvers: list[dict], steps: list[dict]) -> None:
-    from deqbench.plots import new_figure, save_figure
+    from deqbench.run.plots import new_figure, save_figure
 
     by = {(r["cell"], r["amp"], r["tol"], r["variant"], r["solver"]): r for r in solvers}
     dq = [

@@ -42,10 +42,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "load_suite": ("deqbench.suite", "load_suite"),
-    "load_suites": ("deqbench.suite", "load_suites"),
-    "run_suite": ("deqbench.runner", "run_suite"),
-    "load_results": ("deqbench.results", "load_results"),
+    "load_suite": ("deqbench.run.suite", "load_suite"),
+    "load_suites": ("deqbench.run.suite", "load_suites"),
+    "run_suite": ("deqbench.run.runner", "run_suite"),
+    "load_results": ("deqbench.run.results", "load_results"),
 }
 
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deqbench.registry import models
+from deqbench.core.registry import models
 
 
 def marker(key: str) -> Path:

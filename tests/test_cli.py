@@ -202,12 +202,12 @@ def test_failed_cell_exits_1_and_interrupt_exits_130(tmp_path, monkeypatch):
         r"(diverged|nan) fc_deq_tiny-fixed_point-ift-spectral-target=50 seed=0", r.output
     )
 
-    import deqbench.runner
+    import deqbench.run.runner
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(deqbench.runner, "run_task", interrupted)
+    monkeypatch.setattr(deqbench.run.runner, "run_task", interrupted)
     r = invoke("run", write_suite(tmp_path, name="ok.yaml"), "--no-plots")
     assert r.exit_code == 130 and "interrupted" in r.output and "--resume" in r.output
 
@@ -244,7 +244,7 @@ def test_collection_file_runs_its_suites_one_after_another(tmp_path):
 
 
 def test_shipped_kglm_collection_names_the_five_parts():
-    from deqbench.suite import load_suite, load_suites
+    from deqbench.run.suite import load_suite, load_suites
 
     root = ROOT / "suites"
     parts = load_suites(root / "kglm.yaml", device="cpu")

@@ -57,7 +57,7 @@ def test_option_errors_name_the_option(args, start):
 
 
 def test_unknown_name_message_has_no_stray_semicolon(monkeypatch):
-    from deqbench.registry import solvers
+    from deqbench.core.registry import solvers
 
     msg = str(solvers.unknown("relaxed_picard"))
     assert "; (see" not in msg and msg.endswith("(see `deqbench ls solvers`)")
@@ -98,7 +98,7 @@ def _rows(*rows):
 
 
 def test_hessian_headline_names_the_backend_and_the_fallback():
-    from deqbench.analyses.hessian import Hessian
+    from deqbench.hessian.analysis import Hessian
 
     ok = _rows(("top_eigenvalue", "autograd", 17.1, "ok"), ("trace", "autograd", 97.2, "ok"),
                ("fd_fallback", "autograd", 0.0, "ok"), ("gate_ok", "autograd", 1.0, "ok"))  # fmt: skip
@@ -112,7 +112,7 @@ def test_hessian_headline_names_the_backend_and_the_fallback():
 
 
 def test_ntk_headline_says_when_no_decay_is_guaranteed():
-    from deqbench.analyses.ntk import NTK
+    from deqbench.ntk.analysis import NTK
 
     base = [("lambda_min_init", "summary", 1e-3, "ok"), ("lambda_min_final", "summary", 5e-3, "ok"),
             ("log_loss_slope_fit", "summary", -0.02, "ok")]  # fmt: skip

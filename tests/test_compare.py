@@ -13,7 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from deqbench.cli import app
-from deqbench.results import compare, encode_rows, load_results, write_atomic, write_json
+from deqbench.run.results import compare, encode_rows, load_results, write_atomic, write_json
 
 SUITE = {
     "schema": 1,

@@ -22,8 +22,8 @@ from conftest import TINY_SUITE, write_suite
 from typer.testing import CliRunner
 
 from deqbench.cli import app
-from deqbench.results import RUNNER, load_results
-from deqbench.task import PROCESS
+from deqbench.run.results import RUNNER, load_results
+from deqbench.run.task import PROCESS
 
 try:
     import distributed  # noqa: F401
@@ -71,7 +71,7 @@ def fast_workers():
         pytest.skip("dask[distributed] is not installed")
     import dask
 
-    from deqbench.executors.dask import _warm_forkserver
+    from deqbench.run.executors.dask import _warm_forkserver
 
     with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
         _warm_forkserver()
@@ -135,7 +135,7 @@ def test_options_that_do_not_fit_exit_2(tmp_path):
 @needs_dask
 def test_unreachable_scheduler_is_a_config_error():
     from deqbench.errors import ConfigError
-    from deqbench.executors.dask import DaskExecutor
+    from deqbench.run.executors.dask import DaskExecutor
 
     with pytest.raises(ConfigError, match="cannot reach the Dask scheduler"):
         DaskExecutor(scheduler="tcp://127.0.0.1:9", connect_timeout=0.5).start()
@@ -145,7 +145,7 @@ def test_unreachable_scheduler_is_a_config_error():
 def test_gpu_layout_pins_one_worker_per_gpu(monkeypatch):
     import torch
 
-    from deqbench.executors import dask as dx
+    from deqbench.run.executors import dask as dx
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -183,7 +183,7 @@ def test_local_workers_do_not_get_dask_malloc_trim_threshold(monkeypatch):
 
     import dask
 
-    from deqbench.executors.dask import DaskExecutor
+    from deqbench.run.executors.dask import DaskExecutor
 
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     with dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}):
@@ -239,9 +239,9 @@ def test_local_cluster_gives_inline_rows_and_resumes(
 def test_worker_killed_mid_cell_is_retried_once_then_recorded(tmp_path, fast_workers):
     import dask_helpers  # noqa: F401  (registers test_die here too: the suite is checked here)
 
-    from deqbench.executors.dask import DaskExecutor
-    from deqbench.runner import run_suite
-    from deqbench.suite import load_suite
+    from deqbench.run.executors.dask import DaskExecutor
+    from deqbench.run.runner import run_suite
+    from deqbench.run.suite import load_suite
 
     tag = uuid.uuid4().hex[:8]
     once, always = f"{tag}once", f"{tag}always"
@@ -282,9 +282,9 @@ def test_freed_worker_has_its_next_cell_before_a_result_is_handed_over(
 ):
     """One cell per worker in flight, but a worker never waits for the coordinator to write a
     result: when the first result is handed over, the next cell is already submitted."""
-    from deqbench.executors.dask import DaskExecutor
-    from deqbench.suite import load_suite
-    from deqbench.task import Task
+    from deqbench.run.executors.dask import DaskExecutor
+    from deqbench.run.suite import load_suite
+    from deqbench.run.task import Task
 
     suite = load_suite(smoke_fc, device="cpu")
     tasks = [Task(suite, c, 0, "cpu", "r", str(tmp_path)) for c in suite.cells[:3]]
@@ -357,7 +357,7 @@ def test_short_cells_add_a_worker_on_gpus_with_room(monkeypatch):
     whose free memory holds one more; long cells, little remaining work or --workers add none."""
     import torch
 
-    from deqbench.executors import dask as dx
+    from deqbench.run.executors import dask as dx
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -405,7 +405,7 @@ def test_short_cells_add_a_worker_on_gpus_with_room(monkeypatch):
 
 
 def test_prestart_only_for_a_local_dask_cluster(tmp_path):
-    from deqbench.executors import prestart
+    from deqbench.run.executors import prestart
 
     p = write_suite(tmp_path)
     assert prestart("inline", path=p) is None
@@ -418,9 +418,9 @@ def test_prestart_only_for_a_local_dask_cluster(tmp_path):
 
 @needs_dask
 def test_open_executor_uses_a_prestarted_cluster_only_when_it_fits(tmp_path, monkeypatch):
-    from deqbench.executors import dask as dx
-    from deqbench.executors import open_executor
-    from deqbench.suite import load_suite
+    from deqbench.run.executors import dask as dx
+    from deqbench.run.executors import open_executor
+    from deqbench.run.suite import load_suite
 
     suite = load_suite(write_suite(tmp_path), device="cpu")
     started: list = []
@@ -476,7 +476,7 @@ def test_dask_cli_cluster_survives_a_worker_killed_mid_cell(tmp_path):
 
     import dask_helpers
 
-    from deqbench.task import PROCESS
+    from deqbench.run.task import PROCESS
 
     key = f"{uuid.uuid4().hex[:8]}kill"
     p = write_suite(
@@ -502,7 +502,7 @@ def test_dask_cli_cluster_survives_a_worker_killed_mid_cell(tmp_path):
             procs.append(subprocess.Popen(
                 [*dask_cli, "worker", "--scheduler-file", str(sched_file), "--host", "127.0.0.1",
                  "--nworkers", "1", "--nthreads", "1", "--no-dashboard", "--name", f"w{i}",
-                 "--preload", "deqbench.executors.worker", "--preload", str(HELPERS)],
+                 "--preload", "deqbench.run.executors.worker", "--preload", str(HELPERS)],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             ))  # fmt: skip
         from distributed import Client

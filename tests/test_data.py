@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from deqbench.data import load_data
 from deqbench.errors import ConfigError, DataError
+from deqbench.run.data import load_data
 
 
 def test_digits_shapes_split_and_upsample():

@@ -158,7 +158,7 @@ def test_backward_config_rejects_bad_values(kw, msg):
 
 def test_suite_rejects_unknown_second_order():
     from deqbench.errors import ConfigError
-    from deqbench.suite import suite_from_dict
+    from deqbench.run.suite import suite_from_dict
 
     raw = {
         "schema": 1, "name": "x", "device": "cpu", "data": {"name": "digits"},

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 import deqbench
 from deqbench.cli import app
+from deqbench.core.registry import REGISTRIES
 from deqbench.deq import BackwardConfig, SolverConfig, configure
-from deqbench.registry import REGISTRIES
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deqbench-monotone"
 SRC = EXAMPLE / "src"

@@ -15,7 +15,7 @@ from torch.func import functional_call
 import deqbench
 from deqbench import hessian as hs
 from deqbench.deq import BackwardConfig, SolverConfig, configure
-from deqbench.estimators import _rademacher
+from deqbench.hessian.estimators import _rademacher
 
 torch.set_num_threads(1)
 LOSS = nn.functional.cross_entropy
@@ -257,8 +257,8 @@ def test_pyhessian_backend_cleans_up():
 
 def test_hessian_analysis_hook():
     from deqbench.analyses.base import CellContext
-    from deqbench.analyses.hessian import Hessian
-    from deqbench.data import DataBundle
+    from deqbench.hessian.analysis import Hessian
+    from deqbench.run.data import DataBundle
 
     model = _deq()
     X, y = _data()
@@ -351,8 +351,8 @@ def test_density_plot_leaves_out_flagged_cells_and_names_them(tmp_path):
     import numpy as np
     import pandas as pd
 
-    from deqbench import plots
-    from deqbench.analyses.hessian import hessian_plots
+    from deqbench.hessian.analysis import hessian_plots
+    from deqbench.run import plots
 
     (tmp_path / "series").mkdir()
     lam = np.linspace(-1.0, 5.0, 50)
@@ -394,7 +394,7 @@ def test_density_plot_leaves_out_flagged_cells_and_names_them(tmp_path):
 def test_power_method_gives_the_top_eigenvalue_only():
     """method power with an explicit top_k > 1 is refused (Lanczos gives the top k); without
     top_k it means top_k 1, not the default 3 silently cut to one value."""
-    from deqbench.analyses.hessian import Hessian
+    from deqbench.hessian.analysis import Hessian
 
     assert Hessian.Params(method="power").top_k == 1
     assert Hessian.Params(method="lanczos", top_k=3).top_k == 3
@@ -404,8 +404,8 @@ def test_power_method_gives_the_top_eigenvalue_only():
 
 def _analysis_rows(model, params, dtype=torch.float64):
     from deqbench.analyses.base import CellContext
-    from deqbench.analyses.hessian import Hessian
-    from deqbench.data import DataBundle
+    from deqbench.hessian.analysis import Hessian
+    from deqbench.run.data import DataBundle
 
     X, y = _data()
     X = X.to(dtype)
@@ -479,7 +479,7 @@ def test_density_plot_names_the_fd_fallback(tmp_path):
     import numpy as np
     import pandas as pd
 
-    from deqbench.analyses.hessian import hessian_plots
+    from deqbench.hessian.analysis import hessian_plots
 
     (tmp_path / "series").mkdir()
     lam = np.linspace(-1.0, 5.0, 50)

@@ -12,11 +12,11 @@ import torch
 
 import deqbench
 from deqbench.analyses.base import CellContext
-from deqbench.data import load_data
 from deqbench.deq import SolverConfig, configure
 from deqbench.errors import ConfigError
 from deqbench.kernels import kernels, make_kernel
 from deqbench.klr import fit_klr
+from deqbench.run.data import load_data
 
 torch.set_num_threads(1)
 
@@ -258,7 +258,7 @@ def test_digits_klr_corruption():
 
 
 def test_denoise_data(monkeypatch):
-    import deqbench.data as data_mod
+    import deqbench.run.data as data_mod
 
     d = load_data("denoise", n_train=6, n_test=4, size=8, channels=2, noise=0.2)
     assert d.train[0].shape == (6, 2, 8, 8) and d.in_shape == (2, 8, 8)
@@ -279,7 +279,7 @@ def test_denoise_data(monkeypatch):
 def test_init_cost_and_outcomes(tmp_path):
     import pandas as pd
 
-    from deqbench.analyses.kglm import kglm_outcomes, outcome_markdown
+    from deqbench.kglm.analysis import kglm_outcomes, outcome_markdown
 
     d = load_data("gp_sequence", n_train=4, n_test=4, length=8)
     m = deqbench.models.create("kglm_deq_tiny", in_shape=d.in_shape)

@@ -1,4 +1,4 @@
-"""deqbench.measure: timing bookkeeping, f-evaluation counting, memory plumbing (no timing
+"""deqbench.performance.measure: timing bookkeeping, f-evaluation counting, memory plumbing (no timing
 assertions: only counts, layouts and deterministic memory quantities are checked)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import deqbench
 from deqbench.deq import BackwardConfig, configure
-from deqbench.measure import (
+from deqbench.performance.measure import (
     MIB,
     CountingMap,
     Memory,
@@ -180,7 +180,7 @@ def test_gpu_peak_memory_counts_the_step_only():
 def test_cpu_peak_rss_of_a_train_step_counts_its_gradients():
     """The step's own .grad (8 MiB here, everything else tiny) is in its peak, not in the
     baseline: gradients left by the warm-up step must not be freed inside the measured step."""
-    from deqbench.analyses._perf import TrainStep
+    from deqbench.performance._perf import TrainStep
 
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 2048, bias=False)  # weight and its gradient: 8 MiB each

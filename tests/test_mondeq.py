@@ -236,10 +236,10 @@ def test_auto_alpha_and_default_config():
 
 
 def test_conv_model_trains_and_splitting_sweep_outcome(tmp_path):
-    from deqbench.analyses.splitting_sweep import SplittingSweep, splitting_sweep
-    from deqbench.data import load_data
     from deqbench.outcomes import check
-    from deqbench.train import TrainConfig, train
+    from deqbench.run.data import load_data
+    from deqbench.run.train import TrainConfig, train
+    from deqbench.splitting.analysis import SplittingSweep, splitting_sweep
 
     torch.manual_seed(0)
     conv = deqbench.models.create("mondeq_conv_tiny")

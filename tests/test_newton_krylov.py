@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import deqbench
-from deqbench.backward import AdjointMap
+from deqbench.core.backward import AdjointMap
 from deqbench.deq import BackwardConfig, SolverConfig, configure
 from deqbench.errors import ConfigError
 from deqbench.solvers.base import residuals
@@ -250,7 +250,7 @@ def test_solver_stats_report_jvps_beside_f_evaluations(tmp_path):
     """A suite cell with newton_krylov records forward_njvp (unit JVPs) per epoch and in the
     final test pass; cells of other solvers get no such rows."""
     import deqbench
-    from deqbench.suite import suite_from_dict
+    from deqbench.run.suite import suite_from_dict
 
     raw = {
         "schema": 1,

@@ -253,7 +253,7 @@ def test_tf32_and_mode_restored_and_errors():
 
 
 def test_digits_regression_targets():
-    from deqbench.data import load_data
+    from deqbench.run.data import load_data
 
     d = load_data("digits", flatten=True, target="onehot", train_subset=20, test_subset=5)
     assert d.task == "regression" and d.num_outputs == 10 and d.train[1].shape == (20, 10)
@@ -267,8 +267,8 @@ def test_analysis_hooks_write_series_rows_and_plot(tmp_path):
     import pandas as pd
 
     from deqbench.analyses.base import CellContext
-    from deqbench.data import load_data
-    from deqbench.train import TrainConfig, train
+    from deqbench.run.data import load_data
+    from deqbench.run.train import TrainConfig, train
 
     data = load_data("digits", flatten=True, target="binary", train_subset=16, test_subset=8)
     data = data.to(dtype=torch.float64)
@@ -311,7 +311,7 @@ def test_analysis_hooks_write_series_rows_and_plot(tmp_path):
         "noise_floor",
         "loss_at_eval",
     } <= metrics
-    from deqbench.analyses.ntk import ntk_plots
+    from deqbench.ntk.analysis import ntk_plots
 
     figs = ntk_plots(None, tmp_path)
     assert set(figs) == {"ntk"} and len(figs["ntk"].axes) == 3
@@ -372,7 +372,7 @@ def test_params_are_validated():
 def test_predicted_slope_formula_and_step_size_limit():
     """2 log max(|1 - q_min|, |1 - q_max|), q = 2 lr lambda / N: the lambda_min form while
     lr (lambda_min + lambda_max) <= N; no decay guaranteed (>= 0) once 2 lr lambda_max / N >= 2."""
-    from deqbench.analyses.ntk import predicted_log_loss_slope as slope
+    from deqbench.ntk.analysis import predicted_log_loss_slope as slope
 
     assert slope(1.0, 0.1, 10) == pytest.approx(2 * math.log(0.98), rel=1e-15)
     assert slope(1.0, 0.1, 10, lambda_max=50.0) == pytest.approx(2 * math.log(0.98))
@@ -534,7 +534,7 @@ def test_starved_ntk_solves_flag_the_rows_with_cause_and_fix(tmp_path):
     """Solves that miss their tolerance: the evaluation's rows are "flagged" with a one-line
     cause and fix (the run then exits 1), never "ok"."""
     from deqbench.analyses.base import CellContext
-    from deqbench.data import load_data
+    from deqbench.run.data import load_data
 
     data = load_data("digits", flatten=True, target="binary", train_subset=12, test_subset=4)
     data = data.to(dtype=torch.float64)

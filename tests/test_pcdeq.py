@@ -31,8 +31,8 @@ def _solve(cell, u, z0, tol=1e-12, max_iter=500):
 
 @pytest.mark.parametrize("name", ["pcdeq_l_tiny", "pcdeq_mc_tiny"])
 def test_weights_stay_nonnegative_after_training_steps(name):
-    from deqbench.data import load_data
-    from deqbench.train import TrainConfig, train
+    from deqbench.run.data import load_data
+    from deqbench.run.train import TrainConfig, train
 
     data = load_data("digits", train_subset=96, test_subset=32)
     cfg = TrainConfig(epochs=1, batch_size=32, optimizer="sgd", lr=0.5, eval_before=False)
@@ -150,10 +150,10 @@ def test_sigma_max_of_nonnegative_conv_is_summed_taps():
 
 def test_family_stats_rows_and_pcdeq_outcome(tmp_path):
     from deqbench.analyses.base import CellContext
-    from deqbench.analyses.family_stats import FamilyStats
-    from deqbench.data import load_data
     from deqbench.outcomes import check, summarize
-    from deqbench.train import TrainConfig, train
+    from deqbench.run.data import load_data
+    from deqbench.run.train import TrainConfig, train
+    from deqbench.training.family_stats import FamilyStats
 
     data = load_data("digits", train_subset=128, test_subset=64)
     records = []

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import deqbench
-from deqbench.analyses.backward import measure_mode
 from deqbench.analyses.base import CellContext
-from deqbench.data import load_data
 from deqbench.deq import BackwardConfig, SolverConfig, configure
-from deqbench.gradients import grad_vector, gradient_accuracy, reference_gradient
+from deqbench.performance.backward import measure_mode
+from deqbench.performance.gradients import grad_vector, gradient_accuracy, reference_gradient
+from deqbench.run.data import load_data
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ import matplotlib.colors as mcolors
 import pandas as pd
 import pytest
 
-from deqbench import plots
-from deqbench.results import COLUMNS
+from deqbench.run import plots
+from deqbench.run.results import COLUMNS
 
 SOLVERS = ("anderson", "broyden", "fixed_point")
 LONG = "lr=0.02_batch_size=32"
@@ -280,7 +280,7 @@ def test_residual_traces_side_by_side_legend_clear_of_title_and_unconverged_end_
 
 
 def test_backward_memory_lines_of_cells_with_equal_memory_stay_visible():
-    from deqbench.analyses._perf_plots import plot_memory_vs_iterations
+    from deqbench.performance.plots import plot_memory_vs_iterations
 
     cells = ["sine-anderson-ift", "sine-relaxed_picard-ift"]
     series = pd.DataFrame(

@@ -8,8 +8,8 @@ import sys
 import pandas as pd
 from matplotlib.figure import Figure
 
-from deqbench import plots
-from deqbench.results import ResultsWriter
+from deqbench.run import plots
+from deqbench.run.results import ResultsWriter
 
 
 def _results() -> pd.DataFrame:
@@ -122,7 +122,7 @@ def test_registry_and_write_plots_survive_a_failing_plot(tmp_path):
 def test_library_plots_do_not_import_pyplot(tmp_path):
     ResultsWriter(tmp_path).append(_results().to_dict("records"))
     code = (
-        "import sys; from deqbench.plots import write_plots; p, e = write_plots(sys.argv[1]); "
+        "import sys; from deqbench.run.plots import write_plots; p, e = write_plots(sys.argv[1]); "
         "assert p and not e, e; assert 'matplotlib.pyplot' not in sys.modules; print('ok')"
     )
     out = subprocess.run(

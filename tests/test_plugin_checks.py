@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import deqbench
 from deqbench.cli import app
 from deqbench.contracts import CLAUSES, MonotoneCell, Solver, reference_markdown
-from deqbench.registry import REGISTRIES
+from deqbench.core.registry import REGISTRIES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "deqbench-example-plugin"
@@ -258,8 +258,8 @@ def test_frozen_example_plugin_passes(site, tmp_path):
 
 def test_every_shipped_suite_passes_the_contract_checks():
     """Built-ins follow the contracts; the checks of all shipped suites stay cheap."""
-    from deqbench.plugin_checks import check_all
-    from deqbench.suite import load_suites
+    from deqbench.run.plugin_checks import check_all
+    from deqbench.run.suite import load_suites
 
     suites = []
     for p in sorted((ROOT / "suites").glob("*.yaml")):
@@ -275,19 +275,19 @@ def test_every_shipped_suite_passes_the_contract_checks():
 def test_contracts_are_documented_and_rendered():
     assert isinstance(deqbench.solvers.get("peaceman_rachford"), Solver)
     assert isinstance(deqbench.models.create("mondeq_fc_tiny").deq.cell, MonotoneCell)
-    from deqbench.scaffold import update_guide
+    from deqbench.run.scaffold import update_guide
 
     doc = (ROOT / "docs" / "plugins.md").read_text()
     assert reference_markdown() in doc
-    assert update_guide(doc) == doc, "stale: python -m deqbench.scaffold docs/plugins.md"
+    assert update_guide(doc) == doc, "stale: python -m deqbench.run.scaffold docs/plugins.md"
     for cid in CLAUSES:
         assert f"[{cid}]" in doc or f"`{cid}`" in doc
     assert "docs/plugins.md" in (ROOT / "README.md").read_text()
 
 
 def test_data_shapes_match_the_loaded_data():
-    from deqbench.data import load_data
-    from deqbench.plugin_checks import data_shape
+    from deqbench.run.data import load_data
+    from deqbench.run.plugin_checks import data_shape
 
     for name, params in [
         ("digits", {}),

@@ -12,14 +12,14 @@ from torch import nn
 
 import deqbench
 from deqbench.analyses.base import CellContext
-from deqbench.data import DataBundle
 from deqbench.deq import BackwardConfig, SolverConfig, configure
-from deqbench.gradients import (
+from deqbench.performance.gradients import (
     CellModel,
     InnerProductLoss,
     gradient_accuracy,
     reference_gradient,
 )
+from deqbench.run.data import DataBundle
 
 GRAD = ("grad_rel_error", "grad_cosine")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import deqbench
+from deqbench.core.registry import REGISTRIES
 from deqbench.errors import PluginError, UnknownNameError
-from deqbench.registry import REGISTRIES
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deqbench-example-plugin"
 

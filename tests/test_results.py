@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from deqbench.errors import ConfigError
-from deqbench.results import (
+from deqbench.run.results import (
     COLUMNS,
     RUNNER,
     ResultsWriter,

@@ -20,12 +20,12 @@ from conftest import TINY_SUITE, write_suite
 from torch import nn
 
 from deqbench.analyses.base import Analysis, Row
+from deqbench.core.registry import analyses, models
 from deqbench.errors import ConfigError
-from deqbench.registry import analyses, models
-from deqbench.results import RUNNER, load_results
-from deqbench.runner import InlineExecutor, run_suite
-from deqbench.suite import load_suite
-from deqbench.task import run_task
+from deqbench.run.results import RUNNER, load_results
+from deqbench.run.runner import InlineExecutor, run_suite
+from deqbench.run.suite import load_suite
+from deqbench.run.task import run_task
 
 
 class _Boom(nn.Module):
@@ -339,7 +339,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_shipped_suites_validate():
-    from deqbench.registry import models
+    from deqbench.core.registry import models
 
     smoke = load_suite("suites/smoke.yaml")
     assert len(smoke.cells) == 24 and smoke.seeds == [0, 1] and smoke.device == "cpu"
@@ -415,8 +415,8 @@ def test_every_shipped_suite_validates(path):
     """Every suite in suites/ passes validation (names, params, analyses) on a CPU-only machine;
     vs_torchdeq.yaml needs the TorchDEQ plugin, and says so before anything runs without it
     (with it: tests/test_torchdeq_plugin.py)."""
-    from deqbench.registry import solvers
-    from deqbench.suite import load_suites
+    from deqbench.core.registry import solvers
+    from deqbench.run.suite import load_suites
 
     root = Path(__file__).resolve().parents[1] / "suites"
     if path == "vs_torchdeq.yaml" and "torchdeq_anderson" not in solvers:

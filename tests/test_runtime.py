@@ -16,8 +16,8 @@ import deqbench
 from deqbench.cli import app
 from deqbench.deq import Runtime, configure, set_runtime
 from deqbench.errors import ConfigError
-from deqbench.runner import run_suite
-from deqbench.suite import one_cell_suite
+from deqbench.run.runner import run_suite
+from deqbench.run.suite import one_cell_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +139,7 @@ def test_bad_runtime_names_the_key(tmp_path, change, overrides, where, message):
 
 
 def _tiny(seed: int = 0):
-    from deqbench.data import load_data
+    from deqbench.run.data import load_data
 
     data = load_data("digits", train_subset=64, test_subset=32)
     torch.manual_seed(seed)
@@ -153,7 +153,7 @@ def _tiny(seed: int = 0):
 
 
 def test_bf16_training_autocasts_the_forward_and_keeps_float32_state():
-    from deqbench.train import TrainConfig, train
+    from deqbench.run.train import TrainConfig, train
 
     model, data = _tiny()
     set_runtime(model, Runtime(amp="bf16"))
@@ -194,7 +194,7 @@ def test_bf16_cells_run_and_their_rows_say_so(tmp_path):
 
 
 def test_throughput_runs_under_the_cells_autocast():
-    from deqbench.analyses.throughput import measure_throughput
+    from deqbench.performance.throughput import measure_throughput
 
     model, data = _tiny()
     x, y = data.train[0][:16], data.train[1][:16]
@@ -228,7 +228,7 @@ def test_bf16_cell_that_cannot_meet_its_tolerance_is_flagged(tmp_path):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compile_backends_train_to_the_same_losses(backend):
-    from deqbench.train import TrainConfig, train
+    from deqbench.run.train import TrainConfig, train
 
     cfg = TrainConfig(epochs=1, batch_size=32)
     histories = []

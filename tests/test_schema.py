@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from deqbench.cli import app
 from deqbench.errors import ConfigError
-from deqbench.executors.dask import failed_result
-from deqbench.results import COLUMNS, RESULTS_SCHEMA, RUNNER, compare, load_results
-from deqbench.runner import InlineExecutor, run_suite
-from deqbench.suite import load_suite
-from deqbench.task import Task
+from deqbench.run.executors.dask import failed_result
+from deqbench.run.results import COLUMNS, RESULTS_SCHEMA, RUNNER, compare, load_results
+from deqbench.run.runner import InlineExecutor, run_suite
+from deqbench.run.suite import load_suite
+from deqbench.run.task import Task
 
 MODES = ["ift", "unrolled", "jfb", "phantom"]
 

@@ -14,9 +14,8 @@ from torch import nn
 
 import deqbench
 from deqbench import hessian as hs
-from deqbench.analyses.hessian import tightened
-from deqbench.backward import direct_solves
-from deqbench.deq import deq_layers, is_deq, replace
+from deqbench.core.deq import deq_layers, direct_solves, is_deq, replace
+from deqbench.hessian.analysis import tightened
 from deqbench.solvers.splitting import fb_step_bound
 
 torch.set_num_threads(1)

@@ -14,8 +14,8 @@ from torch import nn
 import deqbench
 from deqbench import spectral as sp
 from deqbench.analyses.base import CellContext, EpochInfo
-from deqbench.data import DataBundle
 from deqbench.deq import SolverConfig, configure
+from deqbench.run.data import DataBundle
 
 torch.set_num_threads(1)
 
@@ -169,7 +169,7 @@ class _Stub(deqbench.models.get("fc_deq_tiny")().__class__):  # FCDEQ with a fam
 
 
 def test_spectral_analysis_hooks():
-    from deqbench.analyses.spectral import SpectralAnalysis
+    from deqbench.spectral.analysis import SpectralAnalysis
 
     torch.manual_seed(0)
     model = _Stub(8, 12, 3).double()
@@ -206,7 +206,7 @@ def test_spectral_analysis_hooks():
 
 
 def test_spectral_analysis_conv_model_scope_model():
-    from deqbench.analyses.spectral import layer_norms
+    from deqbench.spectral.analysis import layer_norms
 
     m = deqbench.models.create("kglm_conv_deq_tiny", in_shape=(2, 6, 6)).double()
     deqbench.inits.get("kglm_informed")(m, seed=0, scale=0.7)

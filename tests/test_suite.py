@@ -10,8 +10,8 @@ from conftest import TINY_SUITE, write_suite
 
 import deqbench
 from deqbench.errors import ConfigError
-from deqbench.matrix import expand
-from deqbench.suite import load_suite, one_cell_suite, suite_from_dict
+from deqbench.run.matrix import expand
+from deqbench.run.suite import load_suite, one_cell_suite, suite_from_dict
 
 
 def _error(path: Path, **kw) -> str:

@@ -18,9 +18,9 @@ import torch
 pytest.importorskip("torchdeq")
 
 import deqbench  # noqa: E402
+from deqbench.core.registry import REGISTRIES  # noqa: E402
 from deqbench.deq import BackwardConfig, SolverConfig, configure  # noqa: E402
 from deqbench.errors import ConfigError  # noqa: E402
-from deqbench.registry import REGISTRIES  # noqa: E402
 from deqbench.solvers.base import SolverOptionError, residuals  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def test_torchdeq_layer_matches_deqbench_ift_and_pickles(plugin):
 
 def test_backward_analysis_side_by_side_with_wrapper(plugin):
     from deqbench.analyses.base import CellContext
-    from deqbench.data import DataBundle
+    from deqbench.run.data import DataBundle
 
     torch.manual_seed(0)
     X, y = torch.randn(24, 16), torch.randint(0, 3, (24,))
@@ -203,7 +203,7 @@ def test_backward_analysis_side_by_side_with_wrapper(plugin):
 
 def test_solver_overhead_analysis_with_torchdeq_solvers(plugin):
     from deqbench.analyses.base import CellContext
-    from deqbench.data import DataBundle
+    from deqbench.run.data import DataBundle
 
     torch.manual_seed(0)
     X, y = torch.randn(24, 16), torch.randint(0, 3, (24,))

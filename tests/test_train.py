@@ -8,9 +8,9 @@ import torch
 
 import deqbench
 from deqbench.analyses.base import Analysis, Row
-from deqbench.data import load_data
 from deqbench.deq import BackwardConfig, SolverConfig, configure
-from deqbench.train import TrainConfig, train
+from deqbench.run.data import load_data
+from deqbench.run.train import TrainConfig, train
 
 
 def test_conv_deq_tiny_learns_digits_with_ift():

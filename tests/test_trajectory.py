@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import deqbench
-from deqbench.analyses.trajectory import (
+from deqbench.solvers.base import residuals
+from deqbench.trajectory.analysis import (
     _Thinned,
     balanced_probes,
     iterations_to_tol,
@@ -19,7 +20,6 @@ from deqbench.analyses.trajectory import (
     record_solve,
     silhouette,
 )
-from deqbench.solvers.base import residuals
 
 
 def test_balanced_probes():

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import deqbench
 from deqbench.cli import app
-from deqbench.suite import suite_from_dict
+from deqbench.run.suite import suite_from_dict
 
 
 def _raw(defaults: dict, matrix: dict | None = None) -> dict:
@@ -179,7 +179,7 @@ def test_unrolled_forward_is_not_a_solve_and_not_flagged(tmp_path):
 
 
 def test_compare_keeps_flagged_rows(tmp_path):
-    from deqbench.results import compare
+    from deqbench.run.results import compare
 
     _, _, ok = _run(tmp_path / "a")
     _, _, bad = _run(
@@ -192,7 +192,7 @@ def test_compare_keeps_flagged_rows(tmp_path):
 
 
 def test_warm_up_is_recorded_once_per_process_and_out_of_wall_time(tmp_path, monkeypatch):
-    from deqbench import task as task_mod
+    from deqbench.run import task as task_mod
 
     monkeypatch.setattr(task_mod, "_WARMUP", {})
     monkeypatch.setattr(task_mod, "_DATA_CACHE", {})
@@ -210,7 +210,7 @@ def test_an_analysis_that_failed_outright_is_never_ok(tmp_path):
     """An analysis row with status error (e.g. an exception or OOM inside the NTK) leaves the
     trained cell's measurement missing: the cell is flagged, the run exits 1."""
     from deqbench.analyses.base import Analysis, Row
-    from deqbench.registry import analyses
+    from deqbench.core.registry import analyses
 
     class Broken(Analysis):
         name = "broken_t13"

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..data import DataBundle
+    from ..run.data import DataBundle
 
 
 @dataclass
@@ -113,7 +113,7 @@ class CellContext:
         return p
 
     def evaluate(self, split: str = "test", max_samples: int | None = None) -> dict[str, float]:
-        from ..train import evaluate
+        from ..run.evaluation import evaluate
 
         X, y = self.data.test if split == "test" else self.data.train
         if max_samples is not None:
@@ -123,7 +123,7 @@ class CellContext:
     @property
     def runtime(self) -> Any:
         """The cell's :class:`~deqbench.deq.Runtime` (its ``runtime`` section)."""
-        from ..runtime import cell_runtime
+        from ..core.runtime import cell_runtime
 
         return cell_runtime(self.cell)
 

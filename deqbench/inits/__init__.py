@@ -4,7 +4,7 @@ This package doubles as the public registry facade: `deqbench.inits.names()`, `.
 `.origin(name)`, `.register(name)`.
 """
 
-from ..registry import inits as registry
+from ..core.registry import inits as registry
 
 register = registry.register
 names = registry.names

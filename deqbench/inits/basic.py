@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..registry import inits
+from ..core.registry import inits
 
 
 def cell_weights(model: nn.Module) -> list[nn.Parameter]:
     """The weight tensors (dim > 1) of the model's equilibrium cell(s) (or tied cell), without
     the parameters a cell declares as injection (``cell.injection_parameters()``)."""
-    from ..contracts import cell_weights as own
-    from ..deq import deq_layers
+    from ..core.contracts import cell_weights as own
+    from ..core.deq import deq_layers
 
     cells = [layer.cell for layer in deq_layers(model)]
     if not cells and hasattr(model, "cell"):
@@ -45,7 +45,7 @@ def normal(
         >>> m = deqbench.models.create("fc_deq_tiny", in_shape=(5,))
         >>> deqbench.inits.get("normal")(m, seed=0, var=0.01)   # std 0.1
     """
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
 
     if std is not None and var is not None:
         raise ConfigError("init 'normal': give std or var (the variance), not both")
@@ -73,7 +73,7 @@ def small(model: nn.Module, *, seed: int = 0) -> None:
 def spectral(model: nn.Module, *, seed: int = 0, target: float = 0.9, input_size: int = 32) -> None:
     """Rescale every cell weight to spectral norm ``target`` (dense: exact; conv: exact circular
     operator norm on ``input_size`` x ``input_size`` inputs, Sedghi et al.)."""
-    from ..spectral import operator_norm
+    from ..spectral.norms import operator_norm
 
     with torch.no_grad():
         for p in cell_weights(model):

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
-from ..kernels import make_kernel, sqdist
-from ..registry import inits
+from ..core.errors import ConfigError
+from ..core.registry import inits
+from ..kglm.kernels import make_kernel, sqdist
 
 _NUM = re.compile(r"^\s*([+-]?\d*\.?\d*(?:e[+-]?\d+)?)\s*\*?\s*pi\s*$")
 
@@ -243,7 +243,7 @@ def _conv_informed(
     lengthscale: float | None,
     readout: bool,
 ) -> float:
-    from ..spectral import conv_spectral_norm
+    from ..spectral.norms import conv_spectral_norm
 
     g = torch.Generator().manual_seed(int(seed))
     w = model.conv1.weight
@@ -393,7 +393,7 @@ def kglm_random(
             u = torch.rand(lin.weight.shape, generator=gen, dtype=torch.float64) * 2 - 1
             lin.weight.copy_((u * bound).to(lin.weight.dtype))
         if scale is not None:
-            from ..spectral import dense_norm
+            from ..spectral.norms import dense_norm
 
             W1 = model.deq.cell.W1.weight
             W1.mul_(float(scale) / dense_norm(W1))

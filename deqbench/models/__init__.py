@@ -15,7 +15,7 @@ not the declared solver's own options.
 **Compatibility.** The same declaration may say which solvers the model supports (or needs)
 and which backward modes apply (``solvers=[...]``, ``backward_modes=[...]``; unset: every
 solver whose structure the cells implement, every mode). ``deqbench validate`` refuses cells
-outside them ([model.declared], :mod:`deqbench.plugin_checks`). ``solvers=()`` declares a
+outside them ([model.declared], :mod:`deqbench.run.plugin_checks`). ``solvers=()`` declares a
 model that computes its own equilibrium (a wrapped third-party DEQ): the suite's solver does
 not reach it and is not checked against it.
 
@@ -35,7 +35,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from ..registry import models as registry
+from ..core.registry import models as registry
 
 register = registry.register
 names = registry.names
@@ -129,8 +129,8 @@ def create(name: str, /, **params: Any) -> Any:
     model = registry.create(name, **params)
     decl = defaults(name)
     if decl.get("solver") or decl.get("backward"):
-        from .. import deq
-        from ..specs import to_dataclass
+        from ..core import deq
+        from ..run.specs import to_dataclass
 
         if deq.is_deq(model):
             deq.configure(

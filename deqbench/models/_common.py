@@ -25,7 +25,7 @@ ACTIVATIONS = {
 
 
 def activation(name: str):
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
 
     if name not in ACTIVATIONS:
         import difflib
@@ -53,6 +53,6 @@ def as_image_shape(in_shape) -> tuple[int, int, int]:
         s = int(round(math.sqrt(shape[0])))
         if s * s == shape[0]:
             return (1, s, s)
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
 
     raise ConfigError(f"convolutional model needs image inputs (C, H, W); got shape {shape}")

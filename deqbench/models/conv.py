@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..deq import DEQLayer, DEQModel
-from ..registry import models
+from ..core.deq import DEQLayer, DEQModel
+from ..core.registry import models
 from . import declare_defaults
 from ._common import as_image_shape
 

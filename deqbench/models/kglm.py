@@ -22,9 +22,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..deq import DEQLayer, DEQModel, SolverConfig
-from ..errors import ConfigError
-from ..registry import models
+from ..core.deq import DEQLayer, DEQModel, SolverConfig
+from ..core.errors import ConfigError
+from ..core.registry import models
 from . import declare_defaults
 from ._common import activation as get_activation
 from ._common import as_image_shape, numel
@@ -78,7 +78,7 @@ class KGLMCell(nn.Module):
     def lipschitz_bound(self) -> float:
         """sup|sigma'| * ||W1|| (+ ||W3|| sup|rho'|), an upper bound of the cell's Lipschitz
         constant in z (the quantity of Assumption 2 with rho = 0)."""
-        from ..spectral import dense_norm
+        from ..spectral.norms import dense_norm
 
         s = dense_norm(self.W1.weight)
         if self.W3 is not None:

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
-from ..registry import models
+from ..core.deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
+from ..core.registry import models
 from ..solvers.splitting import SplittingOps, fb_step_bound
 from . import declare_defaults
 from ._common import as_image_shape, numel
@@ -48,7 +48,7 @@ def default_solver(alpha: float | str = 1.0) -> SolverConfig:
 def _margin(m: float) -> float:
     """The monotonicity margin m (I - W >= m I): must be > 0."""
     if not float(m) > 0:
-        from ..errors import ConfigError
+        from ..core.errors import ConfigError
 
         raise ConfigError(
             f"monotone DEQ: the monotonicity margin m must be > 0 (W = (1 - m) I - A^T A + B - "
@@ -264,7 +264,7 @@ class MonDEQConv(_MonDEQBase):
         super().__init__()
         c_in, h, w = as_image_shape(in_shape)
         if h != w:
-            from ..errors import ConfigError
+            from ..core.errors import ConfigError
 
             raise ConfigError(f"mondeq_conv needs square images; got {h}x{w}")
         self.in_shape = (c_in, h, w)

@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
-from ..errors import ConfigError
-from ..registry import models
-from ..spectral import conv_norm_fft, dense_norm
+from ..core.deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
+from ..core.errors import ConfigError
+from ..core.registry import models
+from ..spectral.norms import conv_norm_fft, dense_norm
 from . import declare_defaults
 from ._common import activation as get_activation
 from ._common import as_image_shape, numel

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..registry import models
+from ..core.registry import models
 from .conv import ConvDEQ
 from .fc import FCDEQ
 
@@ -17,7 +17,7 @@ class TiedRepeat(nn.Module):
     def __init__(self, base: nn.Module, repeats: int) -> None:
         super().__init__()
         if repeats < 1:
-            from ..errors import ConfigError
+            from ..core.errors import ConfigError
 
             raise ConfigError(f"tied_repeat: repeats must be >= 1, got {repeats}")
         # Keep the base model's injection and head, but hold the cell directly: this is an
@@ -54,7 +54,7 @@ def tied_repeat(
 
         base = FCDEQ(numel(in_shape), width, num_outputs, activation)
     else:
-        from ..errors import ConfigError
+        from ..core.errors import ConfigError
 
         raise ConfigError(f"tied_repeat: cell must be 'conv' or 'fc', got {cell!r}")
     return TiedRepeat(base, repeats)

@@ -124,7 +124,7 @@ def summarize(run_dir: str | Path, suite: str | None = None, write: bool = True)
 
     run_dir = Path(run_dir)
     try:
-        from ..results import load_results
+        from ..run.results import load_results
 
         df = load_results(run_dir)
     except Exception:  # results module absent or a partial file: read the CSV directly

@@ -1,5 +1,5 @@
 """Outcome checks of the kGLM suites (REFERENCE.md 9.1-9.3, 9.4 sigma_max): the rows of
-:func:`deqbench.analyses.kglm.kglm_outcomes` as outcome rows (``summary.csv``)."""
+:func:`deqbench.kglm.analysis.kglm_outcomes` as outcome rows (``summary.csv``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ SUITES = (
 def check_kglm(df: Any) -> Any:
     import pandas as pd
 
-    from ..analyses.kglm import kglm_outcomes
+    from ..kglm.analysis import kglm_outcomes
 
     rows = [outcome(c, "info" if h is None else h, detail=d) for c, h, d in kglm_outcomes(df)]
     return pd.DataFrame(rows)

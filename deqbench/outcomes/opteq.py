@@ -10,6 +10,6 @@ from . import register
 
 @register("opteq", "opteq_gpu")
 def check_opteq(df: Any) -> Any:
-    from ..analyses.unroll_compare import opteq_outcomes  # lazy: imports torch
+    from ..performance.unroll_compare import opteq_outcomes  # lazy: imports torch
 
     return opteq_outcomes(df)

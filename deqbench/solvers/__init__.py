@@ -4,7 +4,7 @@ This package doubles as the public registry facade: `deqbench.solvers.names()`, 
 `.origin(name)`, `.register(name)`.
 """
 
-from ..registry import solvers as registry
+from ..core.registry import solvers as registry
 
 register = registry.register
 names = registry.names

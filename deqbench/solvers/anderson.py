@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..registry import solvers
+from ..core.registry import solvers
 from .base import (
     COMMON_OPTIONS,
     CommonOptions,

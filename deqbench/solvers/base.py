@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 EPS = 1e-9
 STATUSES = ("converged", "max_iter", "diverged", "stagnated")

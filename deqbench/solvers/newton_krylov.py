@@ -8,7 +8,7 @@ once ||g + (J - I) s|| <= eta ||g|| (the forcing term eta). Only products J v ar
   h = sqrt(eps) (1 + ||z||) / ||v|| per sample (one f-evaluation each);
 * ``jvp="affine"``: f is affine (f(z) = A z + c), so A v = f(v) - c exactly; c = f(0) costs one
   f-evaluation, or is read from the map (the IFT adjoint map ``w -> J^T w + g`` of
-  :class:`deqbench.backward.AdjointMap` exposes ``g``, the tangent map ``v -> J v + c`` of a
+  :class:`deqbench.core.backward.AdjointMap` exposes ``g``, the tangent map ``v -> J v + c`` of a
   double backward, ``TangentMap``, exposes ``c``): the adjoint system is linear, so GMRES
   solves it directly with the adjoint's own products (VJPs), each one call of the map;
 * ``jvp="auto"`` (default): "affine" for those two maps, else "forward", falling back to "fd"
@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..registry import solvers
+from ..core.registry import solvers
 from .base import (
     COMMON_OPTIONS,
     EPS,
@@ -266,7 +266,7 @@ def _gmres(
 def _known_constant(f: Any, shape: torch.Size) -> Tensor | None:
     """The constant c of a map known to be affine, f(v) = A v + c: the IFT adjoint map
     (``AdjointMap.g``) and the tangent map of a double backward (``TangentMap.c``)."""
-    from .. import backward
+    from ..core import backward
 
     for cls, attr in (("AdjointMap", "g"), ("TangentMap", "c")):
         kind = getattr(backward, cls, None)

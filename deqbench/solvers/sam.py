@@ -4,7 +4,7 @@
     S_k(z) = (1 - eta lambda_k) z - eta grad R(z)           (prior_step "grad"),
     S_k(z) = prox_{eta R}((1 - eta lambda_k) z)             (prior_step "prox"),
 
-with T the cell map and R the prior (:mod:`deqbench.regularizers`). As beta_k -> 0 the iterates
+with T the cell map and R the prior (:mod:`deqbench.core.regularizers`). As beta_k -> 0 the iterates
 approach argmin R over Fix(T) (papers/003 Theorem 5: eta = 1 / (2 L), rho + 2c < 1, T
 nonexpansive, e.g. an OptEq layer with ||W|| <= 1). When Fix(T) is a single point SAM converges
 to it, more slowly than plain iteration; when it is not, plain iteration stops at a point that
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..registry import solvers
+from ..core.registry import solvers
 from .base import (
     COMMON_OPTIONS,
     CommonOptions,
@@ -56,7 +56,7 @@ class _Schedule:
     """Parsed SAM options: the prior and the beta_k / lambda_k / eta schedule."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        from ..regularizers import get_regularizer
+        from ..core.regularizers import get_regularizer
 
         prior = options.get("prior", "l2")
         if prior is None:

@@ -5,7 +5,7 @@ They need the model's monotone structure, so they only work on cells implementin
 :class:`MonotoneCell`: ``f(z, u) = prox(W z + u)`` with ``sym(I - W) >= m I`` and ``prox`` the
 projection onto a closed convex set (ReLU: the nonnegative orthant). The solver reaches the cell
 through the map it is given: :class:`deqbench.deq.CellMap` (forward) and
-:class:`deqbench.backward.AdjointMap` (IFT adjoint) expose ``.cell``. Given any other callable,
+:class:`deqbench.core.backward.AdjointMap` (IFT adjoint) expose ``.cell``. Given any other callable,
 they raise a ConfigError.
 
 Forward (REFERENCE.md section 2.4), with c = u:
@@ -44,8 +44,8 @@ import torch
 from torch import Tensor
 
 # the monotone-cell protocol and its operators are contracts (deqbench.contracts); re-exported
-from ..contracts import MonotoneCell, SplittingOps  # noqa: F401
-from ..registry import solvers
+from ..core.contracts import MonotoneCell, SplittingOps  # noqa: F401
+from ..core.registry import solvers
 from .base import (
     SolverStats,
     check_options,
@@ -62,7 +62,7 @@ _NAMES = {"fb": "forward_backward", "pr": "peaceman_rachford"}
 
 def monotone_cell(f: Any, solver: str) -> MonotoneCell:
     """The MonotoneCell behind solver map ``f``, or a ConfigError saying why there is none."""
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
 
     cell = getattr(f, "cell", None)
     if cell is None or not isinstance(cell, MonotoneCell):

@@ -1,0 +1,550 @@
+"""The ``deqbench`` command line (Typer). Parses options, calls the library, maps errors to exit
+codes; no logic of its own. Nothing heavy is imported at module level: ``deqbench --help`` does
+not import torch.
+
+Exit codes: 0 ok; 1 finished but some cell failed; 2 usage, config or unknown-name error (one
+red line per problem on stderr, no traceback); 130 interrupted (finished cells are on disk).
+
+This package holds the app and the generic verbs (``run``, ``ls``, ``plot``, ``compare``, ...).
+A command that measures something (``landscape``, ``hessian``, ``ntk``) lives in its family's
+package, ``deqbench/<family>/cli.py``, with a ``register(app)`` function (found by
+:func:`_register_subcommands`); it builds a one-cell suite from its options and hands it to the
+same runner::
+
+    def landscape_command(model: str = "fc_deq_tiny", device: Device = None, ...) -> None:
+        run_one_cell("landscape", model=model, analyses=[{"landscape": {...}}], device=device, ...)
+
+    def register(app: typer.Typer) -> None:
+        app.command("landscape", epilog="Example: deqbench landscape")(landscape_command)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..run.console import KINDS, err_console, esc
+
+app = typer.Typer(
+    name="deqbench",
+    help="Benchmark and analyse deep equilibrium models: YAML suites in, tidy CSV and plots out.",
+    epilog="Example: deqbench run suites/smoke.yaml --set defaults.train.epochs=1",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__  # deqbench/__init__ imports no torch
+
+        print(f"deqbench {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Benchmark and analyse deep equilibrium models: YAML suites in, tidy CSV and plots out."""
+
+
+DeviceOpt = Annotated[
+    str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N (overrides the suite).")
+]
+SeedsOpt = Annotated[
+    str | None, typer.Option("--seeds", help="Seeds, e.g. 0,1,2 or 0-4 (overrides the suite).")
+]
+OutOpt = Annotated[
+    Path | None, typer.Option("--out", help="Results root (overrides the suite's output).")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Override a suite field: KEY=VALUE with a dotted key, e.g. defaults.train.epochs=1 (repeatable).",
+    ),
+]
+ProgressOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--progress/--no-progress",
+        help="Progress bar on stderr (default: on when stderr is a terminal).",
+    ),
+]
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print ``message`` (one red line per line) on stderr and exit with ``code``."""
+    con = err_console()
+    for line in str(message).splitlines() or ["error"]:
+        con.print(f"[red]error:[/red] {esc(line)}", markup=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def handle_errors() -> Iterator[None]:
+    """DeqbenchError -> exit 2 with its lines; KeyboardInterrupt -> exit 130."""
+    from ..core.errors import DeqbenchError
+
+    try:
+        yield
+    except DeqbenchError as exc:
+        fail(str(exc), 2)
+    except KeyboardInterrupt:
+        err_console().print("[yellow]interrupted[/yellow]", markup=True)
+        raise typer.Exit(130) from None
+
+
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``"0,1,2"`` / ``"0-4"`` -> list of ints."""
+    from ..core.errors import ConfigError
+
+    if text is None:
+        return None
+    seeds: list[int] = []
+    try:
+        for part in text.replace(" ", "").split(","):
+            lo, dash, hi = part.partition("-")
+            seeds += list(range(int(lo), int(hi) + 1)) if dash and lo else [int(part)]
+    except ValueError:
+        raise ConfigError(f"--seeds {text}: expected integers like 0,1,2 or 0-4") from None
+    if not seeds:
+        raise ConfigError(f"--seeds {text}: no seeds")
+    return seeds
+
+
+def execute(
+    suite: Any,
+    *,
+    resume: Path | None = None,
+    progress: bool | None = None,
+    plots: bool = True,
+    out: Path | None = None,
+    executor: Any = None,
+    summaries: list[Any] | None = None,
+) -> int:
+    """Run ``suite`` through the runner, print the summary; return the exit code (the
+    :class:`~deqbench.run.runner.RunSummary` is appended to ``summaries`` when given)."""
+    from ..run.console import print_headlines, print_summary
+    from ..run.runner import run_suite
+
+    summary = run_suite(
+        suite,
+        out,
+        resume=resume,
+        progress=progress,
+        plots=plots,
+        command=sys.argv,
+        executor=executor,
+    )
+    if summaries is not None:
+        summaries.append(summary)
+    from ..run.results import load_results
+
+    df = load_results(summary.run_dir)
+    print_summary(df)
+    print_headlines(df, suite.analyses)
+    con = err_console()
+    for cell, seed, status, note in summary.failed:
+        con.print(f"[red]{status}[/red] {esc(f'{cell} seed={seed}: {note}')}", markup=True)
+    if summary.interrupted:
+        con.print(
+            "[yellow]interrupted[/yellow]; resume with: "
+            + esc(f"deqbench run {summary.run_dir / 'suite.yaml'} --resume {summary.run_dir}"),
+            markup=True,
+        )
+    print(f"run directory: {summary.run_dir}")
+    return summary.exit_code
+
+
+def _option_paths(model: Any, analyses: Sequence[Any], sections: dict[str, Any]) -> dict:
+    """Suite paths -> the command-line option that set them, for one-line errors that name
+    the option (``--grid 4: grid must be odd ...``): every analysis parameter comes from the
+    option of the same name (``points_per_batch`` <- ``--points-per-batch``)."""
+
+    def opt(key: str, value: Any) -> str:
+        return f"--{str(key).replace('_', '-')} {value}"
+
+    paths: dict[tuple[Any, ...], str] = {}
+    for i, a in enumerate(analyses):
+        if isinstance(a, dict):
+            for name, params in a.items():
+                for k, v in (params or {}).items():
+                    paths[("analyses", i, name, k)] = opt(k, v)
+    if isinstance(model, str):
+        paths[("defaults", "model")] = opt("model", model)
+    data = sections.get("data")
+    if isinstance(data, dict) and "name" in data:
+        paths[("data", "name")] = opt("data", data["name"])
+    dtype = sections.get("dtype")
+    if dtype:
+        paths[("dtype",)] = opt("dtype", dtype)
+    return paths
+
+
+def run_one_cell(
+    name: str,
+    *,
+    model: str | dict[str, Any],
+    analyses: Sequence[Any],
+    device: str | None = None,
+    seeds: str | None = None,
+    out: Path | None = None,
+    set_: Sequence[str] | None = None,
+    progress: bool | None = None,
+    **sections: Any,
+) -> None:
+    """Build a one-cell suite from options (:func:`deqbench.run.suite.one_cell_suite`) and run it;
+    exits with the run's code. For commands like ``landscape``, ``hessian``, ``ntk``."""
+    with handle_errors():
+        from ..run.suite import one_cell_suite
+
+        suite = one_cell_suite(
+            name,
+            model=model,
+            analyses=analyses,
+            device=device or "auto",
+            seeds=parse_seeds(seeds) or [0],
+            output=str(out) if out else "results",
+            overrides=set_ or (),
+            flags=_option_paths(model, analyses, sections),
+            **{k: v for k, v in sections.items() if v is not None},
+        )
+        code = execute(suite, progress=progress)
+    raise typer.Exit(code)
+
+
+@app.command(
+    epilog="Example: deqbench run suites/smoke.yaml --device cpu --seeds 0 --set defaults.train.epochs=1"
+)
+def run(
+    suite: Annotated[Path, typer.Argument(help="Suite YAML file.")],
+    device: DeviceOpt = None,
+    seeds: SeedsOpt = None,
+    out: OutOpt = None,
+    set_: SetOpt = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option("--resume", help="Continue this run directory: finished cells are skipped."),
+    ] = None,
+    progress: ProgressOpt = None,
+    plots: Annotated[
+        bool, typer.Option("--plots/--no-plots", help="Write plots/ at the end.")
+    ] = True,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help="inline: cells one by one in this process; dask: each cell x seed is one Dask "
+            "task (needs the extra deqbench\\[dask]).",
+        ),
+    ] = "inline",
+    scheduler: Annotated[
+        str | None,
+        typer.Option(
+            "--scheduler",
+            help="With --executor dask: join this running Dask scheduler (tcp://HOST:8786) "
+            "instead of starting a local cluster.",
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            help="With --executor dask: local worker processes (default: one per visible GPU, "
+            "or cpu_count/threads on CPU).",
+        ),
+    ] = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check/--no-check",
+            help="Check the contracts of the suite's models and solvers on CPU before starting "
+            "(as deqbench validate does).",
+        ),
+    ] = True,
+) -> None:
+    """Run a suite: every cell x seed, into results/SUITE/RUN_ID/.
+
+    A collection file (one with a list under suites:) runs its suites one after another, each
+    into its own run directory; the exit code is the worst of theirs. Exit codes: 0 every cell
+    ok, 1 some cell failed or flagged, 2 bad input, 130 interrupted."""
+    with handle_errors(), ExitStack() as stack:
+        from ..core.errors import ConfigError
+        from ..run.executors import prestart
+        from ..run.suite import load_suites
+
+        # a local Dask cluster starts (and its workers warm up) while the suite is validated
+        early = prestart(executor, scheduler=scheduler, workers=workers, path=suite,
+                         device=device, overrides=set_ or ())  # fmt: skip
+        if early is not None:
+            stack.callback(early.close)
+        suites = load_suites(
+            suite,
+            overrides=set_ or (),
+            device=device,
+            seeds=parse_seeds(seeds),
+            output=str(out) if out else None,
+        )
+        if resume is not None and len(suites) > 1:
+            raise ConfigError(
+                f"--resume continues one suite's run directory; {suite} is a collection of "
+                f"{len(suites)} suites: resume a part with its own file, e.g. deqbench run "
+                "RUN_DIR/suite.yaml --resume RUN_DIR"
+            )
+        if check:
+            from ..run.plugin_checks import check_suites
+
+            check_suites(suites)
+        from ..run.executors import open_executor
+
+        code, summaries = 0, []
+        for i, s in enumerate(suites):
+            if len(suites) > 1:
+                err_console().print(f"[bold]{i + 1}/{len(suites)}[/bold] suite {esc(s.name)}")
+            with open_executor(executor, scheduler=scheduler, workers=workers, suite=s,
+                               started=early if i == 0 else None) as ex:  # fmt: skip
+                c = execute(
+                    s,
+                    resume=resume,
+                    progress=progress,
+                    plots=plots,
+                    executor=ex,
+                    summaries=summaries,
+                )
+            code = max(code, c)
+            if c == 130:  # interrupted: the later parts do not start
+                break
+        if len(suites) > 1:
+            from ..run.console import print_collection
+
+            print_collection(summaries, len(suites))
+    raise typer.Exit(code)
+
+
+@app.command(epilog="Example: deqbench validate suites/smoke.yaml --set defaults.solver.tol=1e-6")
+def validate(
+    suite: Annotated[Path, typer.Argument(help="Suite YAML file.")],
+    device: DeviceOpt = None,
+    seeds: SeedsOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Check a suite without running it: the schema, then the contracts of every model, init
+    and solver it names (on CPU: each factory called and run on a batch of 2, each solver on a
+    small test problem; deqbench/plugin_checks.py); list its cells."""
+    with handle_errors():
+        from ..run.plugin_checks import check_suites
+        from ..run.suite import format_cells, load_suites
+
+        suites = load_suites(suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds))
+        check_suites(suites)
+        for s in suites:
+            n = len(s.cells)
+            name = suite if s.source == str(suite) else f"{suite} > {s.source}"
+            print(
+                f"{name}: ok: {n} cell{'s' * (n != 1)} x {len(s.seeds)} seed"
+                f"{'s' * (len(s.seeds) != 1)} = {n * len(s.seeds)} tasks; device {s.device}; "
+                f"analyses: {', '.join(a for a, _ in s.analyses) or 'none'}"
+            )
+            for line in format_cells(s):
+                print(line)
+
+
+@app.command("ls", epilog="Example: deqbench ls models 'conv*'")
+def ls(
+    kind: Annotated[
+        str | None, typer.Argument(help=f"One of {', '.join(KINDS)} (default: all).")
+    ] = None,
+    pattern: Annotated[
+        str | None, typer.Argument(help="Glob or substring filter on names.")
+    ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="Models: also their declared solver, backward and init."
+        ),
+    ] = False,
+) -> None:
+    """List registered names and where they come from (built-in or plugin distribution)."""
+    with handle_errors():
+        from ..run.console import list_names
+
+        for line in list_names(kind, pattern, verbose):
+            print(line.rstrip())
+
+
+@app.command(epilog="Example: deqbench info --device cuda")
+def info(
+    device: DeviceOpt = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Versions, device, CUDA, numeric flags and installed plugins."""
+    with handle_errors():
+        from ..run.console import info_lines
+
+        for line in info_lines(device, as_json=json_):
+            print(line)
+
+
+@app.command(epilog="Example: deqbench plot results/smoke/20250101-120000")
+def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) -> None:
+    """Regenerate the plots of a run into RUN_DIR/plots/."""
+    with handle_errors():
+        from ..run.plots import write_plots
+        from ..run.results import load_results
+
+        paths, errors = write_plots(run_dir, load_results(run_dir))
+        for p in paths:
+            print(p)
+        for e in errors:
+            err_console().print(f"[red]error:[/red] {esc(e)}", markup=True)
+        if not paths and not errors:
+            err_console().print("nothing to plot in this run", markup=False)
+    if errors:
+        raise typer.Exit(1)
+
+
+@app.command(
+    epilog="Example: deqbench compare results/smoke/RUN_A results/smoke/RUN_B --factor 1.2"
+)
+def compare(
+    run_a: Annotated[Path, typer.Argument(help="Baseline run directory.")],
+    run_b: Annotated[Path, typer.Argument(help="Run directory to compare against the baseline.")],
+    factor: Annotated[
+        float,
+        typer.Option(
+            "--factor",
+            min=1.0,
+            help="Mark a metric CHANGED when its ratio B/A (median over the matched rows of "
+            "the paired ratios) is beyond this factor either way.",
+        ),
+    ] = 1.1,
+    csv: Annotated[
+        Path | None,
+        typer.Option("--csv", help="Also write the comparison table to this CSV file."),
+    ] = None,
+    fail_on_change: Annotated[
+        bool, typer.Option("--fail-on-change", help="Exit 1 when a metric is CHANGED.")
+    ] = False,
+    timing: Annotated[
+        bool,
+        typer.Option(
+            "--timing",
+            help="Also judge timing metrics (unit s, ms or per second): CHANGED only where "
+            "the two runs' IQRs over seeds and repeats lie apart (at least 3 samples a side).",
+        ),
+    ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Compare runs of differently named suites or without a common cell."
+        ),
+    ] = False,
+) -> None:
+    """Compare two runs of one suite: per metric, the median over matched rows of the ratio
+    B/A, rows joined on (cell_id, seed, analysis, variant, metric, step, repeat); rows without a
+    partner are counted, timing metrics left unjudged unless --timing."""
+    with handle_errors():
+        from ..core.errors import ConfigError
+        from ..run.console import compare_table, err_console, out_console
+        from ..run.results import check_comparable, load_results, match_counts
+        from ..run.results import compare as compare_runs
+
+        a, b = load_results(run_a), load_results(run_b)
+        warnings = check_comparable(run_a, run_b, a, b, force)
+        summary, joined = compare_runs(a, b, factor, timing=timing)
+        counts = match_counts(a, b, joined)
+        if not counts["a"]["matched"]:
+            raise ConfigError(
+                f"{run_a} and {run_b} share no (cell_id, seed, analysis, variant, metric, step, "
+                f"repeat) rows ({counts['a']['compared']} vs {counts['b']['compared']} ok/flagged)"
+            )
+        for w in warnings:
+            err_console().print(f"warning: {w}", markup=False)
+        out_console().print(
+            compare_table(
+                summary,
+                f"B: {run_b} vs A: {run_a} (changed: B/A beyond x{factor:g}"
+                + (")" if timing else "; timing metrics judged only with --timing)"),
+            )
+        )
+        ca, cb = counts["a"], counts["b"]
+        print(
+            f"rows: {ca['matched']} matched pairs; unmatched, left out of the ratios: "
+            f"A {ca['unmatched']} of {ca['compared']}, B {cb['unmatched']} of {cb['compared']}"
+            + (f"; failed, not compared: A {ca['failed']}, B {cb['failed']}"
+               if ca["failed"] or cb["failed"] else "")
+            + (f"; skipped (analysis does not apply): A {ca['skipped']}, B {cb['skipped']}"
+               if ca["skipped"] or cb["skipped"] else "")
+        )  # fmt: skip
+        if csv is not None:
+            summary.to_csv(csv, index=False)
+            print(f"wrote {csv}")
+        changed = int(summary["changed"].sum())
+    raise typer.Exit(1 if (fail_on_change and changed) else 0)
+
+
+def _register_subcommands() -> None:
+    """Add the verbs that live beside their feature: every ``deqbench/<family>/cli.py`` (e.g.
+    ``deqbench/ntk/cli.py``) and every module of this package that defines ``register(app)``
+    (e.g. ``deqbench/cli/plugin.py``). They must not import torch at module level, nor may
+    their family's ``__init__``."""
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent  # the deqbench package
+    names = [
+        f"deqbench.{d.name}.cli"
+        for d in sorted(root.iterdir(), key=lambda d: d.name)
+        if d.is_dir() and d.name != "cli" and (d / "cli.py").is_file()
+    ]
+    names += [
+        f"{__name__}.{m.name}" for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)
+    ]
+    for name in names:
+        register = getattr(importlib.import_module(name), "register", None)
+        if register is not None:
+            register(app)
+
+
+def _reflow(text: str | None) -> str | None:
+    """Join the lines of each paragraph (blank lines separate paragraphs): the terminal wraps
+    help text to its own width, so the docstrings' source line breaks would break lines
+    mid-sentence at 80 columns."""
+    if not text:
+        return text
+    import inspect
+
+    paras = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paras)
+
+
+def _reflow_help() -> None:
+    for cmd in app.registered_commands:
+        if cmd.help:
+            cmd.help = _reflow(cmd.help)
+        elif cmd.callback is not None and cmd.callback.__doc__:
+            cmd.callback.__doc__ = _reflow(cmd.callback.__doc__)
+
+
+_register_subcommands()
+_reflow_help()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,550 @@
+"""The DEQ layer: a cell f(z, u), a forward solver and a backward mode.
+
+A DEQ model holds one or more :class:`DEQLayer` modules. Each layer solves ``z* = f(z*, u)`` with
+a registered solver and differentiates with one of the modes in :mod:`deqbench.core.backward`
+(``ift``, ``unrolled``, ``jfb``, ``phantom``). The last forward/backward :class:`SolverStats`
+are kept on the layer so analyses can read them.
+
+Example:
+    >>> import torch, deqbench
+    >>> from deqbench.deq import DEQLayer, SolverConfig, BackwardConfig
+    >>> cell = deqbench.models.get("fc_deq_tiny")().deq.cell          # doctest: +SKIP
+    >>> layer = DEQLayer(cell, SolverConfig("anderson", max_iter=50, tol=1e-6))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..solvers.base import SolverStats
+from . import backward as bw
+from .backward import DirectSolver
+
+BACKWARD_MODES = ("ift", "unrolled", "jfb", "phantom")
+
+
+@dataclass
+class SolverConfig:
+    """Forward solver: registered name, budget, tolerance and solver-specific options."""
+
+    name: str = "anderson"
+    max_iter: int = 50
+    tol: float = 1e-4
+    stop_mode: str = "rel"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class BackwardConfig:
+    """Backward mode.
+
+    Attributes:
+        name: ift | unrolled | jfb | phantom.
+        solver: adjoint solver for ``ift`` (default: fixed_point).
+        max_iter, tol, stop_mode: adjoint budget and tolerance (``ift``).
+        k: steps for ``unrolled`` (K, from z0) and ``phantom`` (from z*). ``unrolled``
+            backpropagates through K steps of plain iteration z <- f(z) (or through the
+            forward solver's own ``unroll`` when it defines one, e.g. SAM), whatever the
+            forward solver; its reported residual is ||z_K - z_{K-1}||, that of z_{K-1} (no
+            extra f-evaluation).
+        tau: damping of ``phantom`` steps.
+        b_init: adjoint initial guess, "grad" (saves one VJP) or "zeros".
+        second_order: how a double backward (Hessian-vector products) differentiates the
+            adjoint: "implicit" (default; exact, one more linear solve with JVPs) or "refine"
+            (``refine`` differentiable adjoint steps from the converged adjoint; the error decays
+            as rho(J)^refine).
+        refine: steps for ``second_order="refine"``.
+        options: adjoint solver options.
+    """
+
+    name: str = "ift"
+    solver: str = "fixed_point"
+    max_iter: int = 50
+    tol: float = 1e-6
+    stop_mode: str = "rel"
+    k: int = 5
+    tau: float = 1.0
+    b_init: str = "grad"
+    second_order: str = "implicit"
+    refine: int = 100
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Bad values are a ConfigError here (the suite schema checks the same for suites): a
+        typo in ``second_order`` silently took the refine path (an HVP 61% off), ``b_init``
+        "gard" meant "zeros", ``k = 0`` became 1."""
+        from .errors import ConfigError
+
+        choices = {
+            "b_init": ("grad", "zeros"),
+            "second_order": ("implicit", "refine"),
+            "stop_mode": ("rel", "abs"),
+        }
+        bad = [
+            f"{k} must be one of {', '.join(v)}, got {getattr(self, k)!r}"
+            for k, v in choices.items()
+            if getattr(self, k) not in v
+        ]
+        if self.name not in BACKWARD_MODES:
+            bad.insert(
+                0, f"unknown backward mode {self.name!r}; modes: {', '.join(BACKWARD_MODES)}"
+            )
+        for k, lo in (("k", 1), ("max_iter", 1), ("refine", 0)):
+            v = getattr(self, k)
+            if isinstance(v, bool) or int(v) != v or v < lo:
+                bad.append(f"{k} must be an integer >= {lo}, got {v!r}")
+        if not 0 < float(self.tau) <= 1:
+            bad.append(f"tau must be in (0, 1], got {self.tau!r}")
+        if not float(self.tol) >= 0:
+            bad.append(f"tol must be >= 0, got {self.tol!r}")
+        if bad:
+            raise ConfigError("backward: " + "; ".join(bad))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+AMP_MODES = ("none", "bf16")
+GRAPH_MODES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How a DEQ layer's cell runs (the suite's ``runtime`` section; issue 17).
+
+    Attributes:
+        cuda_graph: "auto" (default): on CUDA, forward solves and IFT adjoint solves of
+            launch-bound cells (states of at most 2M elements: fc1024 at batch 512 is 0.5M,
+            conv64 at batch 128 is 8.4M and stays eager, where a graph gained nothing) with a
+            solver that supports it (fixed_point, anderson, broyden) are captured as a CUDA
+            graph on first use for each
+            (batch shape, dtype, parameter storage, train/eval mode) and replayed afterwards; a
+            cell that cannot be captured (host syncs, shapes that change) falls back to eager
+            once and is remembered. ``SolverStats.path`` says which path ran. "off": eager.
+            A cell whose forward keeps Python-level state (caches keyed on parameter versions,
+            counters) must set the class attribute ``cuda_graph_safe = False`` (OptEq does):
+            a replayed graph re-runs kernels, not Python.
+            A solver's own ``cuda_graph`` option, where set, wins.
+        amp: "none" (default) or "bf16": the cell (and, in training, the whole model forward)
+            runs under bfloat16 autocast, while the solver's iterate, residuals, Anderson
+            history and stopping test stay in the state dtype (float32). bf16's relative
+            residual floor is about 4e-3: use a tolerance of 1e-2 or looser.
+        compile: False (default), True (``torch.compile`` with the inductor backend) or a
+            backend name ("eager", "aot_eager", "inductor", ...): the cell is compiled once per
+            layer; parameters stay the module's.
+        compile_mode: ``torch.compile``'s ``mode`` (None, "default", "reduce-overhead",
+            "max-autotune", ...).
+    """
+
+    cuda_graph: str = "auto"
+    amp: str = "none"
+    compile: bool | str = False
+    compile_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        from .errors import ConfigError
+
+        if self.cuda_graph not in GRAPH_MODES:
+            raise ConfigError(
+                f"runtime.cuda_graph must be one of {', '.join(GRAPH_MODES)}, got {self.cuda_graph!r}"
+            )
+        if self.amp not in AMP_MODES:
+            raise ConfigError(
+                f"runtime.amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}"
+            )
+        if not isinstance(self.compile, (bool, str)) or self.compile == "":
+            raise ConfigError(
+                f"runtime.compile must be true, false or a torch.compile backend name, got "
+                f"{self.compile!r}"
+            )
+
+    @property
+    def backend(self) -> str | None:
+        """The torch.compile backend, or None when not compiling."""
+        if self.compile is False:
+            return None
+        return "inductor" if self.compile is True else str(self.compile)
+
+    def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager:
+        """The autocast context of ``amp`` on ``device`` (a null context for "none")."""
+        if self.amp == "none":
+            return contextlib.nullcontext()
+        dev = torch.device(device).type
+        # no weight cache: a CUDA graph captured inside would read cast weights that the cache
+        # frees when the block ends (an illegal memory access at a later replay)
+        return torch.autocast(device_type=dev, dtype=torch.bfloat16, cache_enabled=False)
+
+
+class CellMap:
+    """The map ``z -> cell(z, u)`` handed to forward solvers.
+
+    Generic solvers just call it. It exposes ``cell`` and ``u`` so that solvers needing a
+    family's structure (e.g. monDEQ operator splitting, which reads the monotone-operator
+    interface of the cell) can reach it. ``fn`` (default: ``cell``) is what is called, e.g. the
+    compiled cell; ``runtime`` adds autocast (the output is cast back to the iterate's dtype).
+    """
+
+    __slots__ = ("cell", "u", "fn", "runtime")
+
+    def __init__(
+        self,
+        cell: nn.Module,
+        u: Tensor,
+        fn: Any = None,
+        runtime: Runtime | None = None,
+    ) -> None:
+        self.cell = cell
+        self.u = u
+        self.fn = cell if fn is None else fn
+        self.runtime = runtime
+
+    def __call__(self, z: Tensor) -> Tensor:
+        rt = self.runtime
+        if rt is None or rt.amp == "none":
+            return self.fn(z, self.u)
+        with rt.autocast(z.device):
+            out = self.fn(z, self.u)
+        return out if out.dtype == z.dtype else out.to(z.dtype)
+
+
+class DEQLayer(nn.Module):
+    """Equilibrium layer around ``cell`` (an ``nn.Module`` with ``forward(z, u)``).
+
+    The layer's forward returns z* for injection ``u``. In training (grad enabled) the
+    configured backward mode attaches gradients; under ``no_grad`` it only solves.
+    """
+
+    def __init__(
+        self,
+        cell: nn.Module,
+        solver: SolverConfig | None = None,
+        backward: BackwardConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.cell = cell
+        self.solver_cfg = solver or SolverConfig()
+        self.backward_cfg = backward or BackwardConfig()
+        self.last_forward_stats: SolverStats | None = None
+        self.last_backward_stats: SolverStats | None = None
+        self.f_evals_grad = 0
+        self.vjp_bwd = 0
+        self.runtime = Runtime()
+        # not submodules (no state_dict entries): the compiled cell, the static maps of the
+        # CUDA-graph path (key -> CellMap over a static copy of u) and keys that failed capture
+        self.__dict__["_compiled"] = None
+        self.__dict__["_static_maps"] = {}
+        self.__dict__["_no_graph"] = {}
+
+    def configure(
+        self, solver: SolverConfig | None = None, backward: BackwardConfig | None = None
+    ) -> None:
+        if solver is not None:
+            self.solver_cfg = replace(solver)
+        if backward is not None:
+            if backward.name not in BACKWARD_MODES:
+                from .errors import ConfigError
+
+                raise ConfigError(
+                    f"unknown backward mode '{backward.name}'; choose from {', '.join(BACKWARD_MODES)}"
+                )
+            self.backward_cfg = replace(backward)
+
+    def set_runtime(self, runtime: Runtime) -> None:
+        """Use ``runtime`` from now on (drops the compiled cell and the captured graphs)."""
+        self.runtime = runtime
+        self.reset_runtime_caches()
+
+    def reset_runtime_caches(self) -> None:
+        """Forget the compiled cell and this layer's captured solves (e.g. after moving the
+        model to another device or replacing its parameters' storage)."""
+        from ..solvers.base import drop_graphs
+
+        drop_graphs(list(self._static_maps.values()))
+        drop_graphs([ga.map for ga in self.__dict__.get("_graph_adjoints", {}).values()])
+        self.__dict__["_compiled"] = None
+        self._static_maps.clear()
+        self._no_graph.clear()
+        self.__dict__.pop("_captures", None)
+        self.__dict__.pop("_graph_adjoints", None)
+        self.__dict__.pop("_no_graph_adjoint", None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the runtime caches behind (CUDA graphs cannot be copied)."""
+        state = super().__getstate__()
+        state = dict(state)
+        state.update(_compiled=None, _static_maps={}, _no_graph={})
+        state.pop("_graph_adjoints", None)
+        state.pop("_no_graph_adjoint", None)
+        return state
+
+    def cell_fn(self) -> Any:
+        """What is called as f(z, u): the cell, or the compiled cell under ``runtime.compile``."""
+        backend = self.runtime.backend
+        if backend is None:
+            return self.cell
+        if self._compiled is None:
+            self.__dict__["_compiled"] = torch.compile(
+                self.cell, backend=backend, mode=self.runtime.compile_mode, dynamic=False
+            )
+        return self._compiled
+
+    def f(self, z: Tensor, u: Tensor) -> Tensor:
+        """The cell map f(z, u) (compiled and under autocast as ``runtime`` says; the output
+        in z's dtype)."""
+        rt = self.runtime
+        if rt.amp == "none" and rt.backend is None:
+            return self.cell(z, u)
+        return CellMap(self.cell, u, self.cell_fn(), rt)(z)
+
+    def cell_map(self, u: Tensor) -> CellMap:
+        """The map z -> f(z, u) a forward solver gets (eager path)."""
+        return CellMap(self.cell, u, self.cell_fn(), self.runtime)
+
+    def solve(
+        self, u: Tensor, z0: Tensor, cfg: SolverConfig | None = None
+    ) -> tuple[Tensor, SolverStats]:
+        """Forward solve under no_grad; records ``last_forward_stats``.
+
+        On CUDA with ``runtime.cuda_graph == "auto"`` and a solver that supports it, the solve
+        is captured once per static key and replayed (``stats.path == "graph"``)."""
+        from .. import solvers
+
+        cfg = cfg or self.solver_cfg
+        fn = solvers.get(cfg.name)
+        u, z0 = self.state_dtype(u), self.state_dtype(z0)
+        # The solver's own arithmetic (history, least squares, residuals) never runs under an
+        # enclosing autocast; the cell map turns ``runtime.amp`` on for each f-evaluation.
+        with torch.no_grad(), torch.autocast(device_type=u.device.type, enabled=False):
+            z, stats = self._solve(fn, cfg, u, z0)
+        self.last_forward_stats = stats
+        return z, stats
+
+    def _solve(self, fn: Any, cfg: SolverConfig, u: Tensor, z0: Tensor) -> tuple[Tensor, Any]:
+        from ..solvers.base import GraphCaptureError
+
+        kw = dict(max_iter=cfg.max_iter, tol=cfg.tol, stop_mode=cfg.stop_mode)
+        eager_path = "compiled" if self.runtime.backend is not None else "eager"
+        key = self._graph_key(cfg, fn, u, z0)
+        if key is not None:
+            f = self._static_maps.get(key)
+            if f is None:
+                if len(self._static_maps) >= STATIC_MAPS:  # oldest first
+                    from ..solvers.base import drop_graphs
+
+                    old = self._static_maps.pop(next(iter(self._static_maps)))
+                    drop_graphs([old])
+                f = CellMap(self.cell, u.detach().clone(), self.cell_fn(), self.runtime)
+                self._static_maps[key] = f
+            else:
+                f.u.copy_(u)
+            try:
+                z, stats = fn(f, z0, **kw, **cfg.options, cuda_graph="cache")
+                stats.path = "graph"
+                return z, stats
+            except GraphCaptureError as exc:
+                self._static_maps.pop(key, None)
+                self._no_graph[key[:-1]] = str(exc)
+        z, stats = fn(self.cell_map(u), z0, **kw, **cfg.options)
+        stats.path = eager_path
+        return z, stats
+
+    def _graph_key(self, cfg: SolverConfig, fn: Any, u: Tensor, z0: Tensor) -> tuple | None:
+        """The static key of a graph-path solve, or None for the eager path."""
+        from ..solvers.base import AUTO_NUMEL, supports_graph
+
+        if (
+            self.runtime.cuda_graph != "auto"
+            or u.device.type != "cuda"
+            or z0.numel() > AUTO_NUMEL  # not launch-bound: a graph gains nothing (conv64)
+            or "cuda_graph" in cfg.options
+            or not getattr(self.cell, "cuda_graph_safe", True)
+            or not supports_graph(fn)
+            or torch.is_grad_enabled()
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return None
+        base = (
+            cfg.name,
+            tuple(u.shape),
+            u.dtype,
+            u.stride(),
+            u.device,
+            tuple(z0.shape),
+            z0.dtype,
+            self.cell.training,
+            self.runtime,
+            tuple(t.data_ptr() for t in self.cell.parameters()),
+            tuple(t.data_ptr() for t in self.cell.buffers()),
+        )
+        if base in self._no_graph:
+            return None
+        if base not in self._static_maps:
+            # Parameters substituted per call (functional_call in landscapes, finite-difference
+            # Hessians) change the key every time: capturing each would cost more than it saves.
+            if not all(isinstance(t, nn.Parameter) for t in self.cell.parameters()):
+                return None
+            n = self.__dict__["_captures"] = self.__dict__.get("_captures", 0) + 1
+            if n > MAX_CAPTURES:  # keys keep changing: stay eager
+                return None
+        return base + (torch.is_autocast_enabled(),)
+
+    def state_dtype(self, t: Tensor) -> Tensor:
+        """Under ``runtime.amp`` the injection and iterate stay in the parameters' dtype
+        (float32) although the model's forward runs under autocast (a bf16 ``inject`` output
+        would make the solver's state, residuals and history bf16)."""
+        if self.runtime.amp == "none" or t.dtype not in (torch.bfloat16, torch.float16):
+            return t
+        p = next(self.cell.parameters(), None)
+        return t.to(p.dtype if p is not None and p.is_floating_point() else torch.float32)
+
+    def forward(self, u: Tensor, z0: Tensor | None = None) -> Tensor:
+        u = self.state_dtype(u)
+        if z0 is not None:
+            z0 = self.state_dtype(z0)
+        if z0 is None:
+            z0 = torch.zeros_like(u)
+        needs_grad = torch.is_grad_enabled() and (
+            u.requires_grad or any(p.requires_grad for p in self.cell.parameters())
+        )
+        if not needs_grad:
+            z, _ = self.solve(u, z0)
+            self.last_backward_stats = None
+            return z
+        return bw.apply(self, u, z0)
+
+    def extra_repr(self) -> str:
+        s, b = self.solver_cfg, self.backward_cfg
+        return f"solver={s.name}(max_iter={s.max_iter}, tol={s.tol}), backward={b.name}"
+
+
+#: static maps (hence captured solves) kept per layer
+STATIC_MAPS = 8
+#: captures per layer after which its solves stay eager (static keys that keep changing)
+MAX_CAPTURES = 256
+
+
+def set_runtime(model: nn.Module, runtime: Runtime) -> None:
+    """Give every DEQ layer of ``model`` the same :class:`Runtime`."""
+    for layer in deq_layers(model):
+        layer.set_runtime(runtime)
+
+
+def deq_layers(model: nn.Module) -> Iterator[DEQLayer]:
+    """Every DEQLayer inside ``model`` (including ``model`` itself)."""
+    for m in model.modules():
+        if isinstance(m, DEQLayer):
+            yield m
+
+
+@contextlib.contextmanager
+def direct_solves(model: nn.Module) -> Iterator[list[DirectSolver]]:
+    """Within the block, the IFT adjoint and tangent solves of ``model``'s DEQ layers are
+    direct (per-sample LU, cached per point; :class:`DirectSolver`) where the state is small
+    and samples do not interact, else the layers' own solvers. Yields the solvers (their
+    ``off`` says why one was not used)."""
+    layers = list(deq_layers(model))
+    made = [DirectSolver() for _ in layers]
+    for layer, ds in zip(layers, made):
+        layer.direct_solver = ds
+    try:
+        yield made
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("direct_solver", None)
+
+
+def is_deq(model: nn.Module) -> bool:
+    return any(True for _ in deq_layers(model))
+
+
+def configure(
+    model: nn.Module, solver: SolverConfig | None = None, backward: BackwardConfig | None = None
+) -> None:
+    """Set the solver and backward mode of every DEQ layer of ``model``."""
+    for layer in deq_layers(model):
+        layer.configure(solver, backward)
+
+
+def last_stats(model: nn.Module) -> dict[str, float]:
+    """Forward/backward f-evaluations and residuals of the last pass, summed over DEQ layers
+    (counts) and maxed (residuals). Empty dict for models without DEQ layers."""
+    out: dict[str, float] = {}
+    layers = list(deq_layers(model))
+    if not layers:
+        return out
+    fw = [layer.last_forward_stats for layer in layers if layer.last_forward_stats is not None]
+    bw = [layer.last_backward_stats for layer in layers if layer.last_backward_stats is not None]
+    if fw:
+        out["forward_nstep"] = float(sum(s.nstep for s in fw))
+        out["forward_rel_residual"] = max(s.rel_max for s in fw)
+        out["forward_abs_residual"] = max(s.abs_max for s in fw)
+        out["forward_converged"] = float(all(s.converged for s in fw))
+        out["forward_diverged"] = float(any(s.status == "diverged" for s in fw))
+        njvp = sum(getattr(s, "njvp", 0) for s in fw)
+        if njvp:  # Jacobian-vector products (newton_krylov), counted apart from f-evaluations
+            out["forward_njvp"] = float(njvp)
+    if bw:
+        out["backward_nstep"] = float(sum(s.nstep for s in bw))
+        out["backward_rel_residual"] = max(s.rel_max for s in bw)
+        out["backward_abs_residual"] = max(s.abs_max for s in bw)
+        out["backward_converged"] = float(all(s.converged for s in bw))
+    return out
+
+
+class DEQModel(nn.Module):
+    """Base class of DEQ models: ``readout(deq(inject(x), z0(u)))``.
+
+    Subclasses set ``self.deq = DEQLayer(cell)`` and implement :meth:`inject` and
+    :meth:`readout`; :meth:`z0` defaults to zeros shaped like ``u``. Models with several
+    equilibrium layers override :meth:`forward` and hold several DEQLayers.
+    """
+
+    deq: DEQLayer
+
+    def inject(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def readout(self, z: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def z0(self, u: Tensor) -> Tensor:
+        return torch.zeros_like(u)
+
+    @property
+    def cell(self) -> nn.Module:
+        return self.deq.cell
+
+    def cell_parameters(self) -> list[nn.Parameter]:
+        """The cells' own parameters (without those a cell declares as injection)."""
+        from .contracts import cell_weights
+
+        return [p for layer in deq_layers(self) for _, p in cell_weights(layer.cell)]
+
+    def equilibrium(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(z*, u) for input x under no_grad."""
+        with torch.no_grad():
+            u = self.inject(x)
+            z, _ = self.deq.solve(u, self.z0(u))
+        return z, u
+
+    def forward(self, x: Tensor) -> Tensor:
+        u = self.inject(x)
+        z = self.deq(u, self.z0(u))
+        return self.readout(z)
+
+    @property
+    def last_forward_stats(self) -> SolverStats | None:
+        return self.deq.last_forward_stats
+
+    @property
+    def last_backward_stats(self) -> SolverStats | None:
+        return self.deq.last_backward_stats

@@ -1,0 +1,240 @@
+"""Registries of models, solvers, inits and analyses, with entry-point plugin discovery.
+
+Built-ins register themselves with a decorator in their own module; the registry imports every
+module of its built-in package on first use (so ``deqbench --help`` never imports torch).
+Third-party packages add names through the entry-point groups ``deqbench.models``,
+``deqbench.solvers``, ``deqbench.inits`` and ``deqbench.analyses`` (value ``package.module:attr``).
+
+Example:
+    >>> import deqbench
+    >>> deqbench.models.names("fc_*")            # doctest: +SKIP
+    ['fc_deq', 'fc_deq_tiny']
+    >>> model = deqbench.models.create("fc_deq_tiny")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+import os
+import pkgutil
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Generic, TypeVar
+
+from .errors import PluginError, UnknownNameError
+
+T = TypeVar("T")
+
+BUILTIN = "built-in"
+
+
+@dataclass
+class Entry:
+    """One registered name."""
+
+    name: str
+    obj: Any = None  # loaded object (None until a plugin is loaded)
+    origin: str = BUILTIN  # "built-in" or "<distribution> <version>"
+    entry_point: Any = None  # importlib.metadata.EntryPoint for plugins
+    error: str | None = None  # import error of a broken plugin
+    claimants: list[str] = field(default_factory=list)  # distributions claiming the name
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.origin == BUILTIN
+
+
+def _dist_label(ep: Any) -> str:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "unknown distribution"
+    return f"{dist.metadata['Name']} {dist.version}"
+
+
+class Registry(Generic[T]):
+    """A named collection of factories of one kind.
+
+    Args:
+        kind: plural noun used in messages and ``deqbench ls KIND`` ("models", "solvers", ...).
+        builtin_package: dotted package whose submodules register the built-ins.
+    """
+
+    def __init__(self, kind: str, builtin_package: str) -> None:
+        self.kind = kind
+        self.singular = "analysis" if kind == "analyses" else kind[:-1]
+        self.group = f"deqbench.{kind}"
+        self.builtin_package = builtin_package
+        self._entries: dict[str, Entry] = {}
+        self._builtins_loaded = False
+        self._plugins_scanned = False
+        self.plugin_errors: list[str] = []
+
+    # -- registration ---------------------------------------------------------------------
+    def register(self, name: str | None = None) -> Callable[[T], T]:
+        """Decorator registering a built-in factory or class under ``name``."""
+
+        def deco(obj: T) -> T:
+            key = name or getattr(obj, "name", None) or obj.__name__  # type: ignore[attr-defined]
+            if key in self._entries and self._entries[key].obj is not obj:
+                raise PluginError(f"{self.kind}: built-in name '{key}' registered twice")
+            self._entries[key] = Entry(name=key, obj=obj)
+            return obj
+
+        return deco
+
+    def add(self, name: str, obj: T, origin: str = "runtime") -> None:
+        """Register an object at run time (notebooks, tests). Refuses to shadow any name."""
+        self._ensure()
+        if name in self._entries:
+            raise PluginError(
+                f"{self.kind}: '{name}' already exists ({self._entries[name].origin})"
+            )
+        self._entries[name] = Entry(name=name, obj=obj, origin=origin)
+
+    def remove(self, name: str) -> None:
+        """Remove a name added with :meth:`add` (tests)."""
+        self._entries.pop(name, None)
+
+    # -- discovery --------------------------------------------------------------------------
+    def _load_builtins(self) -> None:
+        if self._builtins_loaded:
+            return
+        self._builtins_loaded = True
+        pkg = importlib.import_module(self.builtin_package)
+        listed = getattr(pkg, "BUILTINS", None)  # dotted modules, where they live elsewhere
+        if listed is not None:
+            for name in listed:
+                importlib.import_module(name)
+            return
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{self.builtin_package}.{info.name}")
+
+    def _scan_plugins(self) -> None:
+        if self._plugins_scanned:
+            return
+        self._plugins_scanned = True
+        if os.environ.get("DEQBENCH_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
+            return
+        try:
+            eps = metadata.entry_points(group=self.group)
+        except Exception as exc:  # pragma: no cover - broken metadata
+            self.plugin_errors.append(f"reading entry points of {self.group}: {exc}")
+            return
+        for ep in eps:
+            label = _dist_label(ep)
+            existing = self._entries.get(ep.name)
+            if existing is not None and existing.is_builtin:
+                warnings.warn(
+                    f"plugin {label} tries to register {self.singular} '{ep.name}', which is a "
+                    "built-in name; the plugin's entry is skipped",
+                    stacklevel=2,
+                )
+                continue
+            if existing is not None:
+                if label not in existing.claimants:
+                    existing.claimants.append(label)
+                continue
+            self._entries[ep.name] = Entry(
+                name=ep.name, origin=label, entry_point=ep, claimants=[label]
+            )
+
+    def _ensure(self) -> None:
+        self._load_builtins()
+        self._scan_plugins()
+
+    # -- lookup -----------------------------------------------------------------------------
+    def names(self, pattern: str | None = None) -> list[str]:
+        """Sorted names, optionally filtered by a glob ``pattern`` (plugins are not imported)."""
+        self._ensure()
+        names = sorted(self._entries)
+        if pattern:
+            names = [n for n in names if fnmatch.fnmatchcase(n, pattern) or pattern in n]
+        return names
+
+    def __contains__(self, name: object) -> bool:
+        self._ensure()
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def unknown(self, name: str) -> UnknownNameError:
+        """The error for an unknown ``name``, with close matches."""
+        close = difflib.get_close_matches(name, self.names(), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        return UnknownNameError(
+            f"unknown {self.singular} '{name}'{hint} (see `deqbench ls {self.kind}`)"
+        )
+
+    def entry(self, name: str) -> Entry:
+        self._ensure()
+        if name not in self._entries:
+            raise self.unknown(name)
+        return self._entries[name]
+
+    def get(self, name: str) -> T:
+        """The registered object (factory, function or class) for ``name``."""
+        e = self.entry(name)
+        if len(e.claimants) > 1:
+            raise PluginError(
+                f"{self.singular} '{name}' is ambiguous: claimed by plugins "
+                f"{' and '.join(e.claimants)}; uninstall one of them"
+            )
+        if e.obj is None:
+            if e.error is None:
+                try:
+                    e.obj = e.entry_point.load()
+                except Exception as exc:
+                    e.error = f"{type(exc).__name__}: {exc}"
+                    msg = f"plugin {e.origin} failed to import {self.singular} '{name}' ({e.entry_point.value}): {e.error}"
+                    self.plugin_errors.append(msg)
+            if e.error is not None:
+                raise PluginError(
+                    f"plugin {e.origin} failed to import {self.singular} '{name}': {e.error}"
+                )
+        return e.obj  # type: ignore[return-value]
+
+    def create(self, name: str, /, **params: Any) -> Any:
+        """Call the factory registered as ``name`` with ``params``."""
+        return self.get(name)(**params)  # type: ignore[operator]
+
+    def origin(self, name: str) -> str:
+        """ "built-in" or "<distribution> <version>" of the plugin that provides ``name``."""
+        return self.entry(name).origin
+
+    def reset_plugins(self) -> None:
+        """Forget discovered plugins so the next lookup rescans entry points (tests)."""
+        self._entries = {k: v for k, v in self._entries.items() if v.is_builtin}
+        self._plugins_scanned = False
+        self.plugin_errors = []
+
+
+models: Registry[Callable[..., Any]] = Registry("models", "deqbench.models")
+solvers: Registry[Callable[..., Any]] = Registry("solvers", "deqbench.solvers")
+inits: Registry[Callable[..., Any]] = Registry("inits", "deqbench.inits")
+analyses: Registry[Any] = Registry("analyses", "deqbench.analyses")
+
+REGISTRIES: dict[str, Registry[Any]] = {
+    "models": models,
+    "solvers": solvers,
+    "inits": inits,
+    "analyses": analyses,
+}
+
+
+def registry(kind: str) -> Registry[Any]:
+    """The registry of ``kind`` (accepts singular or plural)."""
+    key = kind if kind.endswith("s") else kind + "s"
+    if key not in REGISTRIES:
+        close = difflib.get_close_matches(key, list(REGISTRIES), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise UnknownNameError(f"unknown kind '{kind}'{hint}; kinds: {', '.join(REGISTRIES)}")
+    return REGISTRIES[key]

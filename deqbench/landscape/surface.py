@@ -1,0 +1,681 @@
+"""Loss-landscape slices around trained parameters (Li et al. 2018; REFERENCE.md section 6).
+
+``L(theta* + a d1 + b d2)`` on a grid, with seeded Gaussian directions keyed by parameter name and
+normalised against the weights (filter normalisation by default: every slice along dim 0 of a
+direction -- a conv output channel, a Linear row -- is scaled to the norm of the same slice of the
+weights). Parameters with dim <= 1 (biases, norm layers) get a zero direction unless
+``include_1d`` (then, as in Li et al., the direction is a copy of the weights). Buffers are never
+perturbed; the model is evaluated in ``eval()`` through ``torch.func.functional_call``, so its
+parameters are never written and stay bit-exact.
+
+At every grid point: the loss, the accuracy (classification) or MSE (regression) and, for DEQs,
+the forward f-evaluations, the final residual and whether the solver converged (every example's
+residual below the tolerance, the solvers' batch-max rule). Points where it did not converge keep
+their measured loss in ``loss_raw`` while ``loss`` is NaN: they are data (counted, drawn as
+marks) but never part of a curve or a summary statistic. For a model without deqbench DEQ layers
+(an explicit network, or a DEQ whose solver deqbench does not see) convergence is not measured:
+``converged`` is empty and ``nonconverged_points`` NaN, never a silent 0.
+
+**Forward solves.** Every point is solved as the model solves itself: the DEQ layers' own forward
+solver settings (the model's declared defaults, or what the suite / command set with
+``--solver``, ``--max-iter``, ``--tol``), from the model's own initial state, unless ``max_iter`` /
+``tol`` are given for the evaluation. The centre (the trained weights) is therefore exactly the
+model's loss, and it is the quality check of the whole slice (the analysis flags the rows when it
+did not converge). No larger budget is applied by default: off-centre points that miss the
+tolerance are data, not a failure, and for ``fc_deq_tiny`` after 5 epochs a larger budget bought
+little (Anderson at 300 instead of 100 f-evaluations: 49 instead of 65 of 121 points unconverged,
+at twice the time; the misses are a few examples per point, 0.3-2%, on which Anderson stalls).
+
+``warm_start=True`` (default off) starts every point but the centre from the centre's fixed point
+of the same examples and layer call: only the initial iterate changes, not the stopping rule or
+the tolerance, so where the fixed point is unique (a contractive or monotone cell) the point's loss
+is the one a cold start gives; where a cell has several fixed points it follows the branch the
+trained model sits on, which a cold start need not. It is off by default because it did not pay:
+on ``fc_deq_tiny`` (11 x 11 grid on [-1, 1], 1024 examples) the mean f-evaluations per point were
+the same as from the model's own start (80 vs 80 Anderson, 63 vs 61 Broyden) and Broyden missed
+the tolerance at more points (28 vs 18 of 121); starting from the nearest grid neighbour did not
+help either. ``f_nstep`` counts the f-evaluations from the start actually used (column ``init``:
+``model``, ``centre`` or ``partial``); a layer call whose recorded state does not match the shape,
+dtype or device of the call's own initial state starts as the model starts it.
+
+Example:
+    >>> import torch, deqbench
+    >>> from deqbench.landscape import random_directions, resolve_directions, evaluate_grid, axis
+    >>> model = deqbench.models.create("fc_deq_tiny", in_shape=(4,), num_outputs=3)
+    >>> X, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    >>> dirs = random_directions(model, 2, seed=0)            # filter-normalised, biases zero
+    >>> df = evaluate_grid(model, resolve_directions(model, dirs), X, y,
+    ...                    alphas=axis(5), betas=axis(5))     # doctest: +SKIP
+    >>> df.columns.tolist()[:4]                               # doctest: +SKIP
+    ['alpha', 'beta', 'loss', 'loss_raw']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ..core.deq import deq_layers, is_deq
+from ..core.errors import ConfigError
+from .directions import (  # re-exported: the landscape API in one place
+    FORMAT,
+    NORMS,
+    Directions,
+    _weights,
+    filter_normalize,
+    load_directions,
+    normalize_direction,
+    random_directions,
+    resolve_directions,
+    save_directions,
+)
+
+__all__ = [
+    "NORMS",
+    "FORMAT",
+    "Directions",
+    "filter_normalize",
+    "normalize_direction",
+    "random_directions",
+    "save_directions",
+    "load_directions",
+    "resolve_directions",
+    "axis",
+    "parse_range",
+    "evaluate_grid",
+    "landscape",
+    "summarize",
+    "centre_row",
+    "centre_note",
+    "converged_mask",
+    "convergence_measured",
+]
+
+# -- grid evaluation --------------------------------------------------------------------------
+
+
+def axis(n: int = 51, lo: float = -1.0, hi: float = 1.0) -> list[float]:
+    """``linspace(lo, hi, n)`` with an exact 0 when the range is symmetric and ``n`` odd."""
+    if n < 1:
+        raise ConfigError(f"landscape.grid must be >= 1, got {n}")
+    pts = np.linspace(lo, hi, n)
+    if n % 2 == 1 and math.isclose(lo, -hi):
+        pts[n // 2] = 0.0
+    return [round(float(p), 12) + 0.0 for p in pts]
+
+
+def parse_range(text: str | Sequence[float]) -> tuple[float, float]:
+    """``"-1:1"`` (or a pair) -> (-1.0, 1.0)."""
+    if isinstance(text, str):
+        parts = text.split(":")
+        if len(parts) != 2:
+            raise ConfigError(f"landscape.range: expected LO:HI, got {text!r}")
+        try:
+            lo, hi = float(parts[0]), float(parts[1])
+        except ValueError as exc:
+            raise ConfigError(f"landscape.range: expected LO:HI numbers, got {text!r}") from exc
+    else:
+        lo, hi = (float(v) for v in text)
+    if not lo < hi:
+        raise ConfigError(f"landscape.range: LO must be below HI, got {lo}:{hi}")
+    return lo, hi
+
+
+def _loss_fn(task: str) -> Callable[[Tensor, Tensor], Tensor]:
+    return nn.functional.cross_entropy if task == "classification" else nn.functional.mse_loss
+
+
+def _point_params(base, dirs, coords) -> dict[str, Tensor]:
+    out = {}
+    for n, w in base.items():
+        p = w
+        for d, c in zip(dirs, coords):
+            if c != 0.0:
+                p = p + c * d[n]
+        out[n] = p
+    return out
+
+
+def _spec_weights(model: nn.Module) -> list[str]:
+    """Names of 2-D cell weights of the DEQ layers (their spectral norm is logged per point)."""
+    from ..core.contracts import cell_weights  # without the parameters a cell declares as injection
+
+    ids = {
+        id(p) for layer in deq_layers(model) for _, p in cell_weights(layer.cell) if p.dim() == 2
+    }
+    return [n for n, p in model.named_parameters() if id(p) in ids]
+
+
+_STATUS_RANK = {"ok": 0, "converged": 0, "stagnated": 1, "max_iter": 2, "diverged": 3, "nan": 4}
+
+
+class _PointAcc:
+    def __init__(self, device) -> None:
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.float64, device=device)
+        self.n = 0
+        self.nsteps: list[float] = []
+        self.rel: list[float] = []
+        self.abs: list[float] = []
+        self.converged = True
+        self.frac: list[tuple[float, int]] = []  # (converged fraction, batch size)
+        self.status = "ok"
+        self.tol = math.nan  # the largest tolerance asked of the solves (for notes)
+        self.solver = ""
+
+    @property
+    def measured(self) -> bool:
+        """Whether a DEQ layer reported a forward solve (convergence is known)."""
+        return bool(self.nsteps)
+
+    def add_deq(self, layers: Sequence[Any]) -> None:
+        stats = [
+            layer.last_forward_stats for layer in layers if layer.last_forward_stats is not None
+        ]
+        if not stats:
+            return
+        self.nsteps.append(float(sum(s.nstep for s in stats)))
+        self.rel.append(max(s.rel_max for s in stats))
+        self.abs.append(max(s.abs_max for s in stats))
+        self.frac.append((min(s.converged_frac for s in stats), int(stats[0].residual.numel())))
+        self.tol = max(
+            [t for t in (self.tol, *(float(s.tol) for s in stats)) if t == t] or [math.nan]
+        )
+        self.solver = ",".join(sorted({s.solver for s in stats if s.solver}))
+        for s in stats:
+            self.converged = self.converged and bool(s.converged)
+            st = s.status if s.status in _STATUS_RANK else "max_iter"
+            if _STATUS_RANK[st] > _STATUS_RANK[self.status]:
+                self.status = st
+
+
+def _row(
+    a, b, acc: _PointAcc, task: str, dim: int, spec: float, init: str = "model"
+) -> dict[str, Any]:
+    n = max(acc.n, 1)
+    loss = float(acc.loss) / n
+    measured = acc.measured
+    if measured:
+        status = (
+            "converged" if acc.converged else (acc.status if acc.status != "ok" else "max_iter")
+        )
+    else:
+        status = "ok"
+    if not math.isfinite(loss) and status in ("ok", "converged"):
+        status = "nan"
+    usable = math.isfinite(loss) and (acc.converged or not measured)
+    row: dict[str, Any] = {"alpha": a}
+    if dim >= 2:
+        row["beta"] = b
+    row["loss"] = loss if usable else math.nan
+    row["loss_raw"] = loss
+    if task == "classification":
+        row["accuracy"] = float(acc.correct) / n
+    else:
+        row["mse"] = loss
+    # True / False when a solve was measured; None (empty in the CSV) when convergence is unknown
+    row["converged"] = bool(usable) if measured else None
+    row["status"] = status
+    row["init"] = init
+    row["f_nstep"] = sum(acc.nsteps) / len(acc.nsteps) if acc.nsteps else math.nan
+    row["f_residual"] = max(acc.rel) if acc.rel else math.nan
+    row["f_abs_residual"] = max(acc.abs) if acc.abs else math.nan
+    nb = sum(b for _, b in acc.frac)
+    row["f_converged_frac"] = sum(f * b for f, b in acc.frac) / nb if nb else math.nan
+    row["f_tol"] = acc.tol
+    row["w_spec_norm"] = spec
+    return row
+
+
+def converged_mask(df: Any) -> Any:
+    """Boolean Series: True where a point's solve was measured and did not converge.
+
+    (``converged`` is True / False where measured and empty where convergence is unknown; an
+    unknown point is not known to be unconverged.)"""
+    if "converged" not in df:
+        return df.index.to_series(index=df.index).astype(bool) & False
+    c = df["converged"]
+    return c.notna() & ~c.fillna(True).astype(bool)
+
+
+def convergence_measured(df: Any) -> bool:
+    """Whether any point of the grid reported a solve (``converged`` not empty)."""
+    return "converged" in df and bool(df["converged"].notna().any())
+
+
+class _WarmStart:
+    """Hooks on every DEQ layer: at the centre, record the fixed point each layer call returns
+    (per evaluation batch and call order); at the other points, hand it to the same call as its
+    initial iterate ``z0``. A call whose recorded state does not match the shape, dtype and
+    device of the call's own initial state (or of ``u`` when none is passed) keeps its own."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.layers = list(layers)
+        self.store: dict[tuple[int, int], Tensor] = {}
+        self.mode = "off"  # off | record | replay
+        self.batch = 0
+        self.calls = 0
+        self.replayed = 0
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _WarmStart:
+        for layer in self.layers:
+            self.handles.append(layer.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(self._post))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.store.clear()
+
+    def begin(self, mode: str, batch: int) -> None:
+        self.mode, self.batch, self.calls, self.replayed = mode, batch, 0, 0
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        key = (self.batch, self.calls)
+        self.calls += 1
+        self._key = key
+        if self.mode != "replay" or key not in self.store or not args:
+            return None
+        z = self.store[key]
+        own = kwargs.get("z0", args[1] if len(args) > 1 else None)
+        ref = own if isinstance(own, Tensor) else args[0]
+        if not isinstance(ref, Tensor) or (z.shape, z.dtype, z.device) != (
+            ref.shape,
+            ref.dtype,
+            ref.device,
+        ):
+            return None
+        self.replayed += 1
+        if "z0" in kwargs or len(args) < 2:
+            return args, {**kwargs, "z0": z}
+        return (args[0], z, *args[2:]), kwargs
+
+    def _post(self, module: nn.Module, args: tuple, out: Any) -> None:
+        if self.mode == "record" and isinstance(out, Tensor):
+            self.store[self._key] = out.detach().clone()
+
+
+def evaluate_grid(
+    model: nn.Module,
+    directions: Sequence[dict[str, Tensor]],
+    X: Tensor,
+    y: Tensor,
+    *,
+    alphas: Sequence[float],
+    betas: Sequence[float] | None = None,
+    task: str = "classification",
+    batch_size: int | None = None,
+    points_per_batch: int | None = None,
+    spec_norm: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    warm_start: bool = False,
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> Any:
+    """Evaluate ``L(theta* + a d1 + b d2)`` on the grid ``alphas x betas``.
+
+    The centre is solved first, from the model's own initial state; with ``warm_start`` every
+    other point starts from the centre's fixed point (module docstring: when that gives the same
+    point, what it selects when it need not, and why it is off by default).
+
+    Args:
+        model: the trained model (its parameters are the centre; they are never written).
+        directions: one or two ``{name: tensor}`` from :func:`resolve_directions`.
+        X, y: the fixed evaluation examples (already on the model's device).
+        alphas, betas: grid coordinates; ``betas`` None for a 1-D slice.
+        task: ``classification`` (cross-entropy + accuracy) or ``regression`` (MSE).
+        batch_size: evaluation batch (None: all examples in one forward).
+        points_per_batch: grid points per forward through ``torch.func.vmap`` over stacked
+            parameter sets (explicit models only: a DEQ solver's data-dependent stopping is not
+            vmappable). None picks 8 on CUDA for models without convolutions and 1 otherwise
+            (measured on an H100: vmap was 3x slower than one point per forward for a conv
+            ``tied_repeat``); 1 disables vmap. When vmap fails for a model the evaluation falls
+            back to one point per forward (``df.attrs["note"]`` says why).
+        spec_norm: log the largest spectral norm of the DEQ cells' 2-D weights per point.
+        progress: ``progress(done, total)`` after every point (or chunk).
+        warm_start: start the DEQ solves of the points other than the centre from the centre's
+            fixed point (needs the centre on the grid; ignored for models without DEQ layers).
+        max_iter, tol: forward budget / tolerance of the DEQ layers during the evaluation
+            (None: the layers' own settings; they are restored afterwards).
+
+    Returns:
+        DataFrame, one row per point: alpha, (beta), loss (NaN where the solver did not
+        converge or the loss is not finite), loss_raw, accuracy or mse, converged (empty when
+        no DEQ solve was seen: not measured), status (ok | converged | max_iter | stagnated |
+        diverged | nan), init (model: the model's own initial state; centre: warm-started),
+        f_nstep (forward f-evals per evaluation batch, summed over DEQ layers), f_residual (max
+        relative residual), f_abs_residual, f_converged_frac (fraction of examples whose
+        residual is below the tolerance; the point counts as converged only when all are, the
+        solvers' batch-max rule), f_tol, w_spec_norm. ``df.attrs`` holds the timing, the vmap
+        decision and ``warm_start``.
+    """
+    import pandas as pd
+
+    dim = len(directions)
+    if dim not in (1, 2):
+        raise ConfigError(f"landscape: need 1 or 2 directions, got {dim}")
+    if dim == 2 and betas is None:
+        raise ConfigError("landscape: two directions need betas")
+    betas_ = [0.0] if dim == 1 else list(betas or [0.0])
+    coords = [(float(a), float(b)) for b in betas_ for a in alphas]
+    total = len(coords)
+    deq = is_deq(model)
+    n = X.shape[0]
+    bs = n if not batch_size else min(int(batch_size), n)
+    loss_fn = _loss_fn(task)
+    device = X.device
+    if points_per_batch is None:
+        # vmap batching pays on CUDA for small dense models; with convolutions (batched weights
+        # become grouped convs) it was 3x slower than one point per forward on an H100, and on
+        # the CPU it never helped.
+        has_conv = any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
+        points_per_batch = 8 if device.type == "cuda" and not has_conv else 1
+    ppb = 1 if deq else max(1, int(points_per_batch))
+    layers = list(deq_layers(model))
+    centre = (0.0, 0.0)
+    warm = ws_ = None
+    if deq and warm_start and centre in coords:
+        warm = ws_ = _WarmStart(layers)
+    spec_names = _spec_weights(model) if spec_norm and deq else []
+    base = _weights(model)
+    dirs = list(directions)
+
+    def spec_of(params: dict[str, Tensor]) -> float:
+        if not spec_names:
+            return math.nan
+        return max(float(torch.linalg.matrix_norm(params[nm].double(), ord=2)) for nm in spec_names)
+
+    def one_point(a: float, b: float) -> dict[str, Any]:
+        params = _point_params(base, dirs, (a, b)[:dim])
+        acc = _PointAcc(device)
+        mode = "record" if (a, b) == centre else "replay"
+        calls = replayed = 0
+        for i in range(0, n, bs):
+            xb, yb = X[i : i + bs], y[i : i + bs]
+            for layer in layers:  # stats of this forward only
+                layer.last_forward_stats = None
+            if warm is not None:
+                warm.begin(mode, i)
+            out = functional_call(model, params, (xb,))
+            if warm is not None:
+                calls, replayed = calls + warm.calls, replayed + warm.replayed
+            m = xb.shape[0]
+            acc.loss += loss_fn(out, yb).double() * m
+            if task == "classification":
+                acc.correct += (out.argmax(1) == yb).sum().double()
+            acc.n += m
+            if deq:
+                acc.add_deq(layers)
+        init = "model" if not replayed else ("centre" if replayed == calls else "partial")
+        return _row(a, b, acc, task, dim, spec_of(params), init)
+
+    def chunk_vmap(chunk: list[tuple[float, float]]) -> list[dict[str, Any]]:
+        cs = torch.tensor(chunk, dtype=torch.float64)
+        stacked = {}
+        for nm, w in base.items():
+            p = w.unsqueeze(0).expand(len(chunk), *w.shape)
+            for k, d in enumerate(dirs):
+                c = cs[:, k].to(device=w.device, dtype=w.dtype).view(-1, *([1] * w.dim()))
+                p = p + c * d[nm]
+            stacked[nm] = p
+
+        def f(p, xb, yb):
+            out = functional_call(model, p, (xb,))
+            loss = loss_fn(out, yb)
+            if task == "classification":
+                return loss, (out.argmax(1) == yb).sum()
+            return loss, loss.new_zeros(())
+
+        vf = torch.func.vmap(f, in_dims=(0, None, None))
+        loss_sum = torch.zeros(len(chunk), dtype=torch.float64, device=device)
+        corr = torch.zeros(len(chunk), dtype=torch.float64, device=device)
+        for i in range(0, n, bs):
+            xb, yb = X[i : i + bs], y[i : i + bs]
+            lo, co = vf(stacked, xb, yb)
+            loss_sum += lo.double() * xb.shape[0]
+            corr += co.double()
+        rows = []
+        ls, cr = loss_sum.cpu().tolist(), corr.cpu().tolist()
+        for j, (a, b) in enumerate(chunk):
+            acc = _PointAcc(device)
+            acc.loss, acc.correct, acc.n = (
+                torch.tensor(ls[j], dtype=torch.float64),
+                torch.tensor(cr[j], dtype=torch.float64),
+                n,
+            )
+            rows.append(_row(a, b, acc, task, dim, math.nan))
+        return rows
+
+    was_training = model.training
+    model.eval()
+    rows: list[dict[str, Any]] = []
+    vmap_used, vmap_note = False, ""
+    saved_cfg = [layer.solver_cfg for layer in layers]
+    if max_iter is not None or tol is not None:
+        for layer in layers:
+            layer.solver_cfg = dataclasses.replace(
+                layer.solver_cfg,
+                **{k: v for k, v in (("max_iter", max_iter), ("tol", tol)) if v is not None},
+            )
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), ws_ or contextlib.nullcontext():
+            # The centre is evaluated first on its own through the plain path (from the model's
+            # own initial state), so it is exactly the unperturbed model's loss whatever the
+            # batching of the other points, and its fixed points seed the warm starts.
+            done = 0
+            if centre in coords:
+                rows.append(one_point(*centre))
+                done = 1
+                if progress is not None:
+                    progress(done, total)
+            rest = [c for c in coords if c != centre]
+            i = 0
+            if ppb > 1:
+                try:
+                    first = rest[:ppb]
+                    rows.extend(chunk_vmap(first))
+                    vmap_used = True
+                    i = len(first)
+                    done += len(first)
+                    if progress is not None:
+                        progress(done, total)
+                except Exception as exc:  # noqa: BLE001 - any functorch failure -> plain path
+                    vmap_note = f"vmap unavailable ({type(exc).__name__}: {str(exc)[:120]}); one point per forward"
+            while i < len(rest):
+                if vmap_used:
+                    chunk = rest[i : i + ppb]
+                    rows.extend(chunk_vmap(chunk))
+                    i += len(chunk)
+                    done += len(chunk)
+                else:
+                    rows.append(one_point(*rest[i]))
+                    i += 1
+                    done += 1
+                if progress is not None:
+                    progress(done, total)
+    finally:
+        model.train(was_training)
+        for layer, cfg in zip(layers, saved_cfg):
+            layer.solver_cfg = cfg
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    df = pd.DataFrame(rows)
+    keys = ["beta", "alpha"] if dim >= 2 else ["alpha"]
+    df = df.sort_values(keys, kind="stable").reset_index(drop=True)
+    df.attrs.update(
+        {
+            "seconds": seconds,
+            "points": total,
+            "vmap": vmap_used,
+            "points_per_batch": ppb if vmap_used else 1,
+            "note": vmap_note,
+            "warm_start": warm is not None,
+            "examples": n,
+            "batch_size": bs,
+        }
+    )
+    return df
+
+
+def landscape(
+    model: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    *,
+    task: str = "classification",
+    grid: int = 51,
+    range_: tuple[float, float] = (-1.0, 1.0),
+    dims: int = 2,
+    seed: int = 0,
+    norm: str | None = None,
+    include_1d: bool | None = None,
+    directions: Directions | str | Path | None = None,
+    renormalize: bool = True,
+    **kwargs: Any,
+) -> tuple[Any, Directions]:
+    """Directions plus grid in one call: returns (DataFrame, Directions).
+
+    ``directions`` may be a :class:`Directions` or a file from :func:`save_directions`; else
+    ``dims`` new ones are drawn with ``seed``. ``norm`` / ``include_1d``: for new directions
+    (default ``filter`` / False); with given ones the stored settings unless these are given
+    (they then renormalise the raw draw, so they need ``renormalize``). Other keyword
+    arguments go to :func:`evaluate_grid`.
+
+    Example:
+        >>> df, dirs = landscape(model, X, y, grid=21)      # doctest: +SKIP
+    """
+    if isinstance(directions, (str, Path)):
+        directions = load_directions(directions)
+    explicit = {k: v for k, v in (("norm", norm), ("include_1d", include_1d)) if v is not None}
+    if directions is None:
+        directions = random_directions(
+            model, dims, seed=seed, norm=norm or "filter", include_1d=bool(include_1d)
+        )
+        explicit = {}
+    if directions.ndim < dims:
+        raise ConfigError(
+            f"landscape: {dims} dimensions need {dims} directions, the file has {directions.ndim}"
+        )
+    resolved = resolve_directions(model, directions, renormalize=renormalize, **explicit)[:dims]
+    if grid % 2 == 0:
+        raise ConfigError(
+            f"landscape.grid must be odd so that the trained parameters are a grid point, "
+            f"got {grid}"
+        )
+    ax = axis(grid, *range_)
+    df = evaluate_grid(
+        model, resolved, X, y, alphas=ax, betas=ax if dims == 2 else None, task=task, **kwargs
+    )
+    return df, directions
+
+
+def centre_row(df: Any) -> Any:
+    """The grid's centre (alpha = beta = 0) as a Series, or None when it is not a grid point."""
+    sel = df["alpha"] == 0.0
+    if "beta" in df:
+        sel &= df["beta"] == 0.0
+    c = df[sel]
+    return c.iloc[0] if len(c) else None
+
+
+def summarize(df: Any, level: float = 0.5, raw: bool = False) -> dict[str, float]:
+    """Scalar summaries of a grid; unconverged points are counted, never averaged in.
+
+    ``nonconverged_points``: points whose solve missed the tolerance (NaN when convergence was
+    not measured: no deqbench DEQ layer reported a solve). ``low_loss_area_frac``: fraction of
+    the converged points whose loss is within ``level`` of the centre loss (the "small-loss
+    neighbourhood" of papers/004 section 4.2.1); ``mean_loss_increase`` and ``loss_max`` over
+    the same points; ``converged_frac`` the converged share of the grid.
+
+    ``raw=True`` adds, when some points did not converge, ``mean_loss_increase_all`` and
+    ``low_loss_area_frac_all`` over every point at its measured loss (``loss_raw``: the loss
+    of the solver's returned iterate) and ``converged_examples_frac_mean`` (the mean share of
+    examples whose solve reached the tolerance): an explicit, knowing comparison of a DEQ whose
+    solver misses the tolerance for a few examples with explicit networks; the analysis does not
+    report them.
+    """
+    out: dict[str, float] = {"points": float(len(df))}
+    bad = converged_mask(df)
+    measured = convergence_measured(df)
+    good = df[~bad & df["loss"].notna()] if "loss" in df else df.iloc[:0]
+    out["nonconverged_points"] = float(bad.sum()) if measured else math.nan
+    if measured:
+        out["converged_frac"] = float((~bad).sum()) / max(len(df), 1)
+    c = centre_row(df)
+    if c is not None:
+        out["loss_center"] = float(c["loss_raw"])
+        if "accuracy" in df:
+            out["accuracy_center"] = float(c["accuracy"])
+        if "mse" in df:
+            out["mse_center"] = float(c["mse"])
+        if math.isfinite(float(c["f_nstep"])):
+            out["f_nstep_center"] = float(c["f_nstep"])
+        if math.isfinite(float(c.get("f_residual", math.nan))):
+            out["f_residual_center"] = float(c["f_residual"])
+        base = float(c["loss_raw"])
+        if len(good):
+            inc = good["loss"].astype(float) - base
+            out["mean_loss_increase"] = float(inc.mean())
+            out["low_loss_area_frac"] = float((inc <= level).sum()) / float(len(good))
+        if raw and bad.any():
+            rawinc = df["loss_raw"].astype(float) - base
+            out["mean_loss_increase_all"] = float(rawinc.mean())
+            out["low_loss_area_frac_all"] = float((rawinc <= level).sum()) / float(len(df))
+            if "f_converged_frac" in df and df["f_converged_frac"].notna().any():
+                out["converged_examples_frac_mean"] = float(df["f_converged_frac"].mean())
+    if len(good):
+        out["loss_max"] = float(good["loss"].max())
+    if df["f_nstep"].notna().any():
+        out["f_nstep_max"] = float(df["f_nstep"].max())
+        if len(good) and good["f_nstep"].notna().any():
+            out["f_nstep_mean_converged"] = float(good["f_nstep"].mean())
+        out["f_residual_max"] = float(df["f_residual"].max())
+    if df["w_spec_norm"].notna().any():
+        out["w_spec_norm_max"] = float(df["w_spec_norm"].max())
+        out["w_spec_norm_above_1_frac"] = float((df["w_spec_norm"] > 1).mean())
+    return out
+
+
+def centre_note(df: Any) -> str:
+    """One line (cause and fix) when the centre, the trained weights, is not a trustworthy
+    measurement: its solve missed the tolerance or its loss is not finite; empty otherwise."""
+    c = centre_row(df)
+    if c is None:
+        return "the trained weights are not a grid point: use an odd --grid and a range around 0"
+    loss = float(c["loss_raw"])
+    conv = c.get("converged")
+    if conv is not None and conv == conv and not bool(conv):
+        rel, tol = float(c.get("f_residual", math.nan)), float(c.get("f_tol", math.nan))
+        frac = float(c.get("f_converged_frac", math.nan))
+        nstep = float(c.get("f_nstep", math.nan))
+        status = str(c.get("status", "max_iter"))
+        where = f"rel {rel:.2e} > {tol:.0e}" if math.isfinite(tol) else f"rel {rel:.2e}"
+        if math.isfinite(frac):
+            where += f", {1 - frac:.1%} of examples"
+        if math.isfinite(nstep):
+            where += f", {nstep:.0f} f-evals"
+        other = "try another --solver (solver.name in a suite), e.g. broyden, or --dtype float64"
+        fix = {
+            "diverged": other,
+            "stagnated": other,
+            "nan": "check the training (non-finite state) or use --dtype float64",
+        }.get(status, "raise --max-iter (solver.max_iter in a suite) or use --dtype float64")
+        return f"forward solver did not converge at the trained weights ({status}: {where}): {fix}"
+    if not math.isfinite(loss):
+        return "the loss at the trained weights is not finite: check the training or the checkpoint"
+    return ""

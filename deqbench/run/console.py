@@ -1,0 +1,272 @@
+"""Terminal output of the CLI: consoles, the run summary, compare tables, ``ls`` and ``info``.
+
+Results go to stdout, diagnostics to stderr. Importing this module imports nothing heavy
+(rich and the library are imported inside the functions).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+KINDS = ("models", "solvers", "inits", "analyses", "kernels", "datasets", "plots")
+
+
+def err_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def out_console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def esc(text: Any) -> str:
+    """Escape rich markup in user-provided text (``matrix.backward[1]``, lists in notes)."""
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+def print_summary(df: Any) -> None:
+    """One table row per cell: tasks ok (and flagged/failed), last-epoch test accuracy and test
+    MSE (separate columns, each shown when some cell has it), forward/backward f-evaluations per
+    training batch (last epoch), the share of training batches whose forward / adjoint solve
+    converged (worst seed; "-" where the forward is not a solve or no adjoint ran; when the
+    test-set evaluation solves after epoch 1 missed tolerance, their converged share in
+    brackets), median wall time in seconds; then one line of totals."""
+    from rich.table import Table
+
+    from .results import CONVERGENCE, FLAGGED, RUNNER
+
+    if df.empty:
+        return
+    t = Table(title="deqbench results (median over seeds)")
+    has = {
+        m: bool(((df.analysis == "metrics") & (df.metric == m)).any()) for m in ("accuracy", "mse")
+    }
+    cols = ["cell", "status"]
+    cols += ["test acc"] if has["accuracy"] else []
+    cols += ["test MSE"] if has["mse"] else []
+    cols += ["fwd f-evals/batch", "bwd f-evals/batch", "converged fwd/bwd", "wall s"]
+    for col in cols:
+        t.add_column(col, overflow="fold")
+
+    def last(g: Any, analysis: str, metric: str, variant: str) -> str:
+        sel = (g.analysis == analysis) & (g.metric == metric) & (g.variant == variant)
+        d = g[sel & g.step.notna()]
+        if d.empty:
+            return ""
+        return f"{d[d.step == d.step.max()].value.median():.4g}"
+
+    def converged(g: Any, kind: str) -> str:
+        d = g[(g.analysis == CONVERGENCE) & (g.metric == f"{kind}_unconverged_batches")]
+        if d.empty:
+            return "-"
+        share = 1 - d.value.max()  # worst seed; rounded down, so 100% means every batch
+        text = "100%" if share >= 1 else f"{int(share * 1000) / 10:.1f}%"
+        return f"[yellow]{text}[/yellow]" if (d.status == FLAGGED).any() else text
+
+    counts: dict[str, int] = {}
+    for cell, g in df.groupby("cell_id", sort=False):
+        r = g[(g.analysis == RUNNER) & (g.metric == "wall_time")]
+        for st in r.status:
+            counts[st] = counts.get(st, 0) + 1
+        ok = f"ok {int((r.status == 'ok').sum())}/{len(r)}"
+        bad = sorted(set(r.status) - {"ok"})
+        if bad:
+            ok = " ".join(f"[yellow]{b}[/yellow]" if b == FLAGGED else f"[red]{b}[/red]"
+                          for b in bad) + f" {int((r.status != 'ok').sum())}/{len(r)}"  # fmt: skip
+        metrics = [last(g, "metrics", m, "test") for m in ("accuracy", "mse") if has[m]]
+        fwd = last(g, "solver_stats", "forward_nstep", "train")
+        bwd = last(g, "solver_stats", "backward_nstep", "train")
+        conv = f"{converged(g, 'forward')}/{converged(g, 'adjoint')}"
+        ev = g[(g.analysis == "solver_stats") & (g.metric == "forward_converged")
+               & (g.variant == "test") & (g.step.fillna(0) >= 1)]  # fmt: skip
+        if not ev.empty and ev.value.mean() < 1:  # evaluation passes (not flagged: data)
+            conv += f" [dim](test {100 * ev.value.mean():.0f}%)[/dim]"
+        t.add_row(esc(cell), ok, *metrics, fwd, bwd, conv, f"{r.value.median():.2f}")
+    out_console().print(t)
+    total = sum(counts.values())
+    parts = [f"{counts.get('ok', 0)} ok"]
+    if counts.get(FLAGGED):
+        parts.append(f"[yellow]{counts[FLAGGED]} flagged[/yellow]")
+    failed = total - counts.get("ok", 0) - counts.get(FLAGGED, 0)
+    if failed:
+        parts.append(f"[red]{failed} failed[/red]")
+    out_console().print(f"{total} tasks: " + ", ".join(parts))
+
+
+def print_headlines(df: Any, analyses: Any) -> None:
+    """After the summary: each analysis's headline (:meth:`Analysis.headline`) per (cell, seed),
+    for the analyses of the suite that define one."""
+    from ..core.registry import analyses as registry
+
+    if df.empty:
+        return
+    con = out_console()
+    for name in dict.fromkeys(a for a, _ in analyses):
+        try:
+            cls = registry.get(name)
+        except Exception:
+            continue
+        rows = df[df["analysis"] == name]
+        for (cell, seed), g in rows.groupby(["cell_id", "seed"], sort=False):
+            for line in cls.headline(g):
+                con.print(f"[bold]{esc(name)}[/bold] {esc(cell)} seed={seed}: {esc(line)}")
+
+
+def compare_table(summary: Any, title: str) -> Any:
+    """A rich Table of :func:`deqbench.run.results.compare`'s summary: matched pairs and rows only
+    one run has, medians, the median of the paired ratios B/A, and a status (CHANGED, flagged
+    pairs, the timing check)."""
+    from rich.table import Table
+
+    t = Table(title=esc(title))
+    cols = ("analysis", "metric", "variant", "pairs", "only A", "only B", "median A", "median B",
+            "B/A (median of pairs)", "status")  # fmt: skip
+    for col in cols:
+        t.add_column(col, overflow="fold")
+    for r in summary.itertuples():
+        flagged = getattr(r, "flagged", 0)
+        status = [
+            "[red]CHANGED[/red]" if r.changed else "",
+            f"[yellow]flagged {flagged}/{r.n}[/yellow]" if flagged else "",
+            f"[dim]{esc(r.check)}[/dim]" if getattr(r, "check", "") else "",
+        ]
+        t.add_row(
+            esc(r.analysis), esc(r.metric), esc(r.variant), str(r.n),
+            str(getattr(r, "only_a", 0)), str(getattr(r, "only_b", 0)),
+            f"{r.median_a:.4g}", f"{r.median_b:.4g}", f"{r.ratio:.4g}",
+            " ".join(x for x in status if x),
+        )  # fmt: skip
+    return t
+
+
+def print_collection(summaries: list[Any], total: int) -> None:
+    """One line per suite of a collection run: run directory, tasks failed, and how many of its
+    expected-behaviour checks held (``summary.csv``, when the suite has a checker)."""
+    import csv
+
+    from rich.table import Table
+
+    table = Table(title=f"{len(summaries)} of {total} suites run", title_justify="left")
+    for col in ("suite", "tasks failed", "checks held", "run directory"):
+        table.add_column(col)
+    for sm in summaries:
+        held = "-"
+        path = sm.run_dir / "summary.csv"
+        if path.exists():
+            with open(path, newline="", encoding="utf-8") as fh:
+                rows = list(csv.DictReader(fh))
+            yes = sum(r.get("held") == "yes" for r in rows)
+            no = sum(r.get("held") == "no" for r in rows)
+            held = f"{yes} / {yes + no}"  # informational rows (held: info) aside
+        failed = f"{len(sm.failed)}" + (" (interrupted)" if sm.interrupted else "")
+        table.add_row(esc(sm.run_dir.parent.name), failed, held, esc(sm.run_dir))
+    out_console().print(table)
+
+
+def declared_text(name: str) -> str:
+    """A model's declared defaults in one line: ``solver=anderson(max_iter=100, tol=0.0001, m=5)
+    backward=ift(solver=anderson, ...) init=default``, then the solvers and backward modes it
+    declares it supports, if any (empty when it declares nothing)."""
+    from .. import models
+
+    parts = []
+    for section, d in models.defaults(name).items():
+        rest = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in d.items() if k != "name")  # fmt: skip
+        parts.append(f"{section}={d['name']}" + (f"({rest})" if rest else ""))
+    for key, names in models.compatibility(name).items():  # declared solvers / backward modes
+        if names is not None:
+            parts.append(f"{key}=[{', '.join(names)}]")
+    return " ".join(parts)
+
+
+def list_names(kind: str | None, pattern: str | None, verbose: bool = False) -> list[str]:
+    """``deqbench ls`` lines: ``KIND  NAME  ORIGIN`` (origin: built-in or plugin distribution
+    and version); with ``verbose``, models also show their declared defaults. Plugin import
+    problems are printed on stderr."""
+    import fnmatch
+
+    from ..core.errors import UnknownNameError
+    from ..core.registry import REGISTRIES
+    from .yamlio import did_you_mean
+
+    kinds = list(KINDS)
+    if kind is not None:
+        k = {"analysis": "analyses"}.get(kind, kind)
+        k = k if k in KINDS else f"{k}s"
+        if k not in KINDS:
+            hint = did_you_mean(kind, KINDS)
+            raise UnknownNameError(f"unknown kind '{kind}'{hint}; kinds: {', '.join(KINDS)}")
+        kinds = [k]
+    rows: list[tuple[str, str, str]] = []
+    for k in kinds:
+        reg = REGISTRIES.get(k)
+        if k == "kernels":  # the kGLM kernels (their own entry-point group)
+            from ..kglm.kernels import kernels as reg
+        if reg is not None:
+            rows += [(k, n, reg.origin(n)) for n in reg.names(pattern)]
+            for e in reg.plugin_errors:
+                err_console().print(f"[yellow]warning:[/yellow] {esc(e)}", markup=True)
+            continue
+        if k == "datasets":
+            from .data import DATASETS
+
+            names: list[str] = list(DATASETS)
+        else:
+            from .plots import names as plot_names
+
+            names = plot_names()
+        rows += [
+            (k, n, "built-in")
+            for n in sorted(names)
+            if not pattern or fnmatch.fnmatchcase(n, pattern) or pattern in n
+        ]
+    w1 = max((len(r[0]) for r in rows), default=0)
+    w2 = max((len(r[1]) for r in rows), default=0)
+    w3 = max((len(r[2]) for r in rows), default=0) if verbose else 0
+    return [
+        f"{k:<{w1}}  {n:<{w2}}  {o:<{w3}}"
+        + (f"  {declared_text(n)}" if verbose and k == "models" else "")
+        for k, n, o in rows
+    ]
+
+
+def info_lines(device: str | None, as_json: bool = False) -> list[str]:
+    """``deqbench info``: versions, device, flags, git commit, plugins (and broken plugins)."""
+    import json
+
+    from ..core.errors import DeviceError
+    from ..core.registry import REGISTRIES
+    from .env import check_device, collect
+
+    if device and (msg := check_device(device)):
+        raise DeviceError(f"--device {device}: {msg}")
+    meta = collect(device or "auto", command=[])
+    meta.pop("command", None)
+    errors = []
+    for reg in REGISTRIES.values():
+        reg.names()
+        errors += reg.plugin_errors
+    meta["plugin_errors"] = errors
+    if as_json:
+        return [json.dumps(meta, indent=2, default=str)]
+    v = meta["versions"]
+    lines = [f"{k + ':':<12}{v[k] if v.get(k) is not None else '-'}" for k in v]
+    git = meta["git"]
+    lines += [
+        f"{'device:':<12}{meta['device']} ({meta['device_name']})",
+        f"{'gpus:':<12}{', '.join(meta['gpus']) or '-'}",
+        f"{'flags:':<12}" + " ".join(f"{k}={x}" for k, x in meta["flags"].items()),
+        f"{'git:':<12}{git['commit'] or '-'}{' (dirty)' if git.get('dirty') else ''}",
+        f"{'plugins:':<12}" + ("" if meta["plugins"] else "none"),
+    ]
+    lines += [f"  {p['name']} {p['version']}: {', '.join(p['provides'])}" for p in meta["plugins"]]
+    lines += [f"  broken: {e}" for e in errors]
+    return lines

@@ -1,0 +1,162 @@
+"""Run metadata: versions, device, git commit, numeric flags, plugin distributions.
+
+``collect(device)`` is what ``run.json`` records and ``deqbench info`` prints.
+
+Example:
+    >>> from deqbench.run.env import collect
+    >>> info = collect("cpu")                     # doctest: +SKIP
+    >>> info["versions"]["torch"], info["flags"]["threads"]   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PLUGIN_GROUPS = ("deqbench.models", "deqbench.solvers", "deqbench.inits", "deqbench.analyses")
+
+
+def check_device(requested: str) -> str | None:
+    """Why ``requested`` cannot be used here, or None."""
+    if requested in ("auto", "cpu"):
+        return None
+    import torch
+
+    if requested == "mps":
+        ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+        return None if ok else "MPS is not available on this machine; use device: cpu or auto"
+    m = re.fullmatch(r"cuda(?::(\d+))?", requested)
+    if m is None:
+        return f"unknown device {requested!r}; use auto, cpu, cuda or cuda:N"
+    if not torch.cuda.is_available():
+        why = "torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        return f"CUDA is not available on this machine ({why}); use device: cpu or auto"
+    n = torch.cuda.device_count()
+    if m.group(1) is not None and int(m.group(1)) >= n:
+        return f"{requested} does not exist: {n} GPU(s) visible (cuda:0..cuda:{n - 1})"
+    return None
+
+
+def resolve_device(requested: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; others unchanged."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def driver_version() -> str | None:
+    """NVIDIA driver version (nvidia-smi), or None."""
+    out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return out.splitlines()[0].strip() if out else None
+
+
+def git_info() -> dict[str, Any]:
+    """Commit and dirty flag of the deqbench source tree (None outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    commit = _run(["git", "rev-parse", "HEAD"], here)
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], here)
+    return {"commit": commit, "dirty": bool(status)}
+
+
+def plugin_distributions() -> list[dict[str, Any]]:
+    """Installed distributions that provide deqbench entry points, with what they provide."""
+    found: dict[str, dict[str, Any]] = {}
+    for group in PLUGIN_GROUPS:
+        try:
+            eps = metadata.entry_points(group=group)
+        except Exception:  # pragma: no cover - broken metadata
+            continue
+        for ep in eps:
+            dist = getattr(ep, "dist", None)
+            name = dist.metadata["Name"] if dist is not None else "unknown"
+            rec = found.setdefault(
+                name, {"name": name, "version": dist.version if dist else None, "provides": []}
+            )
+            rec["provides"].append(f"{group.split('.')[1][:-1]}:{ep.name}")
+    return sorted(found.values(), key=lambda r: r["name"])
+
+
+def flags() -> dict[str, Any]:
+    """Numeric flags that change results or timings."""
+    import torch
+
+    return {
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+    }
+
+
+def versions() -> dict[str, Any]:
+    import numpy
+    import torch
+
+    from .. import __version__
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "deqbench": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        "driver": driver_version() if torch.cuda.is_available() else None,
+    }
+
+
+def collect(device: str = "auto", command: list[str] | None = None) -> dict[str, Any]:
+    """Everything ``run.json`` records about the environment."""
+    import torch
+
+    dev = resolve_device(device)
+    return {
+        "versions": versions(),
+        "device": dev,
+        "device_name": device_name(dev),
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "flags": flags(),
+        "git": git_info(),
+        "plugins": plugin_distributions(),
+        "command": command if command is not None else list(sys.argv),
+    }

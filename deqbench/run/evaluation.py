@@ -1,0 +1,66 @@
+"""Evaluation of a model on a data split: loss, accuracy or MSE, and mean DEQ forward stats
+(used by training and by the analyses through :meth:`CellContext.evaluate
+<deqbench.analyses.base.CellContext.evaluate>`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from ..core.deq import Runtime, last_stats
+from ..core.runtime import autocast, for_loss, model_runtime
+
+
+def loss_function(task: str) -> Callable[[Tensor, Tensor], Tensor]:
+    if task == "classification":
+        return nn.functional.cross_entropy
+    return nn.functional.mse_loss
+
+
+def evaluate(
+    model: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    task: str,
+    batch_size: int = 512,
+    runtime: Runtime | None = None,
+) -> dict[str, float]:
+    """Loss, accuracy (classification) or MSE (regression), and mean DEQ forward stats.
+    ``runtime`` (default: the model's DEQ layers'): the forward runs under its autocast, the
+    loss in float32."""
+    if runtime is None:
+        runtime = model_runtime(model)
+    was = model.training
+    model.eval()
+    loss_fn = loss_function(task)
+    tot_loss, tot_correct, n = 0.0, 0.0, 0
+    nsteps: list[float] = []
+    resid: list[float] = []
+    conv: list[float] = []
+    for i in range(0, X.shape[0], batch_size):
+        xb, yb = X[i : i + batch_size], y[i : i + batch_size]
+        with autocast(runtime, xb.device):
+            out = model(xb)
+            loss = loss_fn(for_loss(out, runtime), yb)
+        b = xb.shape[0]
+        tot_loss += float(loss) * b
+        if task == "classification":
+            tot_correct += float((out.argmax(1) == yb).sum())
+        n += b
+        st = last_stats(model)
+        if st:
+            nsteps.append(st["forward_nstep"])
+            resid.append(st["forward_rel_residual"])
+            conv.append(st["forward_converged"])
+    model.train(was)
+    res = {"loss": tot_loss / max(n, 1)}
+    if task == "classification":
+        res["accuracy"] = tot_correct / max(n, 1)
+    else:
+        res["mse"] = res["loss"]
+    if nsteps:
+        res["forward_nstep"] = sum(nsteps) / len(nsteps)
+        res["forward_rel_residual"] = max(resid)
+        res["forward_converged"] = min(conv)
+    return res

@@ -1,0 +1,20 @@
+"""Imported once by the multiprocessing forkserver of a local Dask cluster (only when Dask's
+``distributed.worker.multiprocessing-method`` is ``forkserver``), so that workers forked from it
+start, and restart after a crash, with torch, the datasets and the registries already imported.
+Must not touch CUDA: workers choose their GPU after the fork."""
+
+from __future__ import annotations
+
+import torch  # noqa: F401
+
+from ...core.registry import analyses, inits, models, solvers
+from .. import data, task, train  # noqa: F401
+
+for _r in (models, solvers, inits, analyses):
+    _r.names()
+# torch imports torch._dynamo lazily when the first optimiser is built (seconds).
+torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+try:  # the bundled digits data set
+    import sklearn.datasets  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,650 @@
+"""Run a suite on a Dask cluster: each (cell, seed) is one Dask task.
+
+``deqbench run SUITE --executor dask`` either joins a running cluster (``--scheduler ADDRESS``:
+``dask scheduler`` + ``dask worker``, dask-jobqueue, Kubernetes, ...) or starts a local one:
+one worker process per visible GPU, each pinned to its GPU through ``CUDA_VISIBLE_DEVICES``, or
+``--workers N`` processes (on CPU, or spread round-robin over the GPUs). Every local worker has
+one Dask thread, so it runs one cell at a time.
+
+The coordinator (:func:`deqbench.run.runner.run_suite`) alone writes the run directory: workers
+return :class:`~deqbench.run.task.TaskResult` objects, which stream back as they finish, so
+``results.csv`` has the same atomicity, failure statuses and ``--resume`` semantics as with the
+inline executor. The coordinator keeps at most one cell per worker thread in flight (more as
+workers join, checked every ``poll`` seconds), so a worker that dies takes down only the cell it
+was running. On the local cluster such a cell (Dask's ``KilledWorker``) is submitted once more
+when a worker is free, i.e. on another worker or on the dead one's restarted process; if that
+one dies too, the cell is recorded as ``error`` with the reason and the run goes on. On a
+cluster of yours the scheduler's ``distributed.scheduler.allowed-failures`` decides (Dask's
+default 3 restarts; start the scheduler with ``DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=1``
+for the same policy). An exception that escapes the task itself (it cannot be unpickled on the
+worker, say) is retried once (``retries=1``).
+
+Fixed costs are paid off the cells' clock and overlap the coordinator's own start: the local
+cluster starts in the background (:meth:`DaskExecutor.start` with ``wait=False``, as ``deqbench
+run`` does) while the coordinator writes the run directory and builds the tasks, and every
+worker warms up at start, before it registers (imports, CUDA context, first kernels:
+:mod:`deqbench.run.executors.worker`, reported on its first cell's ``process`` rows). Short cells
+are grouped: on a local GPU cluster whose first cells (one per worker) took less than
+``short_task`` seconds each, a second worker joins on every GPU with room in its memory, so that
+two cells share each GPU (small models leave most of a GPU idle between their kernel launches);
+every Dask task is still one cell, so a dead worker costs only the cell it was running.
+
+With Dask's ``distributed.worker.multiprocessing-method: forkserver`` (environment variable
+``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=forkserver``) local workers fork from a
+server that imported torch and deqbench once, so they start and restart in well under a second
+instead of importing torch each (Dask's default, ``spawn``). Only tested on CPU.
+
+Example:
+    >>> import deqbench
+    >>> from deqbench.run.executors.dask import DaskExecutor
+    >>> suite = deqbench.load_suite("suites/smoke.yaml")                  # doctest: +SKIP
+    >>> with DaskExecutor(workers=2) as ex:                                # doctest: +SKIP
+    ...     deqbench.run_suite(suite, executor=ex)
+    >>> DaskExecutor(scheduler="tcp://10.0.0.5:8786")                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import statistics
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ...core.errors import ConfigError, DeqbenchError
+from ..results import FLAGGED, RUNNER
+from ..task import Listener, Task, TaskResult, run_task
+from ._worker import WARMUP_ENV
+
+__all__ = ["DaskExecutor", "run_cell", "failed_result", "gpu_ids", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'deqbench[dask]'"
+#: Dask config key of the variables a nanny exports before it spawns a worker process.
+PRE_SPAWN_ENV = "distributed.nanny.pre-spawn-environ"
+
+#: Set in the environment of a local worker pinned to one GPU (its id on the host).
+PINNED_ENV = "DEQBENCH_DASK_GPU"
+#: torch threads of a local worker's cells when the suite does not set ``threads``.
+THREADS_ENV = "DEQBENCH_DASK_THREADS"
+#: GPU memory (bytes) counted per worker process beyond its cells' peak (CUDA context, handles)
+CONTEXT_BYTES = 1 << 30
+#: statuses whose wall time measures a whole cell (the grouping decision reads them)
+TIMED = ("ok", FLAGGED)
+
+
+#: seconds of estimated remaining work per worker above which a second worker joins each GPU
+MIN_REMAINING_S = 20.0
+
+
+def _require_distributed() -> Any:
+    try:
+        import distributed
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or "dask.distributed"
+        raise ConfigError(
+            f"--executor dask needs Dask ({missing} is not installed); install the extra "
+            f"deqbench[dask]: {INSTALL_HINT}"
+        ) from None
+    return distributed
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def gpu_ids(device: str) -> list[str]:
+    """The host GPU ids a local cluster pins its workers to for ``device`` (``cuda`` | ``cuda:N``),
+    honouring this process's ``CUDA_VISIBLE_DEVICES``; empty for other devices."""
+    if not device.startswith("cuda"):
+        return []
+    import torch
+
+    n = torch.cuda.device_count()
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in env.split(",") if x.strip()][:n] if env is not None else []
+    if env is None:
+        ids = [str(i) for i in range(n)]
+    if ":" in device:
+        k = int(device.split(":", 1)[1])
+        ids = ids[k : k + 1]
+    return ids
+
+
+def run_cell(task: Task) -> TaskResult:
+    """Worker side: run one (cell, seed). ``device: auto`` is resolved on the worker (the
+    coordinator may have no GPU); a worker pinned to one GPU runs ``cuda``/``cuda:N`` on it."""
+    device = task.device
+    if task.suite.device == "auto":
+        from ..env import resolve_device
+
+        device = resolve_device("auto")
+    elif device.startswith("cuda") and os.environ.get(PINNED_ENV):
+        device = "cuda"
+    if device != task.device:
+        task = dataclasses.replace(task, device=device)
+    threads = os.environ.get(THREADS_ENV)
+    if threads and not task.suite.threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    return run_task(task)
+
+
+def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.0) -> TaskResult:
+    """A TaskResult with only the runner's ``error`` status row (the task never returned)."""
+    cell = task.cell
+    row = {
+        "run_id": task.run_id,
+        "cell_id": cell.id,
+        "model": cell.model["name"],
+        "solver": cell.solver["name"],
+        "backward": cell.backward.get("name", ""),
+        "init": cell.init["name"],
+        "seed": task.seed,
+        "analysis": RUNNER,
+        "variant": "",
+        "metric": "wall_time",
+        "step": None,
+        "repeat": 0,
+        "value": wall,
+        "unit": "s",
+        "status": "error",
+        "note": note,
+    }
+    return TaskResult(cell.id, task.seed, [row], "error", note, tb, wall)
+
+
+def gpu_memory() -> dict[str, int]:
+    """Worker side: this process's peak reserved GPU memory and its GPU's free/total bytes
+    (empty without CUDA). The coordinator asks for it before it adds workers to a GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"peak": int(torch.cuda.max_memory_reserved()), "free": int(free), "total": int(total)}
+
+
+def _pinned_gpu() -> str | None:
+    return os.environ.get(PINNED_ENV)
+
+
+def _warm_forkserver() -> None:
+    """With Dask's ``multiprocessing-method: forkserver``, let the forkserver import torch and
+    deqbench once so that workers (and restarts after a crash) start warm. No effect once the
+    forkserver runs."""
+    import multiprocessing
+
+    from distributed.utils import get_mp_context
+
+    get_mp_context()  # Dask sets its own preload list first; ours replaces it
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["distributed", "deqbench.run.executors._warm"]
+    )
+
+
+class DaskExecutor:
+    """Runs tasks on a Dask cluster (see the module docstring).
+
+    Args:
+        scheduler: address of a running scheduler (``tcp://host:8786``); None starts a local
+            cluster on 127.0.0.1.
+        workers: local worker processes (default: one per visible GPU when the suite runs on
+            CUDA, else ``cpu_count // threads``). Not with ``scheduler``. Fixes the layout: no
+            worker is added for short cells.
+        preload: modules or ``.py`` files every local worker imports at start (and again when
+            a worker is restarted), e.g. to register models that are not installed as plugins.
+            Workers you start yourself take ``dask worker --preload``.
+        retries: Dask retries of a task that raised (run_task itself never raises).
+        allowed_failures: local cluster: how many times a cell is submitted again after the
+            worker running it died (a cluster of yours: its scheduler's
+            ``distributed.scheduler.allowed-failures`` decides).
+        max_in_flight: cells submitted at once (default: one per worker thread, refreshed
+            every ``poll`` seconds).
+        connect_timeout: seconds to reach ``scheduler``.
+        poll: seconds between checks for workers that joined.
+        silence_logs: log level of the local cluster's Dask loggers.
+        max_per_gpu: local GPU cluster without ``workers``: at most this many workers share a
+            GPU once the first cells turned out short (1: never add workers).
+        short_task: seconds; first cells (median, one per worker) shorter than this are short.
+        profile: keep Dask's statistical profiler on in local workers (off by default: it
+            samples the cell's thread every 10 ms, taking the GIL from it).
+    """
+
+    def __init__(
+        self,
+        scheduler: str | None = None,
+        workers: int | None = None,
+        *,
+        preload: Sequence[str] = (),
+        retries: int = 1,
+        allowed_failures: int = 1,
+        max_in_flight: int | None = None,
+        connect_timeout: float = 30.0,
+        poll: float = 1.0,
+        silence_logs: int = logging.ERROR,
+        max_per_gpu: int = 2,
+        short_task: float = 20.0,
+        profile: bool = False,
+    ) -> None:
+        _require_distributed()
+        if scheduler is not None and workers is not None:
+            raise ConfigError(
+                "--workers starts a local cluster; with --scheduler the cluster's workers are "
+                "the ones you started (drop --workers)"
+            )
+        if workers is not None and workers < 1:
+            raise ConfigError(f"--workers {workers}: needs at least 1 worker")
+        self.scheduler = scheduler
+        self.workers = workers
+        self.preload = list(preload)
+        self.retries = retries
+        self.allowed_failures = allowed_failures
+        self.max_in_flight = max_in_flight
+        self.connect_timeout = connect_timeout
+        self.poll = poll
+        self.silence_logs = silence_logs
+        self.max_per_gpu = max(1, max_per_gpu)
+        self.short_task = short_task
+        self.profile = profile
+        self.client: Any = None
+        self.cluster: Any = None
+        self.layout: dict[str, Any] = {}
+        self._starting: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+        self._specs: dict[str, Any] = {}
+        self._dtype = "float32"
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(
+        self,
+        device: str = "cpu",
+        threads: int | None = None,
+        *,
+        dtype: str | None = None,
+        wait: bool = True,
+    ) -> DaskExecutor:
+        """Connect to ``scheduler`` or start the local cluster for ``device`` (resolved:
+        ``cpu`` | ``cuda`` | ``cuda:N``) with ``threads`` torch threads per cell; its workers
+        warm up on ``dtype`` (default float32) at start. Idempotent.
+
+        ``wait=False`` starts a local cluster in a background thread and returns at once (the
+        layout is checked first, so a configuration error is raised here); :meth:`run` waits
+        for it. Reaching a ``scheduler`` is always done before returning."""
+        if self.client is not None or self._starting is not None:
+            if wait:
+                self._ready()
+            return self
+        from distributed import Client
+
+        if self.scheduler is not None:
+            try:
+                self.client = Client(
+                    self.scheduler, timeout=self.connect_timeout, set_as_default=False
+                )
+            except (OSError, TimeoutError) as exc:
+                raise ConfigError(
+                    f"--scheduler {self.scheduler}: cannot reach the Dask scheduler "
+                    f"({_one_line(exc)})"
+                ) from None
+            self.layout = {"kind": "dask", "scheduler": self.scheduler}
+            return self
+        self._dtype = dtype or "float32"
+        specs, self.layout = self.worker_specs(device, threads)
+        if wait:
+            self._start_local(specs)
+            return self
+        self._start_error = None
+
+        def target() -> None:
+            try:
+                self._start_local(specs)
+            except BaseException as exc:  # re-raised by _ready() in the caller's thread
+                self._start_error = exc
+
+        self._starting = threading.Thread(target=target, name="deqbench-dask-start", daemon=True)
+        self._starting.start()
+        return self
+
+    def _start_local(self, specs: dict[str, Any]) -> None:
+        from distributed import Client
+
+        cluster = self._local_cluster(specs)
+        try:
+            self.client = Client(cluster, set_as_default=False)
+        except BaseException:
+            cluster.close()
+            raise
+        self.cluster = cluster
+
+    def _ready(self) -> None:
+        """Wait for a background start (``start(wait=False)``); re-raise its error."""
+        thread, self._starting = self._starting, None
+        if thread is not None:
+            thread.join()
+        if self._start_error is not None:
+            err, self._start_error = self._start_error, None
+            raise err
+
+    def close(self) -> None:
+        """Close the client and the local cluster (if this executor started one)."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        client, cluster = self.client, self.cluster
+        self.client = self.cluster = None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing never fails a run
+                pass
+        if cluster is not None:
+            try:
+                cluster.close()
+            except Exception:
+                pass
+
+    def __enter__(self) -> DaskExecutor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def describe(self) -> dict[str, Any]:
+        """What ``run.json`` records under ``executor`` (never waits for a background start)."""
+        info = dict(self.layout) or {"kind": "dask", "scheduler": self.scheduler}
+        if self.client is not None and self._starting is None:
+            try:
+                info["scheduler"] = self.client.scheduler.address
+                nthreads = self.client.nthreads()
+                info["workers_joined"] = len(nthreads)
+                info["threads_joined"] = int(sum(nthreads.values()))
+            except Exception:
+                pass
+        return info
+
+    def worker_specs(
+        self, device: str, threads: int | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The local cluster's worker specs (``SpecCluster`` form) and its layout (``run.json``).
+
+        One single-threaded worker per GPU of ``device`` (each pinned through
+        ``CUDA_VISIBLE_DEVICES``), ``workers`` of them round-robin over the GPUs, or on CPU
+        ``workers`` (default ``cpu_count // threads``). Every cell gets ``threads`` torch threads,
+        else its share of the cores. Workers warm up at start on their device (``DEQBENCH_WARMUP``).
+        """
+        from distributed.worker_memory import parse_memory_limit
+
+        cpus = os.cpu_count() or 1
+        gpus = gpu_ids(device)
+        if device.startswith("cuda") and not gpus:
+            raise ConfigError(f"device {device}: no GPU is visible for the local Dask cluster")
+        n = self.workers or (len(gpus) if gpus else max(1, cpus // (threads or 1)))
+        # Dask sets OMP_NUM_THREADS=1 in its workers; give each its share of the cores instead
+        # (on GPUs, of the cores left once workers were added for short cells).
+        most = len(gpus) * self.max_per_gpu if gpus and self.workers is None else n
+        omp = str(threads or max(1, cpus // max(n, most)))
+        self._memory = parse_memory_limit("auto", 1, n, logger=logging.getLogger(__name__))
+        self._omp = omp
+        specs = {
+            f"deqbench-{i}": self._spec(gpus[i % len(gpus)] if gpus else None) for i in range(n)
+        }
+        self._specs = dict(specs)
+        self._gpus = gpus
+        layout = {
+            "kind": "dask",
+            "scheduler": "local",
+            "workers": n,
+            "gpus": [gpus[i % len(gpus)] for i in range(n)] if gpus else [],
+            "torch_threads": int(omp),
+            "allowed_failures": self.allowed_failures,
+        }
+        return specs, layout
+
+    def _spec(self, gpu: str | None) -> dict[str, Any]:
+        from distributed import Nanny
+
+        omp = self._omp
+        env = {
+            "OMP_NUM_THREADS": omp,
+            "MKL_NUM_THREADS": omp,
+            "OPENBLAS_NUM_THREADS": omp,
+            THREADS_ENV: omp,
+            WARMUP_ENV: f"{'cuda' if gpu is not None else 'cpu'}:{self._dtype}",
+        }
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = env[PINNED_ENV] = gpu
+            # cuBLAS reads it once per process (in the warm-up): what `deterministic` needs
+            env["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        return {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "host": "127.0.0.1",
+                "env": env,
+                "preload": ["deqbench.run.executors._worker", *self.preload],
+                "memory_limit": self._memory,
+                "dashboard": False,
+                "silence_logs": self.silence_logs,
+            },
+        }
+
+    def _local_cluster(self, specs: dict[str, Any]) -> Any:
+        import dask
+        from distributed import Scheduler, SpecCluster
+
+        # Dask's nanny exports MALLOC_TRIM_THRESHOLD_=65536 to every worker it spawns (to hand
+        # freed memory back to the OS). With PyTorch's allocation pattern glibc then trims on
+        # almost every free: a CPU conv forward/backward loop ran 4x slower with it, and smoke
+        # tasks 1.4-2.8x slower in workers than inline. Unset it (None removes the variable);
+        # a value in the user's own environment is still inherited.
+        dask.config.set({f"{PRE_SPAWN_ENV}.MALLOC_TRIM_THRESHOLD_": None})
+        # Dask's statistical profiler samples the cell's thread every 10 ms (taking the GIL
+        # from it); the nanny hands this config to the worker processes it starts.
+        dask.config.set({"distributed.worker.profile.enabled": bool(self.profile)})
+        if dask.config.get("distributed.worker.multiprocessing-method") == "forkserver":
+            _warm_forkserver()
+        scheduler = {
+            "cls": Scheduler,
+            "options": {
+                "host": "127.0.0.1",
+                "port": 0,
+                "dashboard": False,
+                "dashboard_address": "127.0.0.1:0",
+                "allowed_failures": 0,  # the coordinator resubmits (see run)
+            },
+        }
+        return SpecCluster(
+            workers=specs, scheduler=scheduler, silence_logs=self.silence_logs, name="deqbench"
+        )
+
+    # -- grouping short cells -------------------------------------------------------------
+    def _may_add_workers(self) -> bool:
+        return (
+            self.cluster is not None
+            and self.workers is None
+            and bool(getattr(self, "_gpus", None))
+            and self.max_per_gpu > 1
+        )
+
+    def add_gpu_workers(self, first_walls: Sequence[float], remaining: int) -> list[str]:
+        """Group short cells: when the median of ``first_walls`` (the first finished cells,
+        one per worker) is under ``short_task`` s and the ``remaining`` cells keep the workers
+        busy for a while, add a worker on every GPU that has fewer than ``max_per_gpu`` and room
+        for one more of them in its free memory. Returns the GPU ids that got one (the workers
+        join once warm; the coordinator submits to them as they do)."""
+        if not self._may_add_workers() or not first_walls:
+            return []
+        median = statistics.median(first_walls)
+        # The remaining work is estimated from the mean, not the median: cells whose solves
+        # miss tolerance run to max_iter and take several times the median (4x H100 run of
+        # issue 16: median 1.89 s, flagged cells 6-11 s), so the median underestimated it 2x.
+        per_cell = max(median, statistics.fmean(first_walls))
+        per_worker = len(self._specs)
+        # A worker starts in the background (~10-20 s) while the others keep working, so adding
+        # one costs little: worth it once the remaining work per worker outlasts that start.
+        if median >= self.short_task or remaining * per_cell / per_worker < MIN_REMAINING_S:
+            self.layout["grouping"] = {
+                "median_first_cell_s": round(median, 3),
+                "mean_first_cell_s": round(per_cell, 3),
+                "added": [],
+            }
+            return []
+        try:
+            mem = self.client.run(gpu_memory)  # worker address -> {peak, free, total}
+            pinned = self.client.run(_pinned_gpu)
+        except Exception:
+            return []
+        added: list[str] = []
+        for gpu in dict.fromkeys(self._gpus):
+            here = [a for a, g in pinned.items() if g == gpu and mem.get(a)]
+            if not here or len(here) >= self.max_per_gpu:
+                continue
+            need = max(mem[a]["peak"] for a in here) + CONTEXT_BYTES
+            if min(mem[a]["free"] for a in here) < 2 * need:
+                continue
+            name = f"deqbench-{len(self._specs)}"
+            self._specs[name] = self.cluster.worker_spec[name] = self._spec(gpu)
+            added.append(gpu)
+        if added:
+            self.cluster.loop.add_callback(self.cluster._correct_state)
+            self.layout["workers"] = len(self._specs)
+            self.layout["gpus"] = list(self.layout.get("gpus", [])) + added
+        self.layout["grouping"] = {
+            "median_first_cell_s": round(median, 3),
+            "mean_first_cell_s": round(per_cell, 3),
+            "added": added,
+        }
+        return added
+
+    # -- running --------------------------------------------------------------------------
+    def _slots(self) -> int:
+        if self.max_in_flight is not None:
+            return max(1, self.max_in_flight)
+        try:
+            return max(1, int(sum(self.client.nthreads().values())))
+        except Exception:
+            return 1
+
+    def run(self, tasks: Sequence[Task], listener: Listener | None = None) -> Iterator[TaskResult]:
+        """Submit the tasks (one Dask task per (cell, seed)) and yield results as they finish.
+
+        ``listener`` is not called: progress is counted by the coordinator per finished cell.
+        A local cluster started here is closed at the end; one started with :meth:`start`
+        stays up until :meth:`close`.
+        """
+        if not tasks:
+            return
+        from distributed import KilledWorker, wait
+
+        owned = self.client is None and self._starting is None
+        if owned:
+            t0 = tasks[0]
+            self.start(t0.device, t0.suite.threads, dtype=t0.suite.dtype)
+        self._ready()
+        client = self.client
+        # Our local scheduler gives up on a task at its first dead worker; the cell is then
+        # submitted again here, once a worker is free (never queued behind a busy one).
+        resubmit = self.allowed_failures if self.cluster is not None else 0
+        # Ship the suite without its cells: every task carries its own cell.
+        slim = {id(t.suite): dataclasses.replace(t.suite, cells=[]) for t in tasks}
+        token = uuid.uuid4().hex[:8]
+        # (index, task, attempt, first submission time)
+        queue: deque[tuple[int, Task, int, float | None]] = deque(
+            (i, t, 0, None) for i, t in enumerate(tasks)
+        )
+        inflight: dict[Any, tuple[int, Task, int, float]] = {}
+        first_walls: list[float] | None = [] if self._may_add_workers() else None
+        n_first = len(self._specs)
+
+        def fill() -> None:
+            slots = self._slots()
+            while queue and len(inflight) < slots:
+                i, t, attempt, t0 = queue.popleft()
+                wire = dataclasses.replace(t, suite=slim[id(t.suite)])
+                fut = client.submit(
+                    run_cell,
+                    wire,
+                    key=f"deqbench_cell-{token}-{i}-{attempt}",
+                    retries=self.retries,
+                    pure=False,
+                )
+                inflight[fut] = (i, t, attempt, time.perf_counter() if t0 is None else t0)
+
+        try:
+            fill()
+            while inflight:
+                try:
+                    with client.as_current():  # wait() looks up the current client
+                        wait(list(inflight), timeout=self.poll, return_when="FIRST_COMPLETED")
+                except TimeoutError:
+                    fill()  # workers may have joined
+                    continue
+                done = sorted((f for f in inflight if f.done()), key=lambda f: inflight[f][0])
+                results = []
+                for fut in done:
+                    i, t, attempt, t0 = inflight.pop(fut)
+                    if (
+                        fut.status == "error"
+                        and attempt < resubmit
+                        and isinstance(fut.exception(), KilledWorker)
+                    ):
+                        fut.release()
+                        queue.appendleft((i, t, attempt + 1, t0))
+                        continue
+                    results.append(self._collect(fut, t, time.perf_counter() - t0, attempt + 1))
+                    fut.release()
+                # The freed workers get their next cells before the caller writes these results
+                # (a worker never idles while the coordinator writes results.csv).
+                fill()
+                if first_walls is not None:
+                    first_walls += [r.wall_time for r in results if r.status in TIMED]
+                    if len(first_walls) >= min(n_first, len(tasks)):
+                        self.add_gpu_workers(first_walls, len(queue))
+                        first_walls = None
+                yield from results
+        finally:
+            if inflight and self.client is not None:
+                try:
+                    self.client.cancel(list(inflight), force=True)
+                except Exception:
+                    pass
+            if owned:
+                self.close()
+
+    def _collect(self, fut: Any, task: Task, wall: float, submissions: int) -> TaskResult:
+        from distributed import KilledWorker
+
+        if fut.status == "finished":
+            try:
+                return fut.result()
+            except Exception as err:  # e.g. the result cannot be unpickled here
+                return failed_result(task, f"dask: {_one_line(err)}", traceback.format_exc(), wall)
+        if fut.status == "cancelled":
+            where = f" ({task.run_dir})" if task.run_dir else ""
+            raise DeqbenchError(
+                f"the Dask cluster cancelled cell {task.cell.id} seed={task.seed} (scheduler "
+                f"lost?); finished cells are on disk{where}: rerun the same command with "
+                f"--resume {task.run_dir or 'RUN_DIR'}"
+            )
+        exc = fut.exception()
+        if isinstance(exc, KilledWorker):
+            try:
+                last = exc.last_worker.address
+                tries = str(submissions * (exc.allowed_failures + 1))
+            except Exception:
+                last, tries = "?", "several"
+            note = (
+                f"worker died running this cell ({tries} attempts, the last on {last}; "
+                "KilledWorker): see the worker logs"
+            )
+            return failed_result(task, note, None, wall)
+        tb = "".join(traceback.format_exception(type(exc), exc, fut.traceback()))
+        return failed_result(task, f"dask: {_one_line(exc)}", tb, wall)

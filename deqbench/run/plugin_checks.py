@@ -1,0 +1,698 @@
+"""Up-front checks of the contracts (:mod:`deqbench.contracts`) for what a suite names.
+
+``deqbench validate`` and ``deqbench run`` (before it starts) call :func:`check_suites`. On CPU,
+once per distinct model spec and solver of the suite(s), built-ins and plugins alike:
+
+* every model factory is called with ``in_shape``/``num_outputs`` (from the dataset's shape,
+  without loading it) and the suite's params, each init of the suite is applied to it, and it
+  runs a forward pass on a batch of 2 with each forward solver the suite gives it (at most
+  :data:`FORWARD_STEPS` f-evaluations: a contract check, not a convergence test);
+* every solver (forward, and as adjoint solver for ``ift``) runs on a small contraction, with
+  the suite's options and with none, and its return value is checked: ``(z, SolverStats)``,
+  nstep, residual and trace shapes, status, progress towards the fixed point; a solver that ``needs_structure``
+  runs on deqbench's own small monotone cell instead, forward and adjoint;
+* a structured solver is allowed only on models whose every cell implements its structure, and
+  a model's declared compatibility (``declare_defaults(solvers=..., backward_modes=...)``)
+  admits the cell's solver and backward mode.
+
+Every violation is one line naming the distribution, the entry point and the clause::
+
+    plugin my-deq 0.1.0: solver 'only_z' (my_deq.solvers:only_z): [solver.returns] returned a
+    Tensor, not (z, SolverStats)
+
+Example:
+    >>> import deqbench
+    >>> from deqbench.run.plugin_checks import check_suite
+    >>> check_suite(deqbench.load_suite("suites/smoke.yaml"))            # doctest: +SKIP
+    []
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..core.contracts import CLAUSES, MonotoneCell, missing_members, structure_of
+from ..core.errors import ConfigError, DeqbenchError, PluginError
+
+#: f-evaluations allowed in the forward pass of a model check
+FORWARD_STEPS = 5
+#: batch and width of the solver checks' test problems
+BATCH, WIDTH = 2, 6
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken clause of one registered name."""
+
+    kind: str  # "model" | "solver" | "init"
+    name: str
+    origin: str  # "built-in", "<distribution> <version>" or "runtime"
+    target: str  # the entry point's value, or module:qualname
+    clause: str  # a key of deqbench.contracts.CLAUSES
+    message: str
+    cell: str = ""  # the cell id, for a combination of names
+
+    def line(self) -> str:
+        """The one-line report."""
+        if self.origin == "built-in":
+            who = "built-in"
+        elif self.origin == "runtime":
+            who = "registered at run time"
+        else:
+            who = f"plugin {self.origin}"
+        where = f"cell {self.cell}: " if self.cell else ""
+        msg = " ".join(str(self.message).split())
+        return f"{where}{who}: {self.kind} '{self.name}' ({self.target}): [{self.clause}] {msg}"
+
+
+def _registry(kind: str) -> Any:
+    from ..core.registry import registry
+
+    return registry(kind)
+
+
+def _describe(kind: str, name: str) -> tuple[str, str]:
+    """(origin, entry-point value) of a registered name."""
+    reg = _registry(kind)
+    entry = reg.entry(name)
+    if entry.entry_point is not None:
+        return entry.origin, str(entry.entry_point.value)
+    obj = entry.obj
+    mod = getattr(obj, "__module__", "?")
+    qual = getattr(obj, "__qualname__", getattr(obj, "__name__", type(obj).__name__))
+    return entry.origin, f"{mod}:{qual}"
+
+
+def _raised(exc: BaseException) -> str:
+    """``raised Type: message (at file:line in fn)``, at the innermost frame outside torch."""
+    text = " ".join(str(exc).split())
+    where = ""
+    tb = traceback.extract_tb(exc.__traceback__)
+    if tb:
+        import torch
+
+        lib = os.path.dirname(torch.__file__)  # the caller's frame, not torch's internals
+        fr = next((f for f in reversed(tb) if not f.filename.startswith(lib)), tb[-1])
+        where = f" (at {os.path.basename(fr.filename)}:{fr.lineno} in {fr.name})"
+    return f"raised {type(exc).__name__}{': ' + text if text else ''}{where}"
+
+
+# -- dataset shapes without loading the data --------------------------------------------------
+
+
+def _digits(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    s = int(p["size"])
+    shape = (s * s,) if p["flatten"] else (1, s, s)
+    return shape, 1 if p["target"] == "binary" else 10
+
+
+def _denoise(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    if p["source"] == "cifar10":  # the CIFAR files or their smooth stand-in: 3 x 32 x 32
+        shape: tuple[int, ...] = (3, 32, 32)
+    else:
+        shape = (int(p["channels"]), int(p["size"]), int(p["size"]))
+    return shape, math.prod(shape)
+
+
+_SHAPES: dict[str, Callable[[dict[str, Any]], tuple[tuple[int, ...], int]]] = {
+    "digits": _digits,
+    "synthetic": lambda p: ((int(p["dim"]),), int(p["num_classes"])),
+    "gp_sequence": lambda p: ((int(p["length"]),), int(p["length"])),
+    "mnist": lambda p: ((1, 28, 28), 10),
+    "cifar10": lambda p: ((3, 32, 32), 10),
+    "svhn": lambda p: ((3, 32, 32), 10),
+    "digits_klr": lambda p: ((64,) if p["flatten"] else (1, 8, 8), 64),
+    "denoise": _denoise,
+}
+
+
+def data_shape(name: str, params: dict[str, Any]) -> tuple[tuple[int, ...], int] | None:
+    """(in_shape, num_outputs) of dataset ``name`` with ``params``; built-in datasets from their
+    parameters, others by loading them; None when that fails."""
+    from .data import DATASETS, load_data
+
+    fn = DATASETS.get(name)
+    if fn is None:
+        return None
+    if name in _SHAPES:
+        full = {
+            k: v.default
+            for k, v in inspect.signature(fn).parameters.items()
+            if v.default is not inspect.Parameter.empty
+        }
+        full.update(params)
+        try:
+            return _SHAPES[name](full)
+        except (KeyError, TypeError, ValueError):
+            return None
+    try:
+        d = load_data(name, **params)
+    except Exception:
+        return None
+    return tuple(d.in_shape), int(d.num_outputs)
+
+
+# -- test problems for solvers ----------------------------------------------------------------
+
+
+def _contraction_cell() -> Any:
+    """z -> 0.5 tanh(W z) + u with ||W|| = 1: a 0.5-contraction."""
+    import torch
+    from torch import nn
+
+    class Contraction(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            w = torch.randn(WIDTH, WIDTH, generator=g, dtype=torch.float64)
+            self.W = nn.Parameter(w / torch.linalg.matrix_norm(w, ord=2))
+
+        def forward(self, z: Any, u: Any) -> Any:
+            return 0.5 * torch.tanh(z @ self.W.T) + u
+
+    return Contraction()
+
+
+def _monotone_cell() -> Any:
+    """deqbench's monDEQ cell, width 6, small weights (FB converges for alpha <= 1)."""
+    import torch
+
+    from ..models.mondeq import MonFCCell
+
+    cell = MonFCCell(WIDTH, m=1.0).double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in (cell.A, cell.B):
+            p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype) / math.sqrt(WIDTH))
+    return cell
+
+
+def _problem(cell: Any, adjoint: bool) -> tuple[Any, Any]:
+    """(f, z0): a CellMap (forward) or an AdjointMap at an approximate fixed point (adjoint)."""
+    import torch
+    from torch.func import vjp
+
+    from ..core.backward import AdjointMap
+    from ..core.deq import CellMap
+
+    g = torch.Generator().manual_seed(1)
+    u = torch.rand(BATCH, WIDTH, generator=g, dtype=torch.float64) + 0.5
+    if not adjoint:
+        return CellMap(cell, u), torch.zeros_like(u)
+    with torch.no_grad():
+        z = torch.zeros_like(u)
+        for _ in range(60):
+            z = cell(z, u)
+    _, vjp_fn = vjp(lambda z_: cell(z_, u), z)
+    grad = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)
+
+    def adj(w: Any) -> Any:
+        with torch.no_grad():
+            return vjp_fn(w)[0] + grad
+
+    return AdjointMap(adj, cell, z, u, grad), grad.clone()
+
+
+def _check_result(res: Any, z0: Any, max_iter: int) -> tuple[str, str] | None:
+    """(clause, message) of the first broken clause of a solver's return value, or None."""
+    import torch
+
+    from ..solvers.base import STATUSES, SolverStats
+
+    if not isinstance(res, tuple | list) or len(res) != 2:
+        what = type(res).__name__ + (f" of {len(res)}" if isinstance(res, tuple | list) else "")
+        return "solver.returns", f"returned a {what}, not (z, SolverStats)"
+    z, st = res
+    if not isinstance(z, torch.Tensor) or z.shape != z0.shape:
+        got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+        return "solver.returns", f"z is {got}, not a tensor shaped like z0 {tuple(z0.shape)}"
+    if not isinstance(st, SolverStats):
+        return (
+            "solver.returns",
+            f"the second value is a {type(st).__name__}, not deqbench.solvers.base.SolverStats",
+        )
+    B = z0.shape[0]
+    if isinstance(st.nstep, bool) or not isinstance(st.nstep, int) or not 1 <= st.nstep <= max_iter:
+        return "solver.stats", f"nstep {st.nstep!r} is not an int in [1, max_iter={max_iter}]"
+    for k in ("abs_residual", "rel_residual"):
+        v = getattr(st, k)
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != (B,):
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            return "solver.stats", f"{k} is {got}, not a ({B},) tensor (one per sample)"
+    for k in ("abs_trace", "rel_trace"):
+        v = getattr(st, k)
+        ok = isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == B
+        if not ok:
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            return "solver.stats", f"{k} is {got}, not a (T, {B}) tensor (one row per iterate)"
+        if v.shape[0] > st.nstep:
+            return "solver.stats", f"{k} has {v.shape[0]} rows for nstep {st.nstep} (T <= nstep)"
+    if st.status not in STATUSES:
+        return "solver.stats", f"status {st.status!r} is not one of {', '.join(STATUSES)}"
+    if bool(st.converged) != (st.status == "converged"):
+        return "solver.stats", f"converged={st.converged!r} but status={st.status!r}"
+    return None
+
+
+class _Checks:
+    """One pass over one or more suites; each distinct spec is checked once."""
+
+    def __init__(self) -> None:
+        self.violations: list[Violation] = []
+        self._seen: set[Any] = set()
+        self._solver_ok: dict[str, bool] = {}
+
+    def add(self, kind: str, name: str, clause: str, message: str, cell: str = "") -> None:
+        assert clause in CLAUSES, clause
+        origin, target = _describe(kind, name)
+        v = Violation(kind, name, origin, target, clause, message, cell)
+        if v not in self.violations:
+            self.violations.append(v)
+
+    def once(self, key: Any) -> bool:
+        """True the first time ``key`` is seen."""
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
+
+    # -- solvers ----------------------------------------------------------------------------
+    def solver(self, name: str, options: dict[str, Any], adjoint: bool) -> bool:
+        """Check solver ``name`` (with the suite's ``options``, as forward or adjoint solver);
+        False when it broke a clause."""
+        from ..core.registry import solvers
+
+        fn = solvers.get(name)
+        key = ("solver", name, json.dumps(options, sort_keys=True, default=str), adjoint)
+        if not self.once(key) or not self._solver_ok.get(name, True):
+            return self._solver_ok.get(name, True)  # checked already, or broken already
+        n0 = len(self.violations)
+        if self.once(("solver-signature", name)):
+            self._signature(name, fn)
+        proto = structure_of(fn)
+        if len(self.violations) == n0:
+            if proto is MonotoneCell:
+                cell = _monotone_cell()
+            elif proto is None:
+                cell = _contraction_cell()
+            else:  # a structure deqbench has no test cell for: only the signature is checked
+                cell = None
+            if cell is not None:
+                clause = "solver.structure" if proto is not None else "solver.returns"
+                # with the suite's options: the contract; with none: also convergence
+                self._run(name, fn, cell, adjoint, options, clause, converge=not options)
+                if options and len(self.violations) == n0 and self.once(("default", name, adjoint)):
+                    self._run(name, fn, cell, adjoint, {}, clause, converge=True, errors=False)
+        ok = len(self.violations) == n0
+        self._solver_ok[name] = self._solver_ok.get(name, True) and ok
+        return ok
+
+    def _signature(self, name: str, fn: Any) -> None:
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return
+        try:
+            sig.bind(None, None, max_iter=1, tol=1.0, stop_mode="rel")
+        except TypeError as exc:
+            self.add(
+                "solver",
+                name,
+                "solver.signature",
+                f"cannot be called as solve(f, z0, *, max_iter, tol, stop_mode) ({exc}); its "
+                f"signature is {name}{sig}",
+            )
+
+    def _run(
+        self,
+        name: str,
+        fn: Any,
+        cell: Any,
+        adjoint: bool,
+        options: dict[str, Any],
+        clause: str,
+        converge: bool,
+        errors: bool = True,
+    ) -> None:
+        """Run the solver on the test problem and check its return (``errors``: report what it
+        raises; off for the run with default options, which may lack a required option)."""
+        import torch
+
+        role = "as adjoint solver" if adjoint else "on a forward map"
+        what = "deqbench's monotone test cell" if clause == "solver.structure" else "a contraction"
+        f, z0 = _problem(cell, adjoint)
+        max_iter = 100
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                res = fn(f, z0, max_iter=max_iter, tol=1e-5, stop_mode="rel", **options)
+        except DeqbenchError as exc:
+            if errors:  # e.g. an option value the solver rejects
+                opts = f" with options {options}" if options else ""
+                self.add("solver", name, "solver.signature", f"{role}{opts}: {exc}")
+            return
+        except Exception as exc:
+            if errors:
+                self.add("solver", name, clause, f"{role} on {what}: {_raised(exc)}")
+            return
+        bad = _check_result(res, z0, max_iter)
+        if bad is not None:
+            self.add("solver", name, bad[0], f"{role}: {bad[1]}")
+            return
+        if converge:
+            self._progress(name, f, z0, res[0], role, what)
+
+    def _progress(self, name: str, f: Any, z0: Any, z: Any, role: str, what: str) -> None:
+        """[solver.progress]: the residual of the returned z (measured here) is below half that
+        of z0 (the contraction converges from anywhere; a solver returning z0 or a wrong
+        iterate does not pass)."""
+        import torch
+
+        from ..solvers.base import residuals
+
+        with torch.no_grad():
+            r0 = float(residuals(f(z0), z0)[1].max())
+            r = float(residuals(f(z), z)[1].max())
+        if not r < 0.5 * r0:
+            self.add(
+                "solver",
+                name,
+                "solver.progress",
+                f"{role}, default options, on {what}: the returned iterate's rel residual "
+                f"{r:.3g} is not below half that of z0 ({r0:.3g})",
+            )
+
+    # -- models -----------------------------------------------------------------------------
+    def model(self, cells: Sequence[Any], shape: tuple[tuple[int, ...], int], dtype: str) -> None:
+        """Check the model spec shared by ``cells`` (same model dict and data shape)."""
+        import torch
+
+        from .. import models
+        from ..core import deq
+        from ..core.registry import inits
+
+        c0 = cells[0]
+        name, params = c0.model_params()
+        fn = models.get(name)
+        in_shape, num_outputs = shape
+        if self.once(("declaration", name)):
+            self._declaration(name)
+        if not self._factory_signature(name, fn):
+            return
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                model = models.create(
+                    name, in_shape=tuple(in_shape), num_outputs=num_outputs, **params
+                )
+        except ConfigError as exc:
+            self.add("model", name, "model.factory", f"params {params}: {exc}")
+            return
+        except Exception as exc:
+            self.add(
+                "model",
+                name,
+                "model.factory",
+                f"{_call(name, in_shape, num_outputs, params)} {_raised(exc)}",
+            )
+            return
+        if not isinstance(model, torch.nn.Module):
+            self.add(
+                "model",
+                name,
+                "model.factory",
+                f"returned a {type(model).__name__}, not an nn.Module",
+            )
+            return
+        tdtype = getattr(torch, dtype)
+        model = model.to(dtype=tdtype)
+        for layer in deq.deq_layers(model):
+            if not isinstance(layer.cell, torch.nn.Module):
+                self.add("model", name, "model.cell", f"cell is a {type(layer.cell).__name__}")
+                return
+        # inits of the suite, each once on this model
+        for c in cells:
+            iname, iparams = c.init_params()
+            if not self.once(("init", id(model), iname, _key(iparams))):
+                continue
+            try:
+                with torch.random.fork_rng(devices=[]), torch.no_grad():
+                    out = inits.get(iname)(model, seed=0, **iparams)
+            except ConfigError as exc:
+                self.add("init", iname, "init.call", f"on model '{name}': {exc}", c.id)
+                continue
+            except Exception as exc:
+                self.add("init", iname, "init.call", f"on model '{name}': {_raised(exc)}", c.id)
+                continue
+            if out is not None:
+                self.add("init", iname, "init.call", f"returned a {type(out).__name__}, not None")
+        is_deq = deq.is_deq(model)
+        # the structure and the declared compatibility, per cell
+        for c in cells:
+            self._compat(c, model, is_deq)
+        # one forward pass per forward solver (f-evaluations capped)
+        forward_done = False
+        for c in cells:
+            sname = c.solver["name"]
+            if is_deq and not self._solver_ok.get(sname, True):
+                continue
+            if is_deq and not self._structure_ok(c, model, sname):
+                continue
+            skey = _key(c.solver) if is_deq else ""
+            if not self.once(("forward", id(model), skey)):
+                continue
+            if not is_deq and forward_done:
+                continue
+            self._forward(c, model, name, in_shape, num_outputs, tdtype, is_deq)
+            forward_done = True
+
+    def _declaration(self, name: str) -> None:
+        """The declared solvers and backward modes exist, and include the declared defaults."""
+        from .. import models
+        from ..core.deq import BACKWARD_MODES
+        from ..core.registry import solvers
+
+        compat, decl = models.compatibility(name), models.defaults(name)
+        for sname in compat["solvers"] or ():
+            if sname not in solvers:
+                self.add("model", name, "model.declared", f"declares unknown solver '{sname}'")
+        for mode in compat["backward_modes"] or ():
+            if mode not in BACKWARD_MODES:
+                self.add(
+                    "model",
+                    name,
+                    "model.declared",
+                    f"declares unknown backward mode '{mode}' (modes: {', '.join(BACKWARD_MODES)})",
+                )
+        own = compat["solvers"]
+        if own:
+            bw = decl.get("backward", {})
+            for role, sname in (
+                ("default solver", decl.get("solver", {}).get("name")),
+                ("default adjoint solver", bw.get("solver") if bw.get("name") == "ift" else None),
+            ):
+                if sname is not None and sname not in own:
+                    self.add(
+                        "model",
+                        name,
+                        "model.declared",
+                        f"its {role} '{sname}' is not among its declared solvers "
+                        f"({', '.join(own)})",
+                    )
+
+    def _factory_signature(self, name: str, fn: Any) -> bool:
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return True
+        ps = sig.parameters
+        if any(p.kind is p.VAR_KEYWORD for p in ps.values()):
+            return True
+        missing = [
+            k
+            for k in ("in_shape", "num_outputs")
+            if k not in ps or ps[k].kind not in (ps[k].POSITIONAL_OR_KEYWORD, ps[k].KEYWORD_ONLY)
+        ]
+        if missing:
+            self.add(
+                "model",
+                name,
+                "model.factory",
+                f"does not accept {' and '.join(missing)} as keyword (its signature is "
+                f"{name}{sig}); a model factory is fn(in_shape, num_outputs, **params) and the "
+                "runner fills both from the dataset",
+            )
+            return False
+        return True
+
+    def _structure_ok(self, c: Any, model: Any, solver_name: str) -> bool:
+        from ..core import deq
+        from ..core.registry import solvers
+
+        proto = structure_of(solvers.get(solver_name))
+        return proto is None or all(isinstance(la.cell, proto) for la in deq.deq_layers(model))
+
+    def _compat(self, c: Any, model: Any, is_deq: bool) -> None:
+        from .. import models
+        from ..core import deq
+        from ..core.registry import solvers
+
+        name = c.model["name"]
+        used = [("forward solver", c.solver["name"])]
+        if c.backward.get("name") == "ift":
+            used.append(("adjoint solver", c.backward.get("solver", "fixed_point")))
+        if is_deq:
+            for role, sname in used:
+                proto = structure_of(solvers.get(sname))
+                if proto is None:
+                    continue
+                for layer in deq.deq_layers(model):
+                    if isinstance(layer.cell, proto):
+                        continue
+                    lacks = ", ".join(missing_members(layer.cell, proto)) or "its members"
+                    self.add(
+                        "model",
+                        name,
+                        "structure.cell",
+                        f"the {role} '{sname}' needs cells implementing {proto.__name__} "
+                        f"(deqbench.contracts); cell {type(layer.cell).__name__} lacks {lacks}: "
+                        "use a generic solver (fixed_point, anderson, broyden) or implement it",
+                        c.id,
+                    )
+                    break
+        compat = models.compatibility(name)
+        allowed = compat.get("solvers")
+        if allowed:  # [] (own equilibrium): the suite's solver does not reach the model
+            for role, sname in used:
+                if sname not in allowed:
+                    self.add(
+                        "model",
+                        name,
+                        "model.declared",
+                        f"the {role} '{sname}' is not among the solvers the model declares "
+                        f"({', '.join(allowed)})",
+                        c.id,
+                    )
+        modes = compat.get("backward_modes")
+        bname = c.backward.get("name")
+        if modes is not None and bname not in modes and allowed != []:
+            self.add(
+                "model",
+                name,
+                "model.declared",
+                f"backward mode '{bname}' is not among the modes the model declares "
+                f"({', '.join(modes) or 'none'})",
+                c.id,
+            )
+
+    def _forward(
+        self,
+        c: Any,
+        model: Any,
+        name: str,
+        in_shape: tuple[int, ...],
+        num_outputs: int,
+        dtype: Any,
+        is_deq: bool,
+    ) -> None:
+        import torch
+
+        from ..core import deq
+
+        if is_deq:
+            scfg = c.solver_config()
+            scfg = replace(scfg, max_iter=min(int(scfg.max_iter), FORWARD_STEPS))
+            try:
+                deq.configure(model, scfg, c.backward_config())
+            except Exception as exc:
+                self.add("model", name, "model.forward", f"configuring: {_raised(exc)}", c.id)
+                return
+        g = torch.Generator().manual_seed(0)
+        x = torch.rand(2, *in_shape, generator=g).to(dtype)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                out = model(x)
+        except Exception as exc:
+            with_solver = f" with solver '{c.solver['name']}'" if is_deq else ""
+            self.add(
+                "model",
+                name,
+                "model.forward",
+                f"forward pass on a batch of 2{with_solver}: {_raised(exc)}",
+                c.id if is_deq else "",
+            )
+            return
+        if not isinstance(out, torch.Tensor):
+            self.add(
+                "model",
+                name,
+                "model.forward",
+                f"model(x) returned a {type(out).__name__}, not a tensor",
+            )
+        elif out.dim() == 0 or out.shape[0] != 2 or out[0].numel() != num_outputs:
+            self.add(
+                "model",
+                name,
+                "model.forward",
+                f"model(x) for x of shape {(2, *in_shape)} returned shape {tuple(out.shape)}; "
+                f"expected 2 rows of num_outputs={num_outputs} values",
+            )
+
+
+def _key(d: Any) -> str:
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+def _call(name: str, in_shape: Any, num_outputs: int, params: dict[str, Any]) -> str:
+    args = [f"in_shape={tuple(in_shape)}", f"num_outputs={num_outputs}"]
+    args += [f"{k}={v!r}" for k, v in params.items()]
+    return f"{name}({', '.join(args)})"
+
+
+def check_suite(suite: Any) -> list[Violation]:
+    """The contract violations of the models, inits and solvers ``suite`` names (see the
+    module docstring)."""
+    return check_all([suite])
+
+
+def check_all(suites: Iterable[Any]) -> list[Violation]:
+    """:func:`check_suite` over several suites (a collection), each spec checked once."""
+    import torch
+
+    checks = _Checks()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny problems: one thread is fastest, and never oversubscribed
+    try:
+        for suite in suites:
+            # solvers first: a broken solver is not used in the models' forward passes
+            for c in suite.cells:
+                checks.solver(c.solver["name"], c.solver_config().options, adjoint=False)
+                if c.backward.get("name") == "ift":
+                    bcfg = c.backward_config()
+                    checks.solver(bcfg.solver, bcfg.options, adjoint=True)
+            groups: dict[Any, list[Any]] = {}
+            for c in suite.cells:
+                shape = data_shape(*c.data_params())
+                if shape is None:
+                    continue
+                key = (_key(c.model), shape, suite.dtype)
+                groups.setdefault(key, []).append(c)
+            for (_, shape, dtype), cells in groups.items():
+                checks.model(cells, shape, dtype)
+    finally:
+        torch.set_num_threads(threads)
+    return checks.violations
+
+
+def check_suites(suites: Iterable[Any]) -> None:
+    """Raise a :class:`~deqbench.errors.PluginError` with one line per violation (exit 2 in the
+    CLI), or return when every contract holds."""
+    violations = check_all(suites)
+    if violations:
+        raise PluginError("\n".join(v.line() for v in violations))

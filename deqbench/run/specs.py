@@ -1,0 +1,392 @@
+"""Per-section schemas of a cell and the checks that resolve names against the registries.
+
+Sections: ``model``/``init``/``data`` are ``{name, **params}`` (params checked against the
+factory's signature); ``solver`` is :class:`~deqbench.deq.SolverConfig`'s fields plus solver
+options (checked against the solver's ``OPTIONS`` where it declares them); ``backward`` is
+:class:`~deqbench.deq.BackwardConfig`'s fields plus adjoint solver options; ``train`` is
+:class:`~deqbench.run.train.TrainConfig` (unknown keys forbidden); ``runtime`` is
+:class:`~deqbench.deq.Runtime` (unknown keys forbidden; a ``compile`` backend name is checked
+against ``torch._dynamo.list_backends``). The schemas are generated from those dataclasses so
+defaults live in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable, Iterable
+from functools import lru_cache
+from typing import Annotated, Any, Literal, get_type_hints
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+)
+
+from ..core.errors import DeqbenchError
+from .matrix import SECTIONS, Draft
+from .yamlio import Locator, did_you_mean, pydantic_lines
+
+RESERVED_MODEL_KWARGS = ("in_shape", "num_outputs")
+
+
+def _from_dataclass(
+    name: str, dc: type, extra: Literal["allow", "forbid"], override: dict[str, Any]
+) -> type[BaseModel]:
+    hints = get_type_hints(dc)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(dc):
+        if f.name == "options":
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = ...
+        fields[f.name] = (override.get(f.name, hints[f.name]), default)
+    return create_model(name, __config__=ConfigDict(extra=extra), **fields)  # type: ignore[call-overload,no-any-return]
+
+
+@lru_cache(maxsize=1)
+def specs() -> dict[str, type[BaseModel]]:
+    """Section -> pydantic model."""
+    from ..core.deq import AMP_MODES, GRAPH_MODES, BackwardConfig, Runtime, SolverConfig
+    from .train import TrainConfig
+
+    pos = Annotated[int, Field(gt=0)]
+    nonneg = Annotated[int, Field(ge=0)]
+    posf = Annotated[float, Field(gt=0)]
+    stop = Literal["rel", "abs"]
+    allow = ConfigDict(extra="allow")
+    return {
+        "model": create_model("ModelSpec", __config__=allow, name=(str, ...)),
+        "init": create_model("InitSpec", __config__=allow, name=(str, "default")),
+        "data": create_model("DataSpec", __config__=allow, name=(str, ...)),
+        "solver": _from_dataclass(
+            "SolverSpec", SolverConfig, "allow", {"max_iter": pos, "tol": posf, "stop_mode": stop}
+        ),
+        "backward": _from_dataclass(
+            "BackwardSpec",
+            BackwardConfig,
+            "allow",
+            {
+                "max_iter": pos,
+                "tol": posf,
+                "stop_mode": stop,
+                "k": pos,
+                "refine": nonneg,
+                "tau": Annotated[float, Field(gt=0, le=1)],
+                "b_init": Literal["grad", "zeros"],
+                "second_order": Literal["implicit", "refine"],
+            },
+        ),
+        "train": _from_dataclass(
+            "TrainSpec",
+            TrainConfig,
+            "forbid",
+            {
+                "epochs": nonneg,
+                "batch_size": pos,
+                "eval_batch_size": pos,
+                "optimizer": Literal["adam", "adamw", "sgd"],
+                "schedule": Literal["step", "multistep", "cosine", "none"] | None,
+                "lr": Annotated[float, Field(ge=0)],
+                "max_steps": pos | None,
+                "grad_clip": posf | None,
+                "step_size": pos,
+            },
+        ),
+        "runtime": _from_dataclass(
+            "RuntimeSpec",
+            Runtime,
+            "forbid",
+            {
+                # YAML 1.1 reads an unquoted off/on as false/true
+                "cuda_graph": Annotated[
+                    Literal[GRAPH_MODES],  # type: ignore[valid-type]
+                    BeforeValidator(lambda v: {False: "off", True: "auto"}.get(v, v)),
+                ],
+                "amp": Literal[AMP_MODES],  # type: ignore[valid-type]
+                "compile": Annotated[bool | str, BeforeValidator(_compile_value)],
+                "compile_mode": Literal[COMPILE_MODES] | None,  # type: ignore[valid-type]
+            },
+        ),
+    }
+
+
+def _compile_value(v: Any) -> Any:
+    if isinstance(v, bool) or (isinstance(v, str) and v):
+        return v
+    raise ValueError(f"expected true, false or a torch.compile backend name (got {v!r})")
+
+
+#: ``torch.compile``'s modes (``runtime.compile_mode``)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def runtime_defaults() -> dict[str, Any]:
+    """The ``runtime`` section's defaults (key -> value), e.g. ``amp: none``."""
+    return {k: f.default for k, f in specs()["runtime"].model_fields.items()}
+
+
+def compile_backends() -> list[str]:
+    """The ``torch.compile`` backends this torch knows (``runtime.compile``)."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def default_names() -> dict[str, str]:
+    """Section -> the name used when a suite sets none (``solver: anderson``, ``backward: ift``)."""
+    out = {}
+    for s, m in specs().items():
+        f = m.model_fields.get("name")
+        if f is not None and isinstance(f.default, str):
+            out[s] = f.default
+    return out
+
+
+def generic_fields() -> dict[str, set[str]]:
+    """Section -> declared fields, kept when a matrix axis changes the section's name."""
+    return {s: set(m.model_fields) for s, m in specs().items()}
+
+
+def to_dataclass(section: str, d: dict[str, Any]) -> Any:
+    """A validated ``solver``/``backward`` dict -> SolverConfig/BackwardConfig (extras -> options)."""
+    from ..core.deq import BackwardConfig, SolverConfig
+
+    dc: Any = SolverConfig if section == "solver" else BackwardConfig
+    names = {f.name for f in dataclasses.fields(dc)} - {"options"}
+    return dc(
+        **{k: v for k, v in d.items() if k in names},
+        options={k: v for k, v in d.items() if k not in names},
+    )
+
+
+def solver_options(fn: Any) -> set[str] | None:
+    """The options a solver declares (``fn.OPTIONS`` or its module's ``OPTIONS``), else None."""
+    opts = getattr(fn, "OPTIONS", None)
+    if opts is None:
+        opts = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "OPTIONS", None)
+    return set(opts) if opts is not None else None
+
+
+class _Checker:
+    """Collects error lines for one cell; paths resolve through the draft's provenance."""
+
+    def __init__(self, draft: Draft, loc: Locator, errors: list[str]) -> None:
+        self.d, self.loc, self.errors = draft, loc, errors
+
+    def path(self, section: str, key: Any = None, rest: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+        src = self.d.src.get(section, {})
+        if key is not None and key in src:
+            return (*src[key], *rest)
+        return self.d.block.get(section, (section,))
+
+    def add(self, section: str, key: Any, msg: str, prefer_key: bool = False) -> None:
+        self.errors.append(self.loc.error(self.path(section, key), msg, prefer_key))
+
+    def lookup(self, section: str, key: str, registry: Any, name: str) -> Any:
+        try:
+            if name not in registry:
+                self.add(section, key, str(registry.unknown(name)))
+                return None
+            return registry.get(name)
+        except DeqbenchError as exc:
+            self.add(section, key, str(exc))
+            return None
+
+    def kwargs(
+        self,
+        section: str,
+        fn: Callable[..., Any] | None,
+        params: dict[str, Any],
+        what: str,
+        skip: tuple[str, ...] = (),
+        allowed: Iterable[str] | None = None,
+    ) -> None:
+        if fn is None:
+            return
+        if allowed is None:
+            try:
+                sig = inspect.signature(fn)
+            except (TypeError, ValueError):
+                return
+            if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+                return
+            allowed = [n for n in sig.parameters if n not in skip]
+        names = sorted(set(allowed) - set(RESERVED_MODEL_KWARGS if section == "model" else ()))
+        generic = sorted(specs()[section].model_fields)
+        for k in params:
+            if section == "model" and k in RESERVED_MODEL_KWARGS:
+                self.add(section, k, "is filled in from the dataset; remove it", True)
+            elif k not in names:
+                hint = did_you_mean(k, names + generic)
+                self.add(
+                    section,
+                    k,
+                    f"unknown key{hint}; {what} accepts: "
+                    f"{', '.join(names + [g for g in generic if g != 'name']) or 'nothing'}",
+                    True,
+                )
+
+
+def check_cell(draft: Draft, loc: Locator, errors: list[str], dtype: str = "float32"):
+    """Validate one expanded cell; append error lines; return its validated sections
+    (``{section: mapping}`` for every section, from which :mod:`deqbench.run.suite` builds the
+    :class:`~deqbench.run.suite.Cell`), or None when it has errors. ``dtype``: the suite's
+    (``runtime.amp: bf16`` needs float32)."""
+    from ..core.deq import BACKWARD_MODES
+    from ..core.registry import inits, models, solvers
+    from .data import DATASETS
+
+    ck = _Checker(draft, loc, errors)
+    n0 = len(errors)
+    values: dict[str, dict[str, Any]] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    for s in SECTIONS:
+        raw = draft.sections.get(s, {})
+        if s in ("model", "data") and "name" not in raw:
+            where = "data" if s == "data" else "defaults.model"
+            ck.add(s, None, f"no {s} name: set {where} or a matrix axis '{s}'")
+            continue
+        try:
+            m = specs()[s].model_validate(raw)
+        except ValidationError as exc:
+            fields = list(specs()[s].model_fields)
+
+            def to_path(w: tuple[Any, ...], s: str = s) -> tuple[Any, ...]:
+                known = w[0] in draft.src.get(s, {})
+                return ck.path(s, w[0], w[1:]) if known else (*ck.path(s), *w)
+
+            errors += pydantic_lines(exc, loc, to_path, fields)
+            continue
+        extras[s] = dict(m.model_extra or {})
+        values[s] = {**m.model_dump(exclude=set(extras[s])), **extras[s]}
+
+    if "model" in values:
+        name = values["model"]["name"]
+        ck.kwargs(
+            "model", ck.lookup("model", "name", models, name), extras["model"], f"model '{name}'"
+        )
+    if "init" in values:
+        name = values["init"]["name"]
+        fn = ck.lookup("init", "name", inits, name)
+        ck.kwargs("init", fn, extras["init"], f"init '{name}'", skip=("model", "seed"))
+    if "solver" in values:
+        name = values["solver"]["name"]
+        fn = ck.lookup("solver", "name", solvers, name)
+        if fn is not None and (opts := solver_options(fn)) is not None:
+            ck.kwargs("solver", fn, extras["solver"], f"solver '{name}'", allowed=opts)
+    if "backward" in values:
+        bw = values["backward"]
+        if bw["name"] not in BACKWARD_MODES:
+            ck.add(
+                "backward",
+                "name",
+                f"unknown backward mode '{bw['name']}'"
+                + did_you_mean(bw["name"], BACKWARD_MODES)
+                + f"; modes: {', '.join(BACKWARD_MODES)}",
+            )
+        fn = ck.lookup("backward", "solver", solvers, bw["solver"])
+        if fn is not None and (opts := solver_options(fn)) is not None:
+            ck.kwargs(
+                "backward", fn, extras["backward"], f"adjoint solver '{bw['solver']}'", allowed=opts
+            )
+    if "data" in values:
+        name = values["data"]["name"]
+        if name not in DATASETS:
+            ck.add(
+                "data",
+                "name",
+                f"unknown dataset '{name}'"
+                + did_you_mean(name, DATASETS)
+                + f"; datasets: {', '.join(sorted(DATASETS))}",
+            )
+        else:
+            ck.kwargs("data", DATASETS[name], extras["data"], f"dataset '{name}'")
+    if "runtime" in values:
+        _check_runtime(ck, values["runtime"], dtype)
+    if len(errors) > n0:
+        return None
+    return {s: values[s] for s in SECTIONS}
+
+
+def _check_runtime(ck: _Checker, rt: dict[str, Any], dtype: str) -> None:
+    """What the ``runtime`` schema cannot say alone: a known compile backend, a compile mode
+    only with compile, bf16 autocast only over float32."""
+    backend = rt["compile"]
+    if isinstance(backend, str):
+        names = compile_backends()
+        if backend not in names:
+            ck.add(
+                "runtime",
+                "compile",
+                f"unknown torch.compile backend '{backend}'{did_you_mean(backend, names)}; "
+                "use true (inductor), false or one of: "
+                + ", ".join(n for n in names if "TESTING" not in n and "minifier" not in n),
+            )
+    if rt["compile_mode"] is not None and rt["compile"] is False:
+        ck.add(
+            "runtime",
+            "compile_mode",
+            "is a torch.compile mode: set runtime.compile too (true or a backend)",
+        )
+    if rt["amp"] != "none" and dtype != "float32":
+        ck.add(
+            "runtime",
+            "amp",
+            f"{rt['amp']} autocast needs dtype float32 (the suite's dtype is {dtype}): "
+            "set dtype: float32 or runtime.amp: none",
+        )
+
+
+def check_analyses(
+    entries: list[Any], loc: Locator
+) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """Resolve ``analyses:`` entries (``name`` or ``{name: {params}}``); validate their Params."""
+    from ..core.registry import analyses as registry
+
+    out: list[tuple[str, dict[str, Any]]] = []
+    errors: list[str] = []
+    for i, e in enumerate(entries):
+        path: tuple[Any, ...] = ("analyses", i)
+        params: Any
+        if isinstance(e, str):
+            name, params = e, {}
+        elif isinstance(e, dict) and len(e) == 1:
+            name, params = next(iter(e.items()))
+            path = (*path, name)
+            params = {} if params is None else params
+            if not isinstance(params, dict):
+                errors.append(loc.error(path, "analysis params must be a mapping"))
+                continue
+        else:
+            errors.append(loc.error(path, "expected an analysis name or {name: {params}}"))
+            continue
+        if any(n == name for n, _ in out):
+            errors.append(loc.error(path, f"analysis '{name}' listed twice"))
+            continue
+        try:
+            if name not in registry:
+                errors.append(loc.error(path, str(registry.unknown(name))))
+                continue
+            cls = registry.get(name)
+        except DeqbenchError as exc:
+            errors.append(loc.error(path, str(exc)))
+            continue
+        P = getattr(cls, "Params", None)
+        if P is not None:
+            try:
+                P.model_validate(params)
+            except ValidationError as exc:
+                errors += pydantic_lines(exc, loc, path, list(P.model_fields))
+                continue
+        out.append((name, dict(params)))
+    return out, errors

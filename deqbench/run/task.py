@@ -1,0 +1,344 @@
+"""One (cell, seed) task: build, initialise, train with the analyses as callbacks, measure.
+
+:func:`run_task` is a plain top-level function of a picklable :class:`Task`, so any executor
+(inline, a process pool, Dask) can run it. It never writes ``results.csv``: it returns its rows
+and series in a :class:`TaskResult` and the coordinator (:mod:`deqbench.run.runner`) writes them.
+Failures never escape: NaN/inf and divergence (from :func:`deqbench.run.train.train`), CUDA
+out-of-memory and any exception become the task's status (``nan | diverged | oom | error``) with
+the reason in ``note``; rows measured before the failure are kept. Only KeyboardInterrupt
+propagates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..analyses.base import CellContext, Row
+from .results import CONVERGENCE, FLAGGED, RUNNER
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .suite import Cell, Suite
+
+
+@dataclass
+class Task:
+    """Everything one (cell, seed) needs; picklable."""
+
+    suite: Suite
+    cell: Cell
+    seed: int
+    device: str  # resolved: cpu | cuda | cuda:1 ...
+    run_id: str = ""
+    run_dir: str | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.cell.id, self.seed)
+
+
+@dataclass
+class TaskResult:
+    cell_id: str
+    seed: int
+    rows: list[dict[str, Any]]
+    status: str = "ok"
+    note: str = ""
+    traceback: str | None = None
+    wall_time: float = 0.0
+    series: dict[str, str] = field(default_factory=dict)  # file name -> CSV text
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "ok"
+
+
+class Listener(Protocol):
+    """Progress callbacks an executor may call (all optional for distributed executors)."""
+
+    def task_started(self, task: Task) -> None: ...
+
+    def epoch(self, task: Task, epoch: int) -> None: ...
+
+
+class _TaskContext(CellContext):
+    """Collects series in memory; the coordinator writes them under ``series/``."""
+
+    def write_series(self, name: str, df: Any) -> Path | None:
+        fname = f"{name}__{self.cell_id}__seed{self.seed}.csv"
+        self.extra.setdefault("_series", {})[fname] = df.to_csv(index=False)
+        return Path(self.run_dir) / "series" / fname if self.run_dir is not None else None
+
+
+_DATA_CACHE: dict[str, Any] = {}
+
+
+def _load_data(cell: Cell) -> tuple[Any, float | None]:
+    """Datasets are loaded once per process (on CPU, default dtype) and shared by its tasks.
+    Returns the data and the load time in seconds (None when it came from the cache)."""
+    from .data import load_data
+
+    name, params = cell.data_params()
+    key = json.dumps([name, params], sort_keys=True, default=str)
+    took = None
+    if key not in _DATA_CACHE:
+        t = time.perf_counter()
+        _DATA_CACHE[key] = load_data(name, **params)
+        took = time.perf_counter() - t
+    return _DATA_CACHE[key], took
+
+
+#: analysis name of the per-process start-up rows (``warmup_time``, ``data_load_time``)
+PROCESS = "process"
+#: device/dtype this process warmed up on -> the warm-up's seconds until a task reports them
+_WARMUP: dict[tuple[str, str], float | None] = {}
+
+
+def warm_up(device: str, dtype: Any) -> float | None:
+    """Pay the one-off costs of a process before its first timed task: imports and the
+    registries' built-ins, the device context (CUDA context, cuBLAS/cuDNN handles), the first
+    kernels of a DEQ forward/IFT backward (the first re-entrant ``autograd.grad`` costs extra) and
+    an evaluation pass. Returns the seconds it took, or None when this process already warmed
+    up on ``device``/``dtype``. The global RNG state is restored afterwards."""
+    import torch
+
+    key = (str(device), str(dtype))
+    if key in _WARMUP:
+        return None
+    _WARMUP[key] = None
+    t = time.perf_counter()
+    from ..core.registry import analyses, inits, models, solvers
+    from . import results  # noqa: F401  (imports are part of the start-up)
+
+    for reg in (models, solvers, inits, analyses):
+        reg.names()
+    rng = torch.get_rng_state()
+    try:
+        model = models.create("fc_deq_tiny", in_shape=(8,), num_outputs=3)
+        model = model.to(device=device, dtype=dtype)
+        x = torch.randn(4, 8, device=device, dtype=dtype, generator=None)
+        opt = torch.optim.Adam(model.parameters())  # the first optimizer imports torch._dynamo
+        model(x).square().sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model.eval()
+            model(x)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        torch.set_rng_state(rng)
+    _WARMUP[key] = took = time.perf_counter() - t
+    return took
+
+
+def take_warmup_time(device: str, dtype: Any) -> float | None:
+    """The seconds of this process's warm-up on ``device``/``dtype``, once: for the
+    ``warmup_time`` row of its first task (also when the warm-up ran before any task, at a Dask
+    worker's start); None afterwards."""
+    key = (str(device), str(dtype))
+    took = _WARMUP.get(key)
+    if took is not None:
+        _WARMUP[key] = None  # reported; the key stays: this process is warm
+    return took
+
+
+def apply_numeric_flags(suite: Any) -> None:
+    """Set the suite's torch numeric flags: ``tf32`` (matmul and cuDNN TF32),
+    ``cudnn_benchmark`` and ``deterministic`` (``torch.use_deterministic_algorithms`` with
+    ``warn_only``, ``cudnn.deterministic``, and cuBLAS's deterministic workspace
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless the environment sets one; it takes effect where
+    cuBLAS was not used yet in the process, so set it for the whole run). Unset flags stay at
+    PyTorch's defaults (matmul TF32 off, cuDNN TF32 on, benchmark off, nondeterministic
+    algorithms allowed). ``run.json`` records the flags in effect."""
+    flags = suite.numeric_flags() if hasattr(suite, "numeric_flags") else {}
+    if not flags:
+        return
+    import torch
+
+    if "tf32" in flags:
+        torch.backends.cuda.matmul.allow_tf32 = flags["tf32"]
+        torch.backends.cudnn.allow_tf32 = flags["tf32"]
+    if "cudnn_benchmark" in flags:
+        torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    if "deterministic" in flags:
+        on = flags["deterministic"]
+        if on:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(on, warn_only=True)
+        torch.backends.cudnn.deterministic = on
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+#: the solver/backward columns of a model the suite's solver does not reach
+NOT_APPLICABLE = "n/a"
+
+
+def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
+    """Run one (cell, seed) and return its rows (with the runner status row last)."""
+    import torch
+
+    from ..core import deq
+    from ..core.registry import analyses as analysis_registry
+    from ..core.registry import inits, models
+    from .train import train
+
+    t0 = time.perf_counter()
+    cell, suite = task.cell, task.suite
+    rows: list[dict[str, Any]] = []
+    status, note, tb = "ok", "", None
+    ctx: CellContext | None = None
+    flags: list[str] = []  # why the measurement is not trustworthy (status "flagged")
+    names: dict[int, str] = {}
+    base = {
+        "run_id": task.run_id,
+        "cell_id": cell.id,
+        "model": cell.model["name"],
+        "solver": cell.solver["name"],
+        "backward": cell.backward.get("name", ""),
+        "init": cell.init["name"],
+        "seed": task.seed,
+    }
+
+    def add(analysis: str, r: Row) -> None:
+        rows.append({**base, "analysis": analysis, "variant": r.variant, "metric": r.metric,
+                     "step": r.step, "repeat": r.repeat, "value": r.value, "unit": r.unit,
+                     "status": r.status, "note": r.note})  # fmt: skip
+
+    def emit(analysis: Any, produced: Any) -> None:
+        for r in produced or ():
+            add(names[id(analysis)], r if isinstance(r, Row) else Row(**r))
+
+    if listener is not None:
+        listener.task_started(task)
+    try:
+        if suite.threads:
+            torch.set_num_threads(suite.threads)
+        apply_numeric_flags(suite)
+        dtype = getattr(torch, suite.dtype)
+        # one-off start-up (per process) and data loading (per process and dataset) are
+        # recorded on their own rows and kept out of the task's wall_time
+        warm_up(task.device, dtype)
+        warm = take_warmup_time(task.device, dtype)
+        if warm is not None:
+            add(
+                PROCESS,
+                Row("warmup_time", warm, unit="s", note="once per process; not in wall_time"),
+            )
+        cpu_data, load_time = _load_data(cell)
+        if load_time is not None:
+            add(PROCESS, Row("data_load_time", load_time, unit="s",
+                             note="once per process and dataset; not in wall_time"))  # fmt: skip
+        t0 = time.perf_counter()
+        seed_everything(task.seed)
+        data = cpu_data.to(task.device, dtype)
+        mname, mparams = cell.model_params()
+        model = models.create(
+            mname, in_shape=data.in_shape, num_outputs=data.num_outputs, **mparams
+        )
+        model = model.to(device=task.device, dtype=dtype)
+        iname, iparams = cell.init_params()
+        inits.get(iname)(model, seed=task.seed, **iparams)
+        if deq.is_deq(model):
+            deq.configure(model, cell.solver_config(), cell.backward_config())
+        runtime = cell.runtime_config()
+        deq.set_runtime(model, runtime)  # every DEQ layer: compile, autocast, CUDA graphs
+        from ..models import computes_own_equilibrium
+
+        if computes_own_equilibrium(mname):
+            # a wrapped model that computes its own equilibrium (declared solvers=()): the
+            # suite's solver and backward mode do not reach it and the columns say so; the cell
+            # id stays as it is (--resume, compare)
+            base.update(solver=NOT_APPLICABLE, backward=NOT_APPLICABLE)
+            for r in rows:
+                r.update(solver=NOT_APPLICABLE, backward=NOT_APPLICABLE)
+        instances = []
+        for name, params in suite.analyses:
+            instances.append(analysis_registry.get(name)(params))
+            names[id(instances[-1])] = name  # rows carry the registered name
+        ctx = _TaskContext(
+            model,
+            data,
+            torch.device(task.device),
+            dtype,
+            task.seed,
+            cell.id,
+            cell.as_dict(),
+            Path(task.run_dir) if task.run_dir else None,
+        )
+        for a in instances:
+            emit(a, a.before_training(ctx))
+        cfg = cell.train_config()
+        if cfg.epochs > 0 or any(getattr(a, "needs_training", True) for a in instances):
+
+            def progress(epoch: int, step: int) -> None:
+                if listener is not None:
+                    listener.epoch(task, epoch)
+
+            res = train(
+                model,
+                data,
+                cfg,
+                ctx=ctx,
+                callbacks=instances,
+                emit=emit,
+                seed=task.seed,
+                progress=progress,
+                runtime=runtime,
+            )
+            status, note = res.status, res.note
+            for tally in (res.forward, res.adjoint):
+                if tally.batches:  # share of training batches whose solve missed tolerance
+                    add(CONVERGENCE, Row(f"{tally.kind}_unconverged_batches",
+                                    tally.missed / tally.batches, variant="train",
+                                    unit="fraction", status=FLAGGED if tally.flagged else "ok",
+                                    note=tally.note() if tally.missed else ""))  # fmt: skip
+        if status == "ok":
+            for a in instances:
+                emit(a, a.after_training(ctx))
+    except KeyboardInterrupt:
+        raise
+    except torch.cuda.OutOfMemoryError as exc:
+        status, note, tb = "oom", _one_line(exc), traceback.format_exc()
+        torch.cuda.empty_cache()
+    except Exception as exc:
+        status, note, tb = "error", _one_line(exc), traceback.format_exc()
+    if status == "ok":
+        flags += [
+            r["note"] if r["analysis"] == CONVERGENCE else f"{r['analysis']}: {r['note']}"
+            for r in rows
+            if r["status"] == FLAGGED
+        ]
+        # an analysis measurement that failed outright (error, oom, nan) leaves the cell's
+        # training intact but the measurement missing: never "ok"
+        flags += [
+            f"{r['analysis']}: {r['metric']} not measured ({r['status']}"
+            + (f": {r['note']})" if r["note"] else ")")
+            for r in rows
+            if r["status"] in ("error", "oom", "nan", "diverged") and r["analysis"] != PROCESS
+        ]
+        if flags:
+            status, note = FLAGGED, "; ".join(dict.fromkeys(flags))
+    wall = time.perf_counter() - t0
+    add(RUNNER, Row("wall_time", wall, unit="s", status=status, note=note))
+    series = ctx.extra.get("_series", {}) if ctx is not None else {}
+    return TaskResult(cell.id, task.seed, rows, status, note, tb, wall, series)

@@ -1,0 +1,269 @@
+"""YAML reading with source positions, for ``FILE:LINE:COL: dotted.path: message`` errors.
+
+PyYAML's safe loader follows YAML 1.1, where ``1e-4`` is a *string*; suites are written by
+people who mean a float, so :class:`Loader` also resolves exponent floats without a dot.
+:func:`read_yaml` returns the data together with a :class:`Locator` that maps a path such as
+``("defaults", "solver", "max_iters")`` to the line and column of that key or value.
+
+Example:
+    >>> data, loc = read_yaml_text("a:\\n  b: 1e-4\\n", "x.yaml")
+    >>> data["a"]["b"], loc.where(("a", "b"))
+    (0.0001, 'x.yaml:2:6')
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..core.errors import ConfigError
+
+Path_ = tuple[Any, ...]
+
+
+class Loader(yaml.SafeLoader):
+    """Safe loader that also reads ``1e-4`` / ``5E3`` as floats (YAML 1.2 behaviour)."""
+
+
+Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_scalar(text: str) -> Any:
+    """A command-line value as YAML would read it (``1`` int, ``1e-3`` float, ``[0, 1]`` list)."""
+    try:
+        return yaml.load(text, Loader=Loader)  # noqa: S506 - Loader is a SafeLoader
+    except yaml.YAMLError:
+        return text
+
+
+def format_path(path: Sequence[Any]) -> str:
+    """``("analyses", 1, "spectral")`` -> ``analyses[1].spectral``."""
+    out = ""
+    for p in path:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out
+
+
+class Locator:
+    """Maps YAML paths to ``file:line:col`` (1-based). Paths set on the command line are
+    reported by the option that set them (``overridden[path] = "--set a.b=1"``)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.key_marks: dict[Path_, tuple[int, int]] = {}
+        self.value_marks: dict[Path_, tuple[int, int]] = {}
+        self.overridden: dict[Path_, str] = {}
+
+    def _find(self, path: Path_, prefer_key: bool) -> tuple[Path_, tuple[int, int] | None]:
+        p = tuple(path)
+        for n in range(len(p), 0, -1):
+            if p[:n] in self.overridden:  # the whole subtree came from the command line
+                return p[:n], None
+        first, second = (
+            (self.key_marks, self.value_marks) if prefer_key else (self.value_marks, self.key_marks)
+        )
+        while p:
+            mark = first.get(p) or second.get(p)
+            if mark is not None:
+                return p, mark
+            p = p[:-1]
+        return p, None
+
+    def where(self, path: Sequence[Any], prefer_key: bool = False) -> str:
+        """``file:line:col`` of ``path`` (or of its closest ancestor present in the file)."""
+        p, mark = self._find(tuple(path), prefer_key)
+        if p in self.overridden:
+            return self.overridden[p]
+        if mark is None:
+            return self.source
+        return f"{self.source}:{mark[0]}:{mark[1]}"
+
+    def error(self, path: Sequence[Any], message: str, prefer_key: bool = False) -> str:
+        """One error line ``WHERE: dotted.path: message``."""
+        dotted = format_path(path)
+        head = self.where(path, prefer_key)
+        if head.startswith("--") and not head.startswith("--set "):
+            return f"{head}: {message}"  # a command-line option: its name says where
+        return f"{head}: {dotted}: {message}" if dotted else f"{head}: {message}"
+
+    # -- building ---------------------------------------------------------------------------
+    def _walk(self, node: yaml.Node, path: Path_, dups: list[str]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for k, v in node.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else str(k.value)
+                sub = (*path, key)
+                if key in seen:
+                    m = k.start_mark
+                    dups.append(
+                        f"{self.source}:{m.line + 1}:{m.column + 1}: {format_path(sub)}: duplicate key"
+                    )
+                seen.add(key)
+                self.key_marks[sub] = (k.start_mark.line + 1, k.start_mark.column + 1)
+                self.value_marks[sub] = (v.start_mark.line + 1, v.start_mark.column + 1)
+                self._walk(v, sub, dups)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                sub = (*path, i)
+                self.value_marks[sub] = (item.start_mark.line + 1, item.start_mark.column + 1)
+                self._walk(item, sub, dups)
+
+
+def read_yaml_text(text: str, source: str) -> tuple[Any, Locator]:
+    """Parse ``text``; raise :class:`ConfigError` with ``source:line:col`` on invalid YAML."""
+    loc = Locator(source)
+    try:
+        node = yaml.compose(text, Loader=Loader)  # noqa: S506
+        data = yaml.load(text, Loader=Loader)  # noqa: S506
+    except yaml.MarkedYAMLError as exc:
+        m = exc.problem_mark or exc.context_mark
+        where = f"{source}:{m.line + 1}:{m.column + 1}" if m is not None else source
+        what = exc.problem or exc.context or "cannot parse"
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    if node is not None:
+        dups: list[str] = []
+        loc._walk(node, (), dups)
+        if dups:
+            raise ConfigError("\n".join(dups))
+    return data, loc
+
+
+def read_yaml(path: str | Path) -> tuple[Any, Locator]:
+    """Read a YAML file; a missing or unreadable file is a one-line :class:`ConfigError`."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{path}: no such file")
+    if p.is_dir():
+        raise ConfigError(f"{path}: is a directory, expected a suite YAML file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    return read_yaml_text(text, str(path))
+
+
+def did_you_mean(key: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(str(key), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def pydantic_lines(
+    exc: Any,
+    loc: Locator,
+    to_path: Callable[[tuple[Any, ...]], tuple[Any, ...]] | tuple[Any, ...],
+    allowed: Callable[[tuple[Any, ...]], Iterable[str]] | Iterable[str],
+) -> list[str]:
+    """One located line per error of a pydantic ``ValidationError``.
+
+    Args:
+        to_path: maps an error's ``loc`` to the YAML path it came from, or a path prefix.
+        allowed: the keys allowed (or a function of the location), for "did you mean".
+    """
+    lines = []
+    unions: dict[tuple[Any, ...], list[str]] = {}  # path -> messages of a union's members
+    for e in exc.errors():
+        where = tuple(e["loc"])
+        # a union's members add a type tag to the location (``output.int``,
+        # ``output.literal['sum','scalar','full']``): one line per field, no pydantic internals
+        while where and isinstance(where[-1], str) and _TYPE_TAG.match(where[-1]):
+            where = where[:-1]
+            e = {**e, "_union": True}
+        path = to_path(where) if callable(to_path) else (*to_path, *where)
+        if e.get("_union"):
+            msg = _message(e)
+            if path not in unions:
+                unions[path] = []
+                lines.append(path)  # placeholder, filled below
+            unions[path].append(msg)
+            continue
+        if e["type"] == "extra_forbidden":
+            keys = allowed(where[:-1]) if callable(allowed) else allowed
+            hint = did_you_mean(str(where[-1]), keys)
+            lines.append(loc.error(path, "unknown key" + hint, True))
+        elif e["type"] == "missing":
+            lines.append(loc.error(path, "missing required key"))
+        else:
+            lines.append(loc.error(path, _message(e)))
+    out = []
+    for item in lines:
+        if isinstance(item, tuple):
+            got = ""
+            msgs = []
+            for m in unions[item]:
+                m, _, g = m.partition(" (got ")
+                got = got or (f" (got {g}" if g else "")
+                m = m.split(", unable to")[0]
+                msgs.append(m[len("Input should be ") :] if m.startswith("Input should be ") else m)
+            out.append(loc.error(item, "expected " + " or ".join(dict.fromkeys(msgs)) + got))
+        else:
+            out.append(item)
+    return out
+
+
+_TYPE_TAG = re.compile(
+    r"^(int|float|str|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*)$"
+)
+
+
+def _message(e: dict[str, Any]) -> str:
+    """pydantic's message without its "Value error, " prefix, with the value given once."""
+    msg = str(e["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix) :]
+    got = e.get("input")
+    if isinstance(got, str | int | float | bool) and repr(got) not in msg and str(got) not in msg:
+        msg += f" (got {got!r})"
+    return msg
+
+
+def apply_overrides(
+    raw: dict[str, Any],
+    overrides: Iterable[str],
+    loc: Locator,
+    named: Iterable[str] = (),
+    aliases: Mapping[str, Sequence[str]] | None = None,
+) -> None:
+    """Apply ``KEY=VALUE`` overrides with dotted keys to ``raw`` (values parsed as YAML) and
+    record them in ``loc``. ``matrix.solver.tol=[...]`` keeps the dot in the axis name; a string
+    value of a ``named`` section becomes ``{name: value}`` before a key is set inside it.
+    ``aliases`` maps a first key to the path it is short for (``runtime`` ->
+    ``defaults.runtime``)."""
+    named = set(named)
+    aliases = aliases or {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item}: expected KEY=VALUE (e.g. defaults.train.epochs=1)")
+        parts: list[Any] = key.split(".")
+        if parts[0] in aliases:
+            parts = [*aliases[parts[0]], *parts[1:]]
+        if parts[0] == "matrix" and len(parts) > 2:
+            parts = ["matrix", ".".join(parts[1:])]
+        cur: Any = raw
+        for p in parts[:-1]:
+            nxt = cur.get(p)
+            if isinstance(nxt, str) and p in named:
+                nxt = {"name": nxt}
+            if not isinstance(nxt, dict):
+                nxt = {}
+            cur[p] = nxt
+            cur = nxt
+        cur[parts[-1]] = parse_scalar(text)
+        loc.overridden[tuple(parts)] = f"--set {item}"

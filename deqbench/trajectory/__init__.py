@@ -1,0 +1,1 @@
+"""Trajectory family: the ``trajectory`` analysis (``analysis``) and its plots (``plots``)."""

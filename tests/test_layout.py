@@ -1,0 +1,298 @@
+"""The package layout (issue 19): no import circles inside deqbench, the pinned public API, and
+each analysis family's analysis, plots and CLI verb in its own folder.
+
+The import graph is read from the source with ``ast``: every ``import`` / ``from ... import`` of a
+deqbench module, at module level *and* inside functions (a function-level import that only hides
+a circle is still a circle), except under ``if TYPE_CHECKING:``. Relative imports are resolved;
+importing ``deqbench.a.b`` also imports the package ``deqbench.a`` (its ``__init__``), unless the
+importer lives inside it. Strings given to ``importlib.import_module`` (registries loading their
+built-ins, the CLI finding its verbs) are not edges: they name what to load, not what a module
+needs.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import deqbench
+
+ROOT = Path(deqbench.__file__).parent
+
+#: intra-package imports allowed to close a circle, with the reason (lazy imports of optional or
+#: heavy dependencies only). Keep it empty: there is none today.
+ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        parts = list(p.relative_to(ROOT.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        out[".".join(parts)] = (p, is_pkg)
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """``{module: {imported module: line}}`` over every module of deqbench."""
+    mods = _modules()
+
+    def known(name: str) -> str | None:  # the longest prefix that is a module
+        parts = name.split(".")
+        while parts:
+            if ".".join(parts) in mods:
+                return ".".join(parts)
+            parts.pop()
+        return None
+
+    graph: dict[str, dict[str, int]] = {}
+    for mod, (path, is_pkg) in mods.items():
+        package = mod if is_pkg else mod.rpartition(".")[0]
+        edges: dict[str, int] = {}
+
+        def add(target: str | None, line: int, mod: str = mod, edges: dict = edges) -> None:
+            if target is None or target == mod:
+                return
+            edges.setdefault(target, line)
+            parts = target.split(".")
+            for i in range(1, len(parts)):  # the packages above it run their __init__
+                parent = ".".join(parts[:i])
+                if parent != mod and not mod.startswith(parent + "."):
+                    edges.setdefault(parent, line)
+
+        def visit(node: ast.AST, package: str = package, add=add) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and _is_type_checking(child):
+                    for stmt in child.orelse:
+                        visit(ast.Module(body=[stmt], type_ignores=[]))
+                    continue
+                if isinstance(child, ast.Import):
+                    for a in child.names:
+                        if a.name.split(".")[0] == "deqbench":
+                            add(known(a.name), child.lineno)
+                elif isinstance(child, ast.ImportFrom):
+                    if child.level:
+                        base = package.split(".")
+                        if child.level > 1:
+                            base = base[: -(child.level - 1)]
+                        source = ".".join(base + ([child.module] if child.module else []))
+                    else:
+                        source = child.module or ""
+                    if source.split(".")[0] != "deqbench":
+                        continue
+                    for a in child.names:
+                        sub = f"{source}.{a.name}"
+                        add(sub if sub in mods else known(source), child.lineno)
+                else:
+                    visit(child)
+
+        visit(ast.parse(path.read_text(), str(path)))
+        graph[mod] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, {}):
+            if (v, w) in ALLOWED:
+                continue
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_the_graph_sees_imports_inside_functions_and_packages():
+    g = import_graph()
+    # module level, relative, through a package
+    assert "deqbench.core.deq" in g["deqbench.run.train"]
+    assert "deqbench.core" in g["deqbench.run.train"]
+    # inside a function
+    assert "deqbench.run.evaluation" in g["deqbench.analyses.base"]
+    # `from .. import plots` is an import of the module deqbench.run.plots
+    assert "deqbench.run.plots" in g["deqbench.ntk.analysis"]
+
+
+def test_no_import_circles_in_the_package():
+    g = import_graph()
+    cycles = find_cycles(g)
+    lines = []
+    for comp in cycles:
+        lines.append("circle: " + ", ".join(comp))
+        for a in comp:
+            for b, line in g[a].items():
+                if b in comp:
+                    lines.append(f"    {a} -> {b} (line {line})")
+    assert not cycles, "\n".join(lines)
+
+
+def test_the_allow_list_names_real_imports():
+    g = import_graph()
+    for a, b in ALLOWED:
+        assert b in g.get(a, {}), f"stale allow-list entry {a} -> {b}"
+
+
+# -- the public API (issue 19): everything else is private ----------------------------------------
+
+PUBLIC = {
+    "deqbench": [
+        "__version__",
+        "load_suite",
+        "load_suites",
+        "run_suite",
+        "load_results",
+        "models",
+        "solvers",
+        "inits",
+        "analyses",
+        "spectral",
+        "kernels",
+        "klr",
+        "landscape",
+        "hessian",
+        "ntk",
+    ],
+    "deqbench.models": ["create", "names", "get", "origin", "register", "declare_defaults"],
+    "deqbench.solvers": ["get", "names", "register"],
+    "deqbench.inits": ["get", "names", "register"],
+    "deqbench.analyses": ["get", "names", "register"],
+    "deqbench.analyses.base": ["Analysis", "CellContext", "EpochInfo", "Row", "StepInfo"],
+    "deqbench.solvers.base": ["SolverStats", "make_stats", "residuals"],
+    "deqbench.deq": [
+        "DEQLayer",
+        "DEQModel",
+        "SolverConfig",
+        "BackwardConfig",
+        "Runtime",
+        "configure",
+        "set_runtime",
+        "deq_layers",
+        "is_deq",
+        "last_stats",
+        "direct_solves",
+    ],
+    "deqbench.contracts": ["CLAUSES", "MonotoneCell", "SplittingOps", "reference_markdown"],
+    "deqbench.errors": ["DeqbenchError", "ConfigError", "PluginError", "UnknownNameError"],
+    "deqbench.ntk": ["empirical_ntk", "ntk_summary"],
+    "deqbench.spectral": ["conv_spectral_norm", "jacobian_spectral_radius"],
+    "deqbench.klr": ["fit_klr"],
+    "deqbench.kernels": ["make_kernel"],
+    "deqbench.landscape": ["landscape"],
+    "deqbench.hessian": ["HVPOperator", "lanczos", "hutchinson_trace"],
+    "deqbench.outcomes": ["summarize", "check"],
+    "deqbench.cli": ["app", "main"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_public_api_imports(module):
+    mod = importlib.import_module(module)
+    for name in PUBLIC[module]:
+        assert getattr(mod, name) is not None, f"{module}.{name}"
+
+
+def test_public_api_calls():
+    import deqbench
+
+    assert "fc_deq_tiny" in deqbench.models.names()
+    assert callable(deqbench.solvers.get("anderson"))
+    assert "spectral" in deqbench.inits.names()
+    assert set(deqbench.__all__) == set(PUBLIC["deqbench"])
+
+
+def test_entry_points():
+    script = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == "deqbench"]
+    assert script and script[0].value == "deqbench.cli:main"
+    from deqbench import analyses, inits, models, solvers
+
+    groups = {m.registry.group for m in (models, solvers, inits, analyses)}
+    assert groups == {"deqbench.models", "deqbench.solvers", "deqbench.inits", "deqbench.analyses"}
+
+
+# -- one folder per analysis family ----------------------------------------------------------------
+
+NOT_FAMILIES = {"analyses", "core", "run", "cli", "models", "solvers", "inits", "outcomes"}
+
+
+def _family(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_builtin_analyses_live_in_their_family_package():
+    from deqbench import analyses
+
+    for name in analyses.names():
+        if not analyses.registry.entry(name).is_builtin:
+            continue
+        family = _family(analyses.get(name).__module__)
+        assert family not in NOT_FAMILIES, f"analysis {name} lives in deqbench.{family}"
+
+
+#: the run report: every training run records ``metrics`` and ``solver_stats``, and
+#: :mod:`deqbench.run.plots` draws their figures (training curves, solver iterations, residual
+#: traces) for every run, beside the shared plot helpers they are built from
+RUN_REPORT = {"metrics", "solver_stats"}
+
+
+def test_plots_live_beside_their_analysis():
+    from deqbench import analyses
+    from deqbench.run import plots
+
+    analyses.names()  # loads the built-ins, which register their plots
+    for name in plots.names():
+        fn = plots.get(name)
+        if name in RUN_REPORT:
+            assert fn.__module__ == "deqbench.run.plots", name
+        elif name in analyses.names() and analyses.registry.entry(name).is_builtin:
+            assert _family(fn.__module__) == _family(analyses.get(name).__module__), name
+
+
+@pytest.mark.parametrize("verb", ["landscape", "hessian", "ntk"])
+def test_cli_verbs_live_in_their_family_package(verb):
+    from deqbench.cli import app
+
+    callbacks = {
+        (c.name or c.callback.__name__): c.callback
+        for c in app.registered_commands
+        if c.callback is not None
+    }
+    assert callbacks[verb].__module__ == f"deqbench.{verb}.cli"
