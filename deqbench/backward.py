@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 
 
 def param_items(layer: DEQLayer) -> tuple[list[str], list[Tensor]]:
-    names, params = [], []
+    names: list[str] = []
+    params: list[Tensor] = []
     for n, p in layer.cell.named_parameters():
         if p.requires_grad:
             names.append(n)
@@ -329,7 +330,7 @@ def direct_solves(model: nn.Module) -> Iterator[list[DirectSolver]]:
     layers = list(deq_layers(model))
     made = [DirectSolver() for _ in layers]
     for layer, ds in zip(layers, made):
-        layer.direct_solver = ds
+        layer.__dict__["direct_solver"] = ds  # a plain attribute (read through __dict__)
     try:
         yield made
     finally:

@@ -221,6 +221,11 @@ class DEQLayer(nn.Module):
     configured backward mode attaches gradients; under ``no_grad`` it only solves.
     """
 
+    # set through __dict__ in __init__ (not submodules), declared for type checkers
+    _compiled: Any
+    _static_maps: dict[tuple, CellMap]
+    _no_graph: dict[tuple, str]
+
     def __init__(
         self,
         cell: nn.Module,
