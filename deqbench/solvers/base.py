@@ -431,31 +431,27 @@ class Tracker:
         dev, rdtype = self.trace.device, self.trace.dtype
         if bufs is None:
             bufs = {
-                # per step of a chunk (a replayed graph makes up to GRAPH_STEPS_MAX): the trace
-                # rows and their batch summaries, at positions fixed when the graph is captured
-                "rows": torch.zeros(GRAPH_STEPS_MAX, 4, self.B, dtype=rdtype, device=dev),
+                "trace": self.trace,
+                "row": torch.empty(4, self.B, dtype=rdtype, device=dev),
                 "st": torch.zeros(GRAPH_STEPS_MAX, 4, dtype=rdtype, device=dev),
                 "low": torch.empty(self.B, dtype=rdtype, device=dev),
+                "k": torch.empty(1, dtype=torch.long, device=dev),
                 "nf": torch.empty(self.B, dtype=rdtype, device=dev),
                 "best": torch.empty_like(z0, memory_format=torch.contiguous_format),
             }
         bufs["low"].fill_(math.inf)
+        bufs["k"].zero_()
         bufs["best"].copy_(z0)
         self.device_mode = True
-        self.dev_rows, self.dev_st, self.dev_low = bufs["rows"], bufs["st"], bufs["low"]
-        self.dev_nf, self.best_z = bufs["nf"], bufs["best"]
-        self.dev_j = 0  # the step in its chunk: the row the next device_record writes
+        self.trace = bufs["trace"]
+        self.dev_row, self.dev_st, self.dev_low = bufs["row"], bufs["st"], bufs["low"]
+        self.dev_k, self.dev_nf, self.best_z = bufs["k"], bufs["nf"], bufs["best"]
+        self.dev_j = 0  # row of dev_st the next device_record writes (the step in its chunk)
         return bufs
 
     def device_record(self, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
-        """:meth:`record` with static buffers only (capturable); call :meth:`commit` after.
-
-        About a dozen small kernels per step (they are what a captured step costs beside f):
-        the row is written in place at the step's fixed position in the chunk (copied into
-        the trace once per chunk by :meth:`commit`), and ``res - lowest`` (row 3), which the
-        eager path uses to skip masked selects, is not formed: the lowest iterate is kept on
-        the device, and :meth:`finish` finds each sample's lowest step from the trace."""
-        row, best, st = self.dev_rows[self.dev_j], self.best_z, self.dev_st[self.dev_j]
+        """:meth:`record` with static buffers only (capturable); call :meth:`commit` after."""
+        row, best, st = self.dev_row, self.best_z, self.dev_st[self.dev_j]
         assert best is not None
         batch_norm(fz - z if d is None else d, out=row[0])
         batch_norm(fz, out=self.dev_nf)
@@ -466,16 +462,18 @@ class Tracker:
             torch.where(better.view(self.bshape), z, best, out=best)
             torch.fmin(res, self.dev_low, out=row[2])
             self.dev_low.copy_(row[2])
-            torch.amax(row[:3], dim=1, out=st[:3])
+            torch.sub(res, row[2], out=row[3])
+            torch.amax(row, dim=1, out=st)
         else:
             best.copy_(z)
             torch.amax(row[:2], dim=1, out=st[:2])
+        self.trace.index_copy_(0, self.dev_k, row.unsqueeze(0))
+        self.dev_k.add_(1)
 
     def commit(self, steps: int = 1) -> None:
         """Host side of ``steps`` steps made by :meth:`device_record` (eagerly or by one graph
         replay): one asynchronous copy of their summaries and one event."""
         k = self.k
-        self.trace[k : k + steps].copy_(self.dev_rows[:steps])
         if self.cuda:
             self.hstats[k : k + steps].copy_(self.dev_st[:steps], non_blocking=True)
             ev = torch.cuda.Event()
@@ -539,8 +537,7 @@ class Tracker:
             cur_abs = row[0]
             cur = row[self.sel]
             if self.lowest and j > 0:
-                # device mode forms no row 3: finish() then finds the lowest steps
-                best, allbetter = row[2], (row[3] <= 0 and not self.device_mode)
+                best, allbetter = row[2], row[3] <= 0
             else:
                 best, allbetter = (row[2] if self.lowest else cur), True
             self.cur_hist.append(cur)
@@ -585,6 +582,8 @@ class Tracker:
         assert self.best_z is not None, "finish() before record()"
         k = self.k
         trace = self.trace[:k]
+        if self.device_mode:  # static buffers, reused by the next solve of a cached graph
+            trace = trace.clone()
         dev = trace.device
         if self.lowest and not self.last_allbetter:
             # the step each sample's returned iterate comes from: the last that matched the
