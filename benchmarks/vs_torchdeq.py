@@ -950,35 +950,50 @@ def plots(out: Path, solvers: list[dict], steps: list[dict]) -> None:
         r for r in solvers if r["library"] == "deqbench" and r["amp"] == "none" and r["tol"] in TOLS
     ]
     if dq:
-        fig = new_figure(7.0, 3.8)
-        ax = fig.axes[0]
-        labels, ratios, colors = [], [], []
-        for r in dq:
-            o = by.get((r["cell"], r["amp"], r["tol"], "eager", "torchdeq_" + r["pair"]))
-            labels.append(f"{r['cell']} {r['tol']:.0e}\n{r['pair']} {r['variant']}")
-            ratios.append(r["time_ms"] / o["time_ms"] if o is not None else math.nan)
-            colors.append("tab:blue" if r["variant"] == "eager" else "tab:orange")
-        if not all(math.isnan(x) for x in ratios):
-            ax.bar(range(len(ratios)), ratios, color=colors)
-            for i, r in enumerate(dq):
-                ax.hlines(TIME_TARGET[r["pair"]], i - 0.4, i + 0.4, colors="tab:red")
+        # one group per (cell, tol, solver): the eager bar beside the default-path bar
+        groups = list(dict.fromkeys((r["cell"], r["tol"], r["pair"]) for r in dq))
+        labels = [f"{c} {t:.0e}\n{p}" for c, t, p in groups]
+        variants = (("eager", "tab:blue"), ("default", "tab:orange"))
+
+        def grouped(ax, value, target, ylabel: str, title: str, fname: str) -> None:
+            w = 0.38
+            for j, (var, color) in enumerate(variants):
+                xs, ys = [], []
+                for i, g in enumerate(groups):
+                    r = by.get((g[0], "none", g[1], var, g[2]))
+                    if r is not None:
+                        xs.append(i + (j - 0.5) * w)
+                        ys.append(value(r))
+                ax.bar(xs, ys, width=w, color=color, label=f"deqbench {var}")
+            drawn = False
+            for i, g in enumerate(groups):
+                t = target(g)
+                if t is not None:
+                    ax.hlines(t, i - 0.45, i + 0.45, colors="tab:red",
+                              label=None if drawn else "target")  # fmt: skip
+                    drawn = True
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-            ax.set_xticks(range(len(labels)), labels, fontsize=5)
-            ax.set_ylabel("time to tolerance, deqbench / TorchDEQ")
-            ax.set_title("solver time ratio (blue eager, orange default; red: issue-6 target)")
-            save_figure(fig, out / "solver_ratio.png")
-        fig = new_figure(7.0, 3.8)
-        ax = fig.axes[0]
-        ax.bar(range(len(dq)), [r["overhead_to_tol"] for r in dq], color=colors)
-        for i, r in enumerate(dq):
-            tgt = OVERHEAD_TARGET.get(r["cell"], {}).get(r["pair"])
-            if tgt is not None and r["variant"] == "default":
-                ax.hlines(tgt, i - 0.4, i + 0.4, colors="tab:red")
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xticks(range(len(labels)), labels, fontsize=5)
-        ax.set_ylabel("time / (nstep_to_tol x t_f)")
-        ax.set_title("overhead (blue eager, orange default; red: issue-17 target)")
-        save_figure(fig, out / "solver_overhead.png")
+            ax.set_xticks(range(len(groups)), labels, fontsize=7, rotation=45, ha="right")
+            ax.set_ylabel(ylabel)
+            ax.set_title(title, fontsize=9)
+            ax.legend(fontsize=7, loc="upper left")
+            save_figure(ax.figure, out / fname)
+
+        def vs_torchdeq(r: dict) -> float:
+            o = by.get((r["cell"], r["amp"], r["tol"], "eager", "torchdeq_" + r["pair"]))
+            return r["time_ms"] / o["time_ms"] if o is not None else math.nan
+
+        if any(by.get((c, "none", t, "eager", "torchdeq_" + p)) for c, t, p in groups):
+            fig = new_figure(8.0, 4.2)
+            grouped(fig.axes[0], vs_torchdeq, lambda g: TIME_TARGET[g[2]],
+                    "time to tolerance, deqbench / TorchDEQ",
+                    "time ratio to TorchDEQ (float32; red: issue-6 target)", "solver_ratio.png")  # fmt: skip
+        fig = new_figure(8.0, 4.2)
+        grouped(fig.axes[0], lambda r: r["overhead_to_tol"],
+                lambda g: OVERHEAD_TARGET.get(g[0], {}).get(g[2]),
+                "time / (f-evals to tol x t_f)",
+                "solver overhead (float32; red: issue-17 target for the default path)",
+                "solver_overhead.png")  # fmt: skip
     steps = [r for r in steps if not r.get("error")]
     if steps:
         fig = new_figure(4.5, 3.6, ncols=2)

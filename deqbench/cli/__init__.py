@@ -311,7 +311,8 @@ def run(
             check_suites(suites)
         from ..run.executors import open_executor
 
-        code, summaries = 0, []
+        summaries: list[Any] = []  # RunSummary of each part
+        code = 0
         for i, s in enumerate(suites):
             if len(suites) > 1:
                 err_console().print(f"[bold]{i + 1}/{len(suites)}[/bold] suite {esc(s.name)}")

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 
 def param_items(layer: DEQLayer) -> tuple[list[str], list[Tensor]]:
-    names, params = [], []
+    names: list[str] = []
+    params: list[Tensor] = []
     for n, p in layer.cell.named_parameters():
         if p.requires_grad:
             names.append(n)

@@ -223,6 +223,11 @@ class DEQLayer(nn.Module):
     configured backward mode attaches gradients; under ``no_grad`` it only solves.
     """
 
+    # set through __dict__ in __init__ (not submodules), declared for type checkers
+    _compiled: Any
+    _static_maps: dict[tuple, CellMap]
+    _no_graph: dict[tuple, str]
+
     def __init__(
         self,
         cell: nn.Module,
@@ -454,7 +459,7 @@ def direct_solves(model: nn.Module) -> Iterator[list[DirectSolver]]:
     layers = list(deq_layers(model))
     made = [DirectSolver() for _ in layers]
     for layer, ds in zip(layers, made):
-        layer.direct_solver = ds
+        layer.__dict__["direct_solver"] = ds  # a plain attribute (read through __dict__)
     try:
         yield made
     finally:

@@ -17,10 +17,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from .deq import Runtime, deq_layers
 
@@ -63,24 +61,14 @@ def runtime_note(paths: Any, runtime: Runtime) -> str:
     return ", ".join(parts)
 
 
-#: ``runtime.amp`` -> the autocast dtype
-AMP_DTYPES = {"bf16": torch.bfloat16}
-
-
-@contextlib.contextmanager
-def autocast(runtime: Runtime | None, device: Any) -> Iterator[None]:
-    """The autocast of ``runtime.amp`` around a whole model forward (nothing for ``None`` or
-    ``amp: none``), with autocast's weight cache off: the forward solves that a DEQ layer
-    captures as CUDA graphs inside this block must not read cast weights from the cache, which
-    is freed when the block ends (a later replay would read freed memory). The layers' own
-    autocast (:meth:`Runtime.autocast <deqbench.deq.Runtime.autocast>`, per f-evaluation)
-    inherits the setting."""
-    if runtime is None or runtime.amp == "none":
-        yield
-        return
-    dev = torch.device(device).type
-    with torch.autocast(device_type=dev, dtype=AMP_DTYPES[runtime.amp], cache_enabled=False):
-        yield
+def autocast(runtime: Runtime | None, device: Any) -> contextlib.AbstractContextManager:
+    """The autocast of ``runtime.amp`` around a whole model forward (a null context for
+    ``None`` or ``amp: none``): :meth:`Runtime.autocast <deqbench.deq.Runtime.autocast>`, whose
+    weight cache is off, since forward solves that a DEQ layer captures as CUDA graphs inside
+    the block must not read cast weights that the cache frees when the block ends."""
+    if runtime is None:
+        return contextlib.nullcontext()
+    return runtime.autocast(device)
 
 
 def for_loss(out: Any, runtime: Runtime | None) -> Any:

@@ -442,11 +442,11 @@ class Hessian(Analysis):
                 lim = p.eig_tol * max(
                     scale, abs(eig.lambda_min) if math.isfinite(eig.lambda_min) else 0.0
                 )
-                bad = {i for i, r in enumerate(eig.residuals) if not r <= lim}
-                if bad:
-                    r0 = max(eig.residuals[i] for i in bad)
+                loose = {i for i, r in enumerate(eig.residuals) if not r <= lim}
+                if loose:
+                    r0 = max(eig.residuals[i] for i in loose)
                     flag.extend(
-                        r for r in est_rows if r.metric == "top_eigenvalue" and r.repeat in bad
+                        r for r in est_rows if r.metric == "top_eigenvalue" and r.repeat in loose
                     )
                     causes.append(
                         f"Lanczos did not converge (Ritz residual {r0:.1e} > {lim:.1e} after "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -16,7 +18,7 @@ def cell_weights(model: nn.Module) -> list[nn.Parameter]:
 
     cells = [layer.cell for layer in deq_layers(model)]
     if not cells and hasattr(model, "cell"):
-        cells = [model.cell]
+        cells = [cast(nn.Module, model.cell)]
     return [p for c in cells for n, p in own(c) if p.dim() > 1]
 
 

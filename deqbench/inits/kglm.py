@@ -157,7 +157,7 @@ def _check(init: str, **values: float | None) -> None:
             raise ConfigError(f"{init}: {name} must be {bound}, got {v}")
 
 
-def _copy(lin: nn.Module | None, value: Tensor) -> None:
+def _copy(lin: nn.Linear | None, value: Tensor) -> None:
     if lin is None:
         return
     with torch.no_grad():

@@ -145,7 +145,7 @@ class KLRAgreement(Analysis):
     name = "klr_agreement"
     version = "1"
     needs_training = False
-    params: Any
+    params: Params  # narrowed for type checkers
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -153,7 +153,7 @@ class KLRAgreement(Analysis):
         lambda_factor: float = Field(2.0, gt=0)
         newton_steps: int = Field(10, ge=1)
         dtypes: list[Literal["float32", "float64"]] = Field(
-            default_factory=lambda: ["float32", "float64"]
+            default_factory=lambda: list[Literal["float32", "float64"]](["float32", "float64"])
         )
         split: Literal["test", "train", "all"] = "all"
         max_images: int | None = Field(None, ge=1)
@@ -276,7 +276,7 @@ class KGLMInitCost(Analysis):
     name = "kglm_init_cost"
     version = "1"
     needs_training = False
-    params: Any
+    params: Params  # narrowed for type checkers
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -259,6 +259,7 @@ class Landscape(Analysis):
         cached = getattr(self, "_dirs", None)
         if cached is not None:
             return cached
+        assert p.directions is not None  # called with a directions file only
         dirs = ls.load_directions(p.directions)
         if dirs.ndim < p.dims:
             raise ConfigError(

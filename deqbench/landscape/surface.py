@@ -465,11 +465,11 @@ def evaluate_grid(
     vmap_used, vmap_note = False, ""
     saved_cfg = [layer.solver_cfg for layer in layers]
     if max_iter is not None or tol is not None:
+        budget: dict[str, Any] = {
+            k: v for k, v in (("max_iter", max_iter), ("tol", tol)) if v is not None
+        }
         for layer in layers:
-            layer.solver_cfg = dataclasses.replace(
-                layer.solver_cfg,
-                **{k: v for k, v in (("max_iter", max_iter), ("tol", tol)) if v is not None},
-            )
+            layer.solver_cfg = dataclasses.replace(layer.solver_cfg, **budget)
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), ws_ or contextlib.nullcontext():
@@ -561,7 +561,9 @@ def landscape(
     """
     if isinstance(directions, (str, Path)):
         directions = load_directions(directions)
-    explicit = {k: v for k, v in (("norm", norm), ("include_1d", include_1d)) if v is not None}
+    explicit: dict[str, Any] = {
+        k: v for k, v in (("norm", norm), ("include_1d", include_1d)) if v is not None
+    }
     if directions is None:
         directions = random_directions(
             model, dims, seed=seed, norm=norm or "filter", include_1d=bool(include_1d)

@@ -7,6 +7,8 @@ average pool -> linear head.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from ..core.deq import DEQLayer, DEQModel
@@ -68,7 +70,7 @@ class ConvDEQ(DEQModel):
 #: unconstrained (its spectral radius exceeds 1 early in training: plain iteration hit max_iter
 #: on most adjoints, REFERENCE.md 3.2), so Anderson (m = 5) on the forward and on the adjoint,
 #: with budgets that leave room for the stiffer cells later in training.
-DEFAULTS = dict(
+DEFAULTS: dict[str, Any] = dict(
     solver={"name": "anderson", "max_iter": 100, "tol": 1e-3, "m": 5},
     backward={"name": "ift", "solver": "anderson", "max_iter": 100, "tol": 1e-4},
     init="default",

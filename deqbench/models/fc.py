@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from ..core.deq import DEQLayer, DEQModel
@@ -48,7 +50,7 @@ class FCDEQ(DEQModel):
 #: linear problem, where it behaves like GMRES; 0 misses), tighter than the forward since its
 #: error enters the gradient. Init: spectral, ||W||_2 = 0.5 (a contraction at init; PyTorch's
 #: default uniform init gives ||W||_2 ~ 1.15, from which Broyden still missed 1-5 batches).
-DEFAULTS = dict(
+DEFAULTS: dict[str, Any] = dict(
     solver={"name": "broyden", "max_iter": 100, "tol": 1e-4},
     backward={"name": "ift", "solver": "anderson", "max_iter": 100, "tol": 1e-5},
     init={"name": "spectral", "target": 0.5},

@@ -225,7 +225,7 @@ class KGLMConvDEQ(_SkipReadoutDEQ):
 #: -1, where plain iteration stalls or oscillates, and training can push them past -1 (the
 #: naive and random inits start there). Anderson (m = 5) on the forward and the adjoint. The
 #: papers' suites set plain iteration explicitly where they reproduce it.
-DEFAULTS = dict(
+DEFAULTS: dict[str, Any] = dict(
     solver={"name": "anderson", "max_iter": 100, "tol": 1e-4, "m": 5},
     backward={"name": "ift", "solver": "anderson", "max_iter": 100, "tol": 1e-5},
     init="kglm_informed",

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,8 @@ def _kernel_fft(k: Tensor, n: int) -> Tensor:
 class MonConvCell(nn.Module):
     """One circular-conv tier: relu_border((1 - m) z - g^2 A^T A z + B z - B^T z + u)."""
 
+    interior: Tensor  # buffer
+
     def __init__(self, channels: int, size: int, m: float = 1.0, kernel: int = 3) -> None:
         super().__init__()
         self.m = _margin(m)
@@ -219,7 +222,7 @@ class _MonDEQBase(DEQModel):
     def spectral_quantities(self) -> dict[str, float]:
         """lambda_max((W + W^T)/2) (must be <= 1 - m), ||I - W||_2, the FB step bound
         2m/||I - W||^2 and the monotonicity margin (1 - m) - lambda_max."""
-        cell = self.deq.cell
+        cell = cast("MonFCCell | MonConvCell", self.deq.cell)
         lam = cell.monotonicity()
         L = cell.lipschitz()
         return {
@@ -287,7 +290,7 @@ class MonDEQConv(_MonDEQBase):
 #: forward and on the adjoint's linear system (papers: monDEQ). The monotone parameterisation
 #: I - W >= m I makes the splitting converge for every alpha > 0, but not plain iteration: the
 #: cell's Jacobian can have spectral radius > 1, so neither forward nor adjoint uses it.
-DEFAULTS = dict(
+DEFAULTS: dict[str, Any] = dict(
     solver={"name": "peaceman_rachford", "max_iter": 300, "tol": 1e-4, "alpha": 1.0},
     backward={
         "name": "ift",

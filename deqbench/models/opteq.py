@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -394,7 +394,7 @@ class OptEqCell(nn.Module):
 
     def refresh(self) -> None:
         for unit in self.units:
-            unit.maybe_refresh()
+            cast(OptEqUnit, unit).maybe_refresh()
 
     def _single(self) -> OptEqUnit:
         if len(self.units) != 1 or self.regularizer is not None:
@@ -402,7 +402,7 @@ class OptEqCell(nn.Module):
                 "the convex objective G is defined for one OptEq unit without a regulariser "
                 "(deep OptEq: papers/003 Theorem 2 adds a permutation term)"
             )
-        return self.units[0]
+        return cast(OptEqUnit, self.units[0])
 
     def objective(self, z: Tensor, u: Tensor) -> Tensor:
         return self._single().objective(z, u)
@@ -450,7 +450,7 @@ class OptEqModel(DEQModel):
             raise ConfigError(f"opteq: widths must be positive, got state={state}, hidden={hidden}")
         if conv:
             c_in, h, w = as_image_shape(in_shape)
-            self.in_shape = (c_in, h, w)
+            self.in_shape: tuple[int, ...] = (c_in, h, w)
             self.spatial = (h, w)
             if extractor:
                 self.extractor: nn.Module = nn.Sequential(
@@ -462,7 +462,7 @@ class OptEqModel(DEQModel):
             else:
                 self.extractor = nn.Identity()
                 c_x = c_in
-            self.U = nn.Conv2d(c_x, sum(hidden), kernel, padding=kernel // 2)
+            self.U: nn.Module = nn.Conv2d(c_x, sum(hidden), kernel, padding=kernel // 2)
             units: list[OptEqUnit] = [
                 OptEqConvUnit(
                     self.state,
@@ -477,7 +477,7 @@ class OptEqModel(DEQModel):
                 for n in hidden
             ]
             k = min(pool, h, w)
-            self.pool = nn.AdaptiveAvgPool2d(k)
+            self.pool: nn.Module = nn.AdaptiveAvgPool2d(k)
             self.head = nn.Linear(self.state * k * k, num_outputs)
         else:
             self.in_shape = tuple(int(s) for s in in_shape)
@@ -493,7 +493,8 @@ class OptEqModel(DEQModel):
 
     @property
     def units(self) -> list[OptEqUnit]:
-        return list(self.deq.cell.units)
+        cell = cast(OptEqCell, self.deq.cell)
+        return cast("list[OptEqUnit]", list(cell.units))  # a ModuleList of OptEqUnits
 
     def inject(self, x: Tensor) -> Tensor:
         if self.conv:
@@ -509,11 +510,11 @@ class OptEqModel(DEQModel):
         return self.head(self.pool(z).flatten(1))
 
     def forward(self, x: Tensor) -> Tensor:
-        self.deq.cell.refresh()
+        cast(OptEqCell, self.deq.cell).refresh()
         return super().forward(x)
 
     def equilibrium(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        self.deq.cell.refresh()
+        cast(OptEqCell, self.deq.cell).refresh()
         return super().equilibrium(x)
 
     def weight_norms(self) -> list[float]:
@@ -563,7 +564,7 @@ _COMMON_DOC = """
 #: plain iteration converges on the forward and on the adjoint (J^T has the same bound). The
 #: rate is slow near gamma = 1 (about 0.85 per step at alpha = 0.8, gamma = 0.9), hence the
 #: budget of 200.
-DEFAULTS = dict(
+DEFAULTS: dict[str, Any] = dict(
     solver={"name": "fixed_point", "max_iter": 200, "tol": 1e-4},
     backward={"name": "ift", "solver": "fixed_point", "max_iter": 200, "tol": 1e-5},
     init="default",
@@ -777,7 +778,7 @@ def opteq_deep_conv(
     in_shape=(3, 32, 32),
     num_outputs: int = 10,
     width: int = 32,
-    hidden: int | list[int] | None = (16, 32, 64, 128, 128),
+    hidden: int | Sequence[int] | None = (16, 32, 64, 128, 128),
     depth: int = 5,
     alpha: float = 0.8,
     gamma: float = 0.9,
@@ -816,7 +817,7 @@ def opteq_deep_conv_tiny(
     in_shape=(1, 8, 8),
     num_outputs: int = 10,
     width: int = 8,
-    hidden: int | list[int] | None = (4, 8),
+    hidden: int | Sequence[int] | None = (4, 8),
     depth: int = 2,
     alpha: float = 0.8,
     gamma: float = 0.9,

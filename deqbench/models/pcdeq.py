@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -147,11 +148,13 @@ class _PCBase(DEQModel):
     def spectral_quantities(self) -> dict[str, float]:
         """sigma_max of each pcDEQ layer's W, keyed ``sigma_max/layer<i>``, plus the max."""
         layers = self.pc_layers()
-        vals = [layer.cell.sigma_max() for layer in layers]
+        vals = [cast(PCCell, layer.cell).sigma_max() for layer in layers]
         out = {f"sigma_max/layer{i}": v for i, v in enumerate(vals)}
         out["sigma_max/max"] = max(vals)
         with torch.no_grad():
-            out["weight_min"] = min(float(layer.cell.weight().min()) for layer in layers)
+            out["weight_min"] = min(
+                float(cast(PCCell, layer.cell).weight().min()) for layer in layers
+            )
         return out
 
     def describe(self) -> str:
@@ -263,7 +266,7 @@ class PCDEQConv(_PCBase):
     @property
     def deq(self) -> DEQLayer:  # type: ignore[override]
         """The first pcDEQ layer (generic analyses use it; see :meth:`pc_layers` for all)."""
-        return self.stages[0].deq
+        return cast(_Stage, self.stages[0]).deq
 
     def _input(self, x: Tensor) -> Tensor:
         x = x.view(x.shape[0], *self.in_shape)
@@ -275,7 +278,7 @@ class PCDEQConv(_PCBase):
         return x
 
     def inject(self, x: Tensor) -> Tensor:
-        return self.stages[0].inject(self._input(x))
+        return cast(_Stage, self.stages[0]).inject(self._input(x))
 
     def _stages_and_head(self, h: Tensor, start: int) -> Tensor:
         """Stages ``start``, ``start + 1``, ... then AvgPool and the linear head."""
@@ -285,7 +288,7 @@ class PCDEQConv(_PCBase):
 
     def readout(self, z: Tensor) -> Tensor:
         """Everything after the first layer's equilibrium (the remaining stages and the head)."""
-        return self._stages_and_head(self.stages[0].finish(z), 1)
+        return self._stages_and_head(cast(_Stage, self.stages[0]).finish(z), 1)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._stages_and_head(self._input(x), 0)
@@ -305,7 +308,7 @@ def _conv(in_shape, num_outputs, channels, variant, activation, nonneg, pool, re
 #: max 200, forward and adjoint. A positive concave map has a unique fixed point that plain
 #: iteration reaches from any start (papers/002), and its Jacobian at that point has spectral
 #: radius < 1, so plain iteration also solves the adjoint (started from the incoming gradient).
-DEFAULTS = dict(
+DEFAULTS: dict[str, Any] = dict(
     solver={"name": "fixed_point", "max_iter": 200, "tol": 1e-4},
     backward={"name": "ift", "solver": "fixed_point", "max_iter": 200, "tol": 1e-4},
     init="default",

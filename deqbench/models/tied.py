@@ -14,7 +14,7 @@ from .fc import FCDEQ
 class TiedRepeat(nn.Module):
     """Wraps a DEQ model's inject/cell/readout; forward applies the cell ``repeats`` times."""
 
-    def __init__(self, base: nn.Module, repeats: int) -> None:
+    def __init__(self, base: ConvDEQ | FCDEQ, repeats: int) -> None:
         super().__init__()
         if repeats < 1:
             from ..core.errors import ConfigError
@@ -48,7 +48,7 @@ def tied_repeat(
 ) -> TiedRepeat:
     """Weight-tied network of ``repeats`` applications of the ``cell`` ('conv' or 'fc')."""
     if cell == "conv":
-        base: nn.Module = ConvDEQ(in_shape, num_outputs, channels, inner)
+        base: ConvDEQ | FCDEQ = ConvDEQ(in_shape, num_outputs, channels, inner)
     elif cell == "fc":
         from ._common import numel
 

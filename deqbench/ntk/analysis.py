@@ -141,6 +141,8 @@ class NTK(Analysis):
         chunk_size: int | None = Field(None, ge=1)
         noise_c: float = Field(1.0, gt=0, description="constant of the noise floor c*eps*N*lmax")
 
+    params: Params  # narrowed for type checkers
+
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
         self._X: Any = None

@@ -423,6 +423,7 @@ def naive_ntk(
             fstats += [lay.last_forward_stats for lay in layers]
             if C is None:
                 idx, C = _cotangents(output, n, out.numel(), out)
+            assert idx is not None  # set at i == 0
             sel = (idx == i).nonzero().flatten().tolist()
             for k, r in enumerate(sel):
                 F = (out * C[r]).sum()

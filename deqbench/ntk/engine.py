@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -94,7 +94,8 @@ def standard_deq(model: nn.Module) -> bool:
 def _patched(layers: list[DEQLayer], fn: Any) -> Iterator[None]:
     """Route every call of each DEQ layer in ``layers`` to ``fn(layer, u, z0=None)``."""
     for lay in layers:
-        lay.forward = functools.partial(fn, lay)  # instance attribute shadows the method
+        # an instance attribute shadows the method (undone below)
+        lay.forward = functools.partial(fn, lay)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -119,10 +120,11 @@ class _Surrogate(nn.Module):
     def forward(self, x: Tensor, z: Any, w: Any, c: Tensor) -> Tensor:
         x = x.unsqueeze(0)
         if self.mode == "deq":
+            m = cast(DEQModel, self.m)  # mode "deq": a standard DEQModel
             z, w = z.unsqueeze(0), w.unsqueeze(0)
-            u = self.m.inject(x)
-            s = (w * self.m.deq.cell(z, u)).sum()
-            return s + (c * self.m.readout(z).reshape(-1)).sum()
+            u = m.inject(x)
+            s = (w * m.deq.cell(z, u)).sum()
+            return s + (c * m.readout(z).reshape(-1)).sum()
         if self.mode == "explicit":
             return (c * self.m(x).reshape(-1)).sum()
         terms: list[Tensor] = []
@@ -320,6 +322,7 @@ def prepare(
         info["eps"] = float(torch.finfo(out.dtype).eps)
         return NTKState(sur, params, xr, empty, empty, C, int(idx.numel()), info)
 
+    model = cast(DEQModel, model)  # standard_deq(model)
     layer: DEQLayer = model.deq
     fcfg, bcfg = _configs(layer, tol, max_iter)
     t = time.perf_counter()
@@ -334,7 +337,7 @@ def prepare(
     xr, zr, ur = (X[idx], z[idx], u[idx]) if full else (X, z, u)
     t = time.perf_counter()
     with torch.no_grad():
-        _, ro_vjp = vjp(model.readout, zr)
+        _, ro_vjp = vjp(model.readout, zr)  # type: ignore[misc]  # torch stub: 2- or 3-tuple
         g = ro_vjp(C.view(idx.numel(), *out.shape[1:]))[0].detach()
     w, bst = _adjoint(layer, zr, ur, g, bcfg, adjoint)
     info["time_adjoint_s"] = time.perf_counter() - t

@@ -3,7 +3,7 @@ fixed points, inputs and adjoints, never forming a Jacobian (REFERENCE.md sectio
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,7 @@ def gram_ntk(
     * mondeq_fc (W = (1-m) I - A^T A + B - B^T): the W term is replaced by the A and B terms,
       from dF/dA = -(A z) d^T - (A d) z^T and dF/dB = d z^T - z d^T.
     """
+    from ..core.deq import DEQModel
     from ..core.errors import ConfigError
     from ..models.fc import FCCell
 
@@ -45,6 +46,9 @@ def gram_ntk(
             f"ntk.method='gram' supports fc_deq and mondeq_fc models (dense cell, linear "
             f"injection and head); {type(model).__name__} is not one; use method='batched'"
         )
+    cell = cast("FCCell | MonFCCell", cell)  # as ok checked
+    model = cast(DEQModel, model)
+    U, head = cast(nn.Linear, U), cast(nn.Linear, head)
     st = prepare(model, X, output=output, tol=tol, max_iter=max_iter)
     f64 = torch.float64
 

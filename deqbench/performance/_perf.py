@@ -39,7 +39,7 @@ class PerfParams(BaseModel):
     repeats: int = Field(5, ge=1)
     warmup: int = Field(2, ge=0)
     #: measure before training (step 0), after training (step = epochs), or both
-    at: list[Phase] = Field(default_factory=lambda: ["trained"], min_length=1)
+    at: list[Phase] = Field(default_factory=lambda: list[Phase](["trained"]), min_length=1)
     #: peak memory in its own pass (GPU: max_memory_allocated; CPU: see memory_cpu)
     memory: bool = True
     #: on CPU, peak RSS of a fresh worker process per measurement (a process start each)
@@ -122,6 +122,8 @@ def measuring(params: PerfParams) -> Iterator[None]:
 class PerfAnalysis(Analysis):
     """Base of the performance analyses: ``_measure(ctx, phase)`` runs before training (phase
     ``init``) and/or after it (``trained``), as ``params.at`` says."""
+
+    params: PerfParams  # narrowed for type checkers
 
     def _measure(self, ctx: CellContext, phase: str) -> Iterator[Any]:
         raise NotImplementedError

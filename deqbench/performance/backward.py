@@ -177,7 +177,7 @@ class ModeSpec(BaseModel):
         return f"{self.wrapper}:{s}" if self.wrapper else s
 
 
-DEFAULT_MODES = [
+DEFAULT_MODES: list[dict[str, Any]] = [
     {"name": "ift", "tol": 1e-2},
     {"name": "ift", "tol": 1e-4},
     {"name": "ift", "tol": 1e-6},
@@ -444,7 +444,7 @@ class Backward(PerfAnalysis):
         #: forward iterations N of the memory-vs-iterations series (empty: no series)
         memory_series: list[int] = Field(default_factory=lambda: [5, 10, 20, 40])
         memory_series_modes: list[Literal["ift", "unrolled"]] = Field(
-            default_factory=lambda: ["ift", "unrolled"]
+            default_factory=lambda: list[Literal["ift", "unrolled"]](["ift", "unrolled"])
         )
 
         @model_validator(mode="after")
@@ -457,6 +457,8 @@ class Backward(PerfAnalysis):
             if a not in ("auto", "dense") and a not in solvers:
                 raise ValueError(f"ref_adjoint_solver: 'auto', 'dense' or {solvers.unknown(a)}")
             return self
+
+    params: Params  # narrowed for type checkers
 
     def _measure(self, ctx: CellContext, phase: str):
         from .. import models as model_registry

@@ -69,7 +69,7 @@ def plot_memory_vs_iterations(series: Any, df: Any = None) -> Any | None:
     )
     when = f" (after epoch {steps[0]})" if len(steps) == 1 and steps[0] else ""
     fig.suptitle(f"Memory against forward iterations, one training step{when}", fontsize="medium")
-    notes = [
+    notes: list[tuple[dict[str, Any] | None, str]] = [
         ({"color": "grey", "ls": "-", "marker": "o"}, "unrolled: backpropagates through K steps"),
         ({"color": "grey", "ls": "--", "marker": "s"}, "IFT: forward runs N iterations, no grad"),
     ]
@@ -144,7 +144,7 @@ def plot_accuracy_vs_time(df: Any) -> Any | None:
         fontsize="x-small",
         title_fontsize="x-small",
     )
-    notes = []
+    notes: list[tuple[dict[str, Any] | None, str]] = []
     if by_marker:
         notes.append((None, "marker = backward variant:"))
         notes += [({"ls": "none", "marker": marker[v], "color": "black"}, v) for v in variants]

@@ -167,7 +167,8 @@ class SolverOverhead(PerfAnalysis):
     class Params(PerfParams):
         #: registered solver names or {name, label, **options}
         solvers: list[SolverSpec] = Field(
-            default_factory=lambda: ["fixed_point", "anderson", "broyden"], min_length=1
+            default_factory=lambda: list[SolverSpec](["fixed_point", "anderson", "broyden"]),
+            min_length=1,
         )
         tols: list[float] = Field(default_factory=lambda: [1e-4, 1e-6], min_length=1)
         max_iter: int = Field(100, ge=1)
@@ -191,6 +192,8 @@ class SolverOverhead(PerfAnalysis):
                 if name not in registry:
                     raise ValueError(str(registry.unknown(name)))
             return v
+
+    params: Params  # narrowed for type checkers
 
     def _measure(self, ctx: CellContext, phase: str):
         from .. import solvers as registry

@@ -194,6 +194,8 @@ class Throughput(PerfAnalysis):
         #: also time a full optimiser step (on a copy of the model)
         train_step: bool = True
 
+    params: Params  # narrowed for type checkers
+
     def _measure(self, ctx: CellContext, phase: str):
         p = self.params
         step = phase_step(ctx, phase)

@@ -194,6 +194,8 @@ class UnrollCompare(Analysis):
         )
         sam_iters: int = Field(400, ge=2)
 
+    params: Params  # narrowed for type checkers
+
     def before_training(self, ctx: CellContext) -> Iterable[Row]:
         layer = _layer(ctx.model)
         bw = layer.backward_cfg
@@ -232,6 +234,7 @@ class UnrollCompare(Analysis):
             yield row("contraction_bound", model.contraction_bound())
 
         # accuracy and residual over the whole test set
+        nsteps: list[float]
         correct, n, res_opteq, rel_means, rel_max, nsteps = 0.0, 0, [], [], 0.0, []
         with torch.no_grad():
             for i in range(0, X.shape[0], bs):
@@ -243,10 +246,10 @@ class UnrollCompare(Analysis):
                 if ctx.task == "classification":
                     correct += float((out.argmax(1) == yb).sum())
                 n += xb.shape[0]
-                r = opteq_residual(model, z, u)
-                res_opteq.append(r["opteq"])
-                rel_means.append(r["rel_mean"] * xb.shape[0])
-                rel_max = max(rel_max, r["rel_max"])
+                resid = opteq_residual(model, z, u)
+                res_opteq.append(resid["opteq"])
+                rel_means.append(resid["rel_mean"] * xb.shape[0])
+                rel_max = max(rel_max, resid["rel_max"])
         if ctx.task == "classification":
             yield row("test_accuracy", correct / max(n, 1))
         yield row("rel_residual_opteq", sum(res_opteq) / max(len(res_opteq), 1))

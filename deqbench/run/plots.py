@@ -276,10 +276,10 @@ def cell_tags(df: Any) -> dict[str, str]:
     return out
 
 
-def tag_notes(tags: dict[str, str], cells: Any) -> list[tuple[None, str]]:
+def tag_notes(tags: dict[str, str], cells: Any) -> list[tuple[dict[str, Any] | None, str]]:
     """Notes explaining the legend tags of the drawn ``cells``."""
     used = {tags[c].split()[0] for c in cells if c in tags}
-    notes = []
+    notes: list[tuple[dict[str, Any] | None, str]] = []
     if "flagged" in used:
         notes.append((None, "[flagged]: the run flagged the cell (reason: results.csv note)"))
     other = sorted(used - {"flagged"})
@@ -710,7 +710,10 @@ def training_curves(df: Any) -> Any | None:
     for r, (grp, t, cells) in enumerate(rows):
         ylab, second, ylab2, scale = _TASKS[t]
         name = {"classification": "cross-entropy", "regression": "MSE", "other": "loss"}[t]
-        panels = [("loss", "train", f"train {name}", ylab), ("loss", "test", f"test {name}", ylab)]
+        panels: list[tuple[str, str, str, str | None]] = [
+            ("loss", "train", f"train {name}", ylab),
+            ("loss", "test", f"test {name}", ylab),
+        ]
         if second:
             panels.append((second, "test", f"test {second}", ylab2))
         for ax, (metric, variant, title, ylabel) in zip(axs[r], panels):

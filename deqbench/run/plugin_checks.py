@@ -210,7 +210,7 @@ def _problem(cell: Any, adjoint: bool) -> tuple[Any, Any]:
         z = torch.zeros_like(u)
         for _ in range(60):
             z = cell(z, u)
-    _, vjp_fn = vjp(lambda z_: cell(z_, u), z)
+    _, vjp_fn = vjp(lambda z_: cell(z_, u), z)  # type: ignore[misc]  # torch stub: 2- or 3-tuple
     grad = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)
 
     def adj(w: Any) -> Any:
@@ -479,6 +479,7 @@ class _Checks:
         from ..core.registry import solvers
 
         compat, decl = models.compatibility(name), models.defaults(name)
+        sname: str | None  # a declared solver, then a default one (None: none declared)
         for sname in compat["solvers"] or ():
             if sname not in solvers:
                 self.add("model", name, "model.declared", f"declares unknown solver '{sname}'")

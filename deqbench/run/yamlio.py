@@ -174,7 +174,7 @@ def pydantic_lines(
         to_path: maps an error's ``loc`` to the YAML path it came from, or a path prefix.
         allowed: the keys allowed (or a function of the location), for "did you mean".
     """
-    lines = []
+    lines: list[tuple[Any, ...] | str] = []  # a path: a union's placeholder
     unions: dict[tuple[Any, ...], list[str]] = {}  # path -> messages of a union's members
     for e in exc.errors():
         where = tuple(e["loc"])

@@ -28,7 +28,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -205,10 +205,11 @@ def make_stats(
     ``abs_tr``/``rel_tr`` are lists of (B,) tensors or (T, B) tensors. ``converged``: whether
     every returned residual is finite and below ``tol``, if the caller knows it already.
     """
-    if isinstance(abs_tr, Tensor):
-        abs_trace, rel_trace = abs_tr, rel_tr  # type: ignore[assignment]
+    if isinstance(abs_tr, Tensor):  # rel_tr is of the same kind as abs_tr
+        abs_trace, rel_trace = abs_tr, cast(Tensor, rel_tr)
     else:
         abs_trace = torch.stack(abs_tr) if abs_tr else best_abs.new_zeros(0, best_abs.shape[0])
+        rel_tr = cast(list[Tensor], rel_tr)
         rel_trace = torch.stack(rel_tr) if rel_tr else best_rel.new_zeros(0, best_rel.shape[0])
     finite = True
     if converged is None:
@@ -523,6 +524,7 @@ class Tracker:
         else:
             tr = self.trace[j]
             take = (tr[self.sel] == tr[2]).view(self.bshape)
+            assert self.best_z is not None  # step 0 set it
             self.best_z = torch.where(take, z, self.best_z)
 
     def _consume(self, upto: int) -> None:

@@ -41,6 +41,7 @@ serves the whole solve and makes the eager path's iterates up to rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -171,7 +172,7 @@ def broyden(
             f, z0, tracker, gmode, common.returns, stop_mode, cap, nc, cd, on_full,
             line_search, ls_trials, c1, max_iter, steps,
         )  # fmt: skip
-        info = {"memory": memory, "pairs": npairs, "restarts": restarts}
+        info: dict[str, Any] = {"memory": memory, "pairs": npairs, "restarts": restarts}
         info |= {"skipped_updates": skipped, "cuda_graph": gmode, "graph_steps": steps}
         return tracker.finish(nstep, info)
 
@@ -388,7 +389,8 @@ def _static_steps(
     cnt.zero_()
     skipped.zero_()
     it, npairs, nrestarts, trials = cnt[0:1], cnt[1:2], cnt[2:3], cnt[3:4]
-    gx = st.get("gx")
+    # set with restart or line_search, the only paths that read it (None otherwise)
+    gx = cast(Tensor, st.get("gx"))
     if gx is not None:
         gx.zero_()
     if line_search:

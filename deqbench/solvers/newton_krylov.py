@@ -218,8 +218,8 @@ def _gmres(
             # lucky breakdown: the new direction is lost in rounding (exact solution reached)
             alive = hn > 100 * torch.finfo(dt).eps * w0
             V[:, j + 1] = torch.where(alive[:, None], w / torch.where(alive, hn, 1.0)[:, None], 0)
-            col = torch.cat([(h + h2), torch.where(alive, hn, 0.0)[:, None]], 1)
-            col = col.double().cpu().numpy()  # one host read per product
+            hcol = torch.cat([(h + h2), torch.where(alive, hn, 0.0)[:, None]], 1)
+            col = hcol.double().cpu().numpy()  # one host read per product
             col[~running] = 0.0
             for i in range(j):  # previous rotations, vectorised over the batch
                 a, c = col[:, i].copy(), col[:, i + 1].copy()
@@ -254,7 +254,7 @@ def _gmres(
         ok = ~singular
         if ok.any():
             Y[ok] = np.linalg.solve(R[ok], rhs[ok][:, :, None])[:, :, 0]
-        for i in np.nonzero(singular & (k > 0))[0]:
+        for i in np.nonzero(singular & (k > 0))[0].tolist():
             ki = int(k[i])
             Y[i, :ki] = np.linalg.lstsq(H[i, :ki, :ki], s[i, :ki], rcond=None)[0]
         if (k > 0).any():

@@ -66,10 +66,11 @@ class _Schedule:
                 "(l2, l1, incay, decorrelation, hsic) or a dict with its name",
             )
         try:
-            self.prior = get_regularizer(prior)
+            reg = get_regularizer(prior)
         except Exception as exc:
             raise option_error("sam", f"prior: {exc}") from None
-        assert self.prior is not None
+        assert reg is not None
+        self.prior = reg
         self.rho = float(options.get("rho", 0.5))
         self.c = float(options.get("c", 0.2))
         if not 0 < self.rho <= 1:

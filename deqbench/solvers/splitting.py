@@ -135,6 +135,7 @@ def _run(
             best_z, best_abs, best_rel, best_res = cand, a, r, res
             lowest_steps = torch.full(res.shape, k, dtype=torch.int64, device=res.device)
         else:
+            assert best_rel is not None and best_res is not None and lowest_steps is not None
             better = res < best_res
             mask = better.view(-1, *([1] * (z.dim() - 1)))
             best_z = torch.where(mask, cand, best_z)

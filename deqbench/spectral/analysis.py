@@ -41,11 +41,11 @@ from ..core.registry import analyses
 from . import norms as sp
 
 
-def _scope_modules(model: Any, scope: str) -> list[tuple[str, nn.Module]]:
+def _scope_modules(model: Any, scope: str) -> list[tuple[str, nn.Linear | nn.Conv2d]]:
     """(path, module) of the Linear/Conv2d layers: in the DEQ cells (``cell``) or anywhere."""
     if scope == "model":
         return sp.layers(model)
-    out: list[tuple[str, nn.Module]] = []
+    out: list[tuple[str, nn.Linear | nn.Conv2d]] = []
     cell_ids = {id(layer.cell) for layer in deq_layers(model)}
     if not cell_ids and hasattr(model, "cell"):
         cell_ids = {id(model.cell)}
@@ -181,7 +181,7 @@ class SpectralAnalysis(Analysis):
     name = "spectral"
     version = "1"
     needs_training = False
-    params: Any
+    params: Params  # narrowed for type checkers
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -276,7 +276,9 @@ class SpectralAnalysis(Analysis):
         cell = layers[0].cell
         try:
             if p.input_size:
-                hw = {n: (p.input_size, p.input_size) for n, _ in sp.layers(cell)}
+                hw: dict[str, tuple[int, int] | None] = {
+                    n: (p.input_size, p.input_size) for n, _ in sp.layers(cell)
+                }
             else:
                 sizes = (
                     conv_input_sizes(model, X)

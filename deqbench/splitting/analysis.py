@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -66,12 +66,13 @@ def splitting_sweep(
     import pandas as pd
 
     from .. import solvers
-    from ..core.deq import CellMap
+    from ..core.deq import CellMap, DEQModel
     from ..solvers.splitting import fb_step_bound, monotone_cell
 
     if float64:
         model = copy.deepcopy(model).double()
         x = x.double()
+    model = cast(DEQModel, model)  # a monDEQ
     was = model.training
     model.eval()
     cell = monotone_cell(CellMap(model.deq.cell, x), methods[0])
@@ -83,7 +84,7 @@ def splitting_sweep(
             for a in alphas:
                 t0 = time.perf_counter()
                 _, st = fn(
-                    CellMap(cell, u),
+                    CellMap(cast(nn.Module, cell), u),
                     torch.zeros_like(u),
                     max_iter=max_iter,
                     tol=tol,
@@ -129,6 +130,8 @@ class SplittingSweep(Analysis):
         samples: int = Field(400, ge=1)
         residual: Literal["canonical", "splitting"] = "canonical"
         float64: bool = True
+
+    params: Params  # narrowed for type checkers
 
     def after_training(self, ctx: CellContext) -> Iterable[Row]:
         from ..solvers.splitting import MonotoneCell

@@ -122,6 +122,8 @@ class FamilyStats(Analysis):
         model_config = ConfigDict(extra="forbid")
         spectral: bool = True
 
+    params: Params  # narrowed for type checkers
+
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
         self._acc = _EpochAccumulator()

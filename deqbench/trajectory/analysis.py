@@ -217,7 +217,8 @@ def record_solve(
 
     was = model.training
     model.eval()
-    dl.solve = patched  # instance attribute shadows the method for this forward only
+    # an instance attribute shadows the method for this forward only
+    dl.solve = patched  # type: ignore[method-assign,assignment]
     try:
         with torch.no_grad():
             model(x)
@@ -233,6 +234,7 @@ def record_solve(
         )
     kept = fmap.thin.items()
     z = box["z"]
+    assert stats is not None  # set with map
     return Recording(
         residual=torch.stack(fmap.res).numpy(),
         iterations=[i for i, _ in kept],
@@ -370,7 +372,7 @@ def iterations_to_tol(residual: np.ndarray, tol: float) -> tuple[np.ndarray, np.
     below = residual < tol
     hit = below.any(0)
     first = np.where(hit, below.argmax(0) + 1, residual.shape[0])
-    return first, hit
+    return first, hit  # type: ignore[return-value]  # 2-d residual: any(0) is an array
 
 
 # -- the analysis ------------------------------------------------------------------------------
@@ -403,6 +405,8 @@ class Trajectory(Analysis):
         max_states: int = Field(32, ge=2, description="iterates kept per solve (then thinned)")
         pca: Literal["auto", "exact", "lowrank"] = "auto"
         exact_max_dim: int = Field(4096, ge=1, description="auto: exact PCA up to this dim")
+
+    params: Params  # narrowed for type checkers
 
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
@@ -473,8 +477,7 @@ class Trajectory(Analysis):
             return
         epochs = sorted(self._recs)
         recs = [self._recs[e] for e in epochs]
-        _, labels = self._probe(ctx)
-        labels = labels.cpu().numpy()
+        labels = self._probe(ctx)[1].cpu().numpy()
         n, D = recs[0].final.shape
         blocks = [r.states.reshape(-1, D) for r in recs] + [r.final for r in recs]
         method = self.params.pca

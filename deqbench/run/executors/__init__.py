@@ -80,7 +80,7 @@ def prestart(
         if not isinstance(raw, dict) or "suites" in raw:
             return None
         over = dict(o.split("=", 1) for o in overrides if "=" in o)
-        threads = over.get("threads", raw.get("threads"))
+        threads: str | int | None = over.get("threads", raw.get("threads"))
         threads = int(threads) if threads not in (None, "", "null") else None
         dtype = str(over.get("dtype") or raw.get("dtype") or "float32")
         from ..env import resolve_device

@@ -546,8 +546,8 @@ class DaskExecutor:
 
         owned = self.client is None and self._starting is None
         if owned:
-            t0 = tasks[0]
-            self.start(t0.device, t0.suite.threads, dtype=t0.suite.dtype)
+            task0 = tasks[0]
+            self.start(task0.device, task0.suite.threads, dtype=task0.suite.dtype)
         self._ready()
         client = self.client
         # Our local scheduler gives up on a task at its first dead worker; the cell is then
