@@ -1,6 +1,7 @@
-"""nox sessions: ``tests`` (default), ``lint``, ``typecheck``, ``smoke``, ``docs``.
+"""nox sessions: ``tests``, ``lint``, ``typecheck``, ``docs`` (the defaults: what ``nox`` runs,
+the README's test command, which CI runs) and ``smoke``.
 
-pip install nox && nox -s tests lint
+pip install nox && nox
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"

@@ -226,7 +226,7 @@ class ForwardMap(Protocol):
 
 @runtime_checkable
 class AdjointMap(Protocol):
-    """What the IFT backward hands the adjoint solver (:class:`deqbench.backward.AdjointMap`).
+    """What the IFT backward hands the adjoint solver (:class:`deqbench.core.backward.AdjointMap`).
 
     ``f(w) = J^T w + g`` with J = d cell / dz at ``f.z`` (z*), so the fixed point is the
     adjoint ``w = (I - J^T)^-1 g``; also ``f.cell``, ``f.u``, ``f.g``. The forward solver

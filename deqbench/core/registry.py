@@ -207,7 +207,7 @@ class Registry(Generic[T]):
         return self.get(name)(**params)  # type: ignore[operator]
 
     def origin(self, name: str) -> str:
-        """ "built-in" or "<distribution> <version>" of the plugin that provides ``name``."""
+        """``"built-in"`` or ``"DISTRIBUTION VERSION"`` of the plugin that provides ``name``."""
         return self.entry(name).origin
 
     def reset_plugins(self) -> None:
