@@ -637,7 +637,7 @@ def registry_markdown(kind: str) -> str:
 
 def datasets_markdown() -> str:
     rows = []
-    for n, fn in _locate("deqbench.data", "DATASETS").items():
+    for n, fn in _locate("deqbench.run.data", "DATASETS").items():
         params = _signature_params(fn)
         rows.append([_code(n), _code(params) if params else "", _first_line(fn.__doc__)])
     return _table(["dataset", "options", "what"], rows)

@@ -345,7 +345,7 @@ def validate(
 ) -> None:
     """Check a suite without running it: the schema, then the contracts of every model, init
     and solver it names (on CPU: each factory called and run on a batch of 2, each solver on a
-    small test problem; deqbench/plugin_checks.py); list its cells."""
+    small test problem; deqbench/run/plugin_checks.py); list its cells."""
     with handle_errors():
         from ..run.plugin_checks import check_suites
         from ..run.suite import format_cells, load_suites

@@ -485,7 +485,7 @@ def _sig(fn: Any) -> str:
 def reference_markdown() -> str:
     """The contracts as Markdown (``docs/plugins.md``'s "Reference" part): each Protocol's
     signature and docstring, then the clause table."""
-    out = ["## Reference (generated from `deqbench/contracts.py`)", ""]
+    out = ["## Reference (generated from `deqbench/core/contracts.py`)", ""]
     for proto in CONTRACTS:
         out += [f"### `{proto.__name__}`", ""]
         call = vars(proto).get("__call__")
