@@ -176,17 +176,8 @@ def graph_adjoint(
 ) -> GraphAdjoint | None:
     """The layer's captured adjoint for this backward, or None for the eager path."""
     from .. import solvers
-    from ..solvers.base import AUTO_NUMEL, supports_graph
 
-    if (
-        layer.runtime.cuda_graph != "auto"
-        or z.device.type != "cuda"
-        or z.numel() > AUTO_NUMEL
-        or "cuda_graph" in cfg.options
-        or not supports_graph(solvers.get(cfg.solver))
-        or not getattr(layer.cell, "cuda_graph_safe", True)
-        or torch.cuda.is_current_stream_capturing()
-    ):
+    if not layer.graph_allowed(solvers.get(cfg.solver), cfg.options, z):
         return None
     own = [q for q in layer.cell.parameters() if q.requires_grad]
     if (
@@ -195,11 +186,8 @@ def graph_adjoint(
         or not all(isinstance(q, nn.Parameter) for q in own)
     ):
         return None  # parameters substituted (functional_call): no stable storage to capture
-    key = (
-        tuple(z.shape), z.dtype, z.stride(), tuple(u.shape), u.dtype, u.stride(),
-        u.requires_grad, layer.cell.training, layer.runtime,
-        tuple(q.data_ptr() for q in params), tuple(b.data_ptr() for b in layer.cell.buffers()),
-    )  # fmt: skip
+    key = (tuple(z.shape), z.dtype, z.stride(), tuple(u.shape), u.dtype, u.stride(),
+           u.requires_grad) + layer.storage_key()  # fmt: skip
     cache: dict = layer.__dict__.setdefault("_graph_adjoints", {})
     failed: dict = layer.__dict__.setdefault("_no_graph_adjoint", {})
     if key in failed:

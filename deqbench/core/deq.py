@@ -362,34 +362,42 @@ class DEQLayer(nn.Module):
         stats.path = eager_path
         return z, stats
 
-    def _graph_key(self, cfg: SolverConfig, fn: Any, u: Tensor, z0: Tensor) -> tuple | None:
-        """The static key of a graph-path solve, or None for the eager path."""
+    def graph_allowed(self, solver: Any, options: dict[str, Any], state: Tensor) -> bool:
+        """Whether a solve of ``state`` with ``solver`` (a registered solver function) may take
+        the CUDA-graph path, forward or IFT adjoint: ``runtime.cuda_graph`` is "auto", the state
+        is on CUDA and launch-bound (at most AUTO_NUMEL elements: a larger one gains nothing,
+        conv64), the user did not set the solver's own ``cuda_graph``, the cell declares no
+        Python-level state (``cuda_graph_safe``), the solver supports graphs and no capture is
+        under way."""
         from ..solvers.base import AUTO_NUMEL, supports_graph
 
-        if (
+        return not (
             self.runtime.cuda_graph != "auto"
-            or u.device.type != "cuda"
-            or z0.numel() > AUTO_NUMEL  # not launch-bound: a graph gains nothing (conv64)
-            or "cuda_graph" in cfg.options
+            or state.device.type != "cuda"
+            or state.numel() > AUTO_NUMEL
+            or "cuda_graph" in options
             or not getattr(self.cell, "cuda_graph_safe", True)
-            or not supports_graph(fn)
-            or torch.is_grad_enabled()
+            or not supports_graph(solver)
             or torch.cuda.is_current_stream_capturing()
-        ):
-            return None
-        base = (
-            cfg.name,
-            tuple(u.shape),
-            u.dtype,
-            u.stride(),
-            u.device,
-            tuple(z0.shape),
-            z0.dtype,
+        )
+
+    def storage_key(self) -> tuple:
+        """What a captured graph of the cell depends on besides shapes: train/eval mode, the
+        runtime and the storage of the cell's parameters and buffers (a replay reads them at
+        their addresses; in-place updates are seen, new storage needs a new capture)."""
+        return (
             self.cell.training,
             self.runtime,
             tuple(t.data_ptr() for t in self.cell.parameters()),
             tuple(t.data_ptr() for t in self.cell.buffers()),
         )
+
+    def _graph_key(self, cfg: SolverConfig, fn: Any, u: Tensor, z0: Tensor) -> tuple | None:
+        """The static key of a graph-path solve, or None for the eager path."""
+        if not self.graph_allowed(fn, cfg.options, z0) or torch.is_grad_enabled():
+            return None
+        base = (cfg.name, tuple(u.shape), u.dtype, u.stride(), u.device, tuple(z0.shape),
+                z0.dtype) + self.storage_key()  # fmt: skip
         if base in self._no_graph:
             return None
         if base not in self._static_maps:

@@ -8,15 +8,6 @@ The public names of :mod:`deqbench.ntk.empirical` are importable from here
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .._lazy import face
 
-
-def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module("deqbench.ntk.empirical"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(n for n in dir(import_module("deqbench.ntk.empirical")) if not n.startswith("_"))
+__getattr__, __dir__ = face(__name__, "deqbench.ntk.empirical")

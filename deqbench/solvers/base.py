@@ -652,10 +652,6 @@ def forbid_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(prev)
 
 
-#: captures and replays made in this process (diagnostics)
-GRAPH_COUNTS = {"captures": 0, "replays": 0}
-
-
 def clear_graph_cache() -> None:
     """Drop every cached CUDA graph (and the memory its static buffers hold)."""
     _GRAPH_CACHE.clear()
@@ -777,7 +773,6 @@ def graph_loop(
                 done = eager_step()
             return nstep
         graph = torch.cuda.CUDAGraph()
-        GRAPH_COUNTS["captures"] += 1
         try:
             with torch.cuda.graph(graph):
                 for j in range(steps):
@@ -794,7 +789,6 @@ def graph_loop(
                 _GRAPH_CACHE.pop(next(iter(_GRAPH_CACHE)))
             _GRAPH_CACHE[key] = (graph, state if state is not None else {})
     while nstep + steps <= max_iter:
-        GRAPH_COUNTS["replays"] += 1
         graph.replay()
         nstep += steps
         tracker.commit(steps)
