@@ -42,6 +42,19 @@ class Task:
     def key(self) -> tuple[str, int]:
         return (self.cell.id, self.seed)
 
+    def row_base(self) -> dict[str, Any]:
+        """The columns that say which run, cell and seed a result row belongs to."""
+        cell = self.cell
+        return {
+            "run_id": self.run_id,
+            "cell_id": cell.id,
+            "model": cell.model["name"],
+            "solver": cell.solver["name"],
+            "backward": cell.backward.get("name", ""),
+            "init": cell.init["name"],
+            "seed": self.seed,
+        }
+
 
 @dataclass
 class TaskResult:
@@ -209,15 +222,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     ctx: CellContext | None = None
     flags: list[str] = []  # why the measurement is not trustworthy (status "flagged")
     names: dict[int, str] = {}
-    base = {
-        "run_id": task.run_id,
-        "cell_id": cell.id,
-        "model": cell.model["name"],
-        "solver": cell.solver["name"],
-        "backward": cell.backward.get("name", ""),
-        "init": cell.init["name"],
-        "seed": task.seed,
-    }
+    base = task.row_base()
 
     def add(analysis: str, r: Row) -> None:
         rows.append({**base, "analysis": analysis, "variant": r.variant, "metric": r.metric,

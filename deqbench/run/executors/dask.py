@@ -139,15 +139,8 @@ def run_cell(task: Task) -> TaskResult:
 
 def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.0) -> TaskResult:
     """A TaskResult with only the runner's ``error`` status row (the task never returned)."""
-    cell = task.cell
     row = {
-        "run_id": task.run_id,
-        "cell_id": cell.id,
-        "model": cell.model["name"],
-        "solver": cell.solver["name"],
-        "backward": cell.backward.get("name", ""),
-        "init": cell.init["name"],
-        "seed": task.seed,
+        **task.row_base(),
         "analysis": RUNNER,
         "variant": "",
         "metric": "wall_time",
@@ -158,7 +151,7 @@ def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.
         "status": "error",
         "note": note,
     }
-    return TaskResult(cell.id, task.seed, [row], "error", note, tb, wall)
+    return TaskResult(task.cell.id, task.seed, [row], "error", note, tb, wall)
 
 
 def gpu_memory() -> dict[str, int]:
