@@ -111,7 +111,6 @@ class GraphAdjoint:
 
     def __init__(self, layer: DEQLayer, names: list[str], params: list[Tensor], z: Tensor,
                  u: Tensor, u_grad: bool) -> None:  # fmt: skip
-        self.names = names
         self.u_grad = u_grad
         self.key: tuple = ()
         self.zs = z.detach().clone().requires_grad_()
