@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..core.registry import solvers
+from . import fused
 from .base import (
     COMMON_OPTIONS,
     CommonOptions,
@@ -231,37 +232,35 @@ def _static_steps(
         st["xs"] = torch.empty_like(z0, memory_format=torch.contiguous_format)
         st["Fb"] = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
         st["Gb"] = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
-        st["it"] = torch.empty(1, dtype=torch.long, device=dev)
         st["fallbacks"] = torch.empty(bsz, dtype=torch.int64, device=dev)
         # every tensor the captured step reads must live as long as the cached graph
         st["ones"] = torch.ones(bsz, m, 1, dtype=sdt, device=dev)
         st["ids"] = torch.arange(m, device=dev)
-    xs, Fb, Gb, it, fallbacks = st["xs"], st["Fb"], st["Gb"], st["it"], st["fallbacks"]
-    ones, ids = st["ones"], st["ids"]
+        st["alpha"] = torch.empty(bsz, m, dtype=dt, device=dev)
+    xs, Fb, Gb, fallbacks = st["xs"], st["Fb"], st["Gb"], st["fallbacks"]
+    ones, ids, alpha_buf = st["ones"], st["ids"], st["alpha"]
+    it = tracker.dev_k  # evaluations made (advanced by device_record)
     xs.copy_(z0)
     Fb.zero_()
     Gb.zero_()
-    it.zero_()
     fallbacks.zero_()
     Gn = Gb.view(bsz * nc, m, cd)
     Fn = Fb.view(bsz * nc, m, cd)
-    xv = xs.view(bsz, nc, 1, cd)
 
     def body() -> None:
         fx = f(xs)
-        slot = it.remainder(m)
-        fxv = fx.reshape(bsz, nc, 1, cd)
-        Fb.index_copy_(2, slot, fxv)
-        g = fxv - xv
-        Gb.index_copy_(2, slot, g)
-        tracker.device_record(xs, fx, g)
-        it.add_(1)
-        H = torch.bmm(Gn, Gn.transpose(1, 2)).view(bsz, nc, m, m).to(sdt).sum(1)
-        diag = H.diagonal(dim1=1, dim2=2)
-        reg = diag.amax(dim=1, keepdim=True) * lam + lam_abs
-        diag.add_(torch.where(ids >= it, 1e30, reg))  # unused slots: weight ~ 0
-        onehot = (ids == slot).to(sdt).view(1, m, 1)
-        alpha = _weights(H, ones, onehot, fallbacks, dt).view(bsz, 1, 1, m)
+        tracker.device_record(xs, fx, None, slots=(Fb, Gb, m, cd))  # F, G at slot it % m
+        Hc = torch.bmm(Gn, Gn.transpose(1, 2))  # (B * nc, m, m): the chunks' Gram matrices
+        if fused.usable(Hc, alpha_buf):
+            fused.anderson_weights(Hc, alpha_buf, fallbacks, it, m, lam, lam_abs)
+            alpha = alpha_buf.view(bsz, 1, 1, m)
+        else:
+            H = Hc.view(bsz, nc, m, m).to(sdt).sum(1)
+            diag = H.diagonal(dim1=1, dim2=2)
+            reg = diag.amax(dim=1, keepdim=True) * lam + lam_abs
+            diag.add_(torch.where(ids >= it, 1e30, reg))  # unused slots: weight ~ 0
+            onehot = (ids == (it - 1).remainder(m)).to(sdt).view(1, m, 1)
+            alpha = _weights(H, ones, onehot, fallbacks, dt).view(bsz, 1, 1, m)
         alpha = alpha.expand(bsz, nc, 1, m).reshape(bsz * nc, 1, m)
         if beta == 1.0:
             torch.bmm(alpha, Fn, out=xs.view(bsz * nc, 1, cd))

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..core.errors import ConfigError
+from . import fused
 
 EPS = 1e-9
 STATUSES = ("converged", "max_iter", "diverged", "stagnated")
@@ -449,8 +450,35 @@ class Tracker:
         self.dev_j = 0  # row of dev_st the next device_record writes (the step in its chunk)
         return bufs
 
-    def device_record(self, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
-        """:meth:`record` with static buffers only (capturable); call :meth:`commit` after."""
+    def device_record(
+        self,
+        z: Tensor,
+        fz: Tensor,
+        d: Tensor | None,
+        *,
+        copy_to: Tensor | None = None,
+        slots: tuple[Tensor, Tensor, int, int] | None = None,
+    ) -> None:
+        """:meth:`record` with static buffers only (capturable); call :meth:`commit` after.
+
+        ``copy_to``: afterwards write f(x) there (may be x itself: the fixed-point update);
+        ``slots``: (F, G, m, cd), ring buffers of shape (B, nc, m, cd) that get f(x) and
+        f(x) - x at slot ``k % m`` (k: steps recorded before this one; Anderson). On CUDA the
+        fused kernels of :mod:`deqbench.solvers.fused` do all of it in two launches (``d``,
+        which must equal f(x) - x, is then recomputed in registers instead of read).
+        """
+        if fused.tracker_usable(self, z, fz) and (
+            slots is None or (slots[0].is_contiguous() and slots[1].is_contiguous())
+        ):
+            fused.record(self, z, fz, copy_to=copy_to, slots=slots)
+            return
+        if slots is not None:
+            F, G, m, cd = slots
+            slot = self.dev_k.remainder(m)
+            fzv = fz.reshape(self.B, -1, 1, cd)
+            F.index_copy_(2, slot, fzv)
+            d = fzv - z.reshape(self.B, -1, 1, cd)
+            G.index_copy_(2, slot, d)
         row, best, st = self.dev_row, self.best_z, self.dev_st[self.dev_j]
         assert best is not None
         batch_norm(fz - z if d is None else d, out=row[0])
@@ -469,6 +497,8 @@ class Tracker:
             torch.amax(row[:2], dim=1, out=st[:2])
         self.trace.index_copy_(0, self.dev_k, row.unsqueeze(0))
         self.dev_k.add_(1)
+        if copy_to is not None:
+            copy_to.copy_(fz)
 
     def commit(self, steps: int = 1) -> None:
         """Host side of ``steps`` steps made by :meth:`device_record` (eagerly or by one graph

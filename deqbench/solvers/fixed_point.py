@@ -106,8 +106,7 @@ def fixed_point(
         def body() -> None:
             fz = f(zs)
             if tau == 1.0:
-                tracker.device_record(zs, fz, None)
-                zs.copy_(fz)
+                tracker.device_record(zs, fz, None, copy_to=zs)
             else:
                 d = fz - zs
                 tracker.device_record(zs, fz, d)

@@ -1,0 +1,262 @@
+"""Fused bookkeeping kernels (Triton) for the solvers' static steps (the CUDA-graph path).
+
+On a small, launch-bound cell a captured solver step is dominated by its bookkeeping: the
+residual norms, the per-sample lowest iterate, the trace row, the batch summary for the host
+and the ring-buffer writes are ~13 small kernels per step in plain torch, each costing a few
+microseconds even inside a CUDA graph, against ~50 us for f itself on the fc1024 cell. The
+kernels here do the same arithmetic in fewer launches:
+
+* :func:`record` (two kernels): one program per sample computes ``||f(x) - x||`` and
+  ``||f(x)||``, the relative residual, the running lowest residual and the trace row, copies x
+  into the lowest-iterate buffer where it improved, and optionally writes f(x) into the iterate
+  (fixed point) or f(x) and f(x) - x into Anderson's ring slot; one program reduces the row to
+  the batch summary the host reads and advances the step counter.
+* :func:`anderson_weights` (one kernel): the regularised m x m least-squares system per sample,
+  solved in float64 by Gauss-Jordan elimination (the matrix is symmetric positive definite), the
+  normalised weights, and the one-hot fallback for a sample whose solve is not finite.
+
+They replace the torch code of :meth:`~deqbench.solvers.base.Tracker.device_record` and
+Anderson's static step exactly up to rounding (sum order of the norms); the torch code stays
+the reference and runs wherever these do not (CPU, no Triton, ``DEQBENCH_FUSED=0``). Tests run
+them on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``) against the torch code, and
+on the GPU machine in ``gpu``-marked tests.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:  # Triton ships with the CUDA builds of torch; anything else falls back to torch code
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the torch build
+    triton = None
+    tl = None
+
+#: switch the fused kernels off (``DEQBENCH_FUSED=0``) to compare with the torch code
+ENABLED = os.environ.get("DEQBENCH_FUSED", "1") != "0"
+#: Triton's interpreter runs the kernels on CPU tensors (tests)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: a sample's state is reduced by one program; below this batch size a long state would run
+#: on too few programs, and the torch code (many programs per reduction) is faster
+MIN_BATCH = 32
+MAX_UNSPLIT = 1 << 14
+DTYPES = (torch.float32, torch.float64)
+
+
+def usable(*ts: Tensor) -> bool:
+    """Whether the fused kernels can run on these (same-device, same-dtype) tensors."""
+    if not ENABLED or triton is None:
+        return False
+    t = ts[0]
+    if not (t.is_cuda or (INTERPRET and t.device.type == "cpu")) or t.dtype not in DTYPES:
+        return False
+    if t.dim() == 0 or (t.shape[0] < MIN_BATCH and t[0].numel() > MAX_UNSPLIT):
+        return False
+    return all(x.is_contiguous() and x.dtype == t.dtype and x.device == t.device for x in ts)
+
+
+def tracker_usable(tracker: Any, z: Tensor, fz: Tensor) -> bool:
+    """Whether :func:`record` can serve this tracker's :meth:`device_record` for (z, f(z))."""
+    return (
+        tracker.device_mode
+        and z.shape == fz.shape
+        and tracker.best_z is not None
+        and usable(z, fz, tracker.best_z, tracker.trace)
+    )
+
+
+def _block(n: int, lo: int = 128, hi: int = 2048) -> int:
+    return max(lo, min(hi, 1 << max(0, (int(n) - 1).bit_length())))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _record_kernel(
+        z_ptr,
+        fz_ptr,
+        best_ptr,
+        out_ptr,
+        F_ptr,
+        G_ptr,
+        trace_ptr,
+        low_ptr,
+        k_ptr,
+        D,
+        B,
+        m,
+        cd,
+        eps,
+        SEL: tl.constexpr,
+        LOWEST: tl.constexpr,
+        COPY: tl.constexpr,
+        SLOTS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        i = tl.program_id(0).to(tl.int64)
+        k = tl.load(k_ptr)
+        base = i * D
+        acc_d = tl.zeros([BLOCK], dtype=z_ptr.dtype.element_ty)
+        acc_f = tl.zeros_like(acc_d)
+        nc = D // cd
+        slot = k % m
+        for off in range(0, D, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            msk = idx < D
+            x = tl.load(z_ptr + base + idx, mask=msk, other=0.0)
+            fx = tl.load(fz_ptr + base + idx, mask=msk, other=0.0)
+            d = fx - x
+            acc_d += d * d
+            acc_f += fx * fx
+            if SLOTS:  # ring buffers (B, nc, m, cd): chunk c = idx // cd, element idx % cd
+                c = idx // cd
+                o = ((i * nc + c) * m + slot) * cd + (idx - c * cd)
+                tl.store(F_ptr + o, fx, mask=msk)
+                tl.store(G_ptr + o, d, mask=msk)
+        a = tl.sqrt(tl.sum(acc_d, axis=0))
+        r = a / (tl.sqrt(tl.sum(acc_f, axis=0)) + eps)
+        row = trace_ptr + k * 4 * B + i
+        tl.store(row, a)
+        tl.store(row + B, r)
+        if LOWEST:
+            res = r if SEL == 1 else a
+            lo = tl.load(low_ptr + i)
+            better = res <= lo  # NaN never
+            # as a block (Triton's interpreter cannot combine a scalar mask with a block one)
+            take = (tl.zeros([BLOCK], dtype=tl.int32) + better.to(tl.int32)) != 0
+            new = tl.where(better, res, lo)
+            tl.store(low_ptr + i, new)
+            tl.store(row + 2 * B, new)
+            tl.store(row + 3 * B, res - new)
+        for off in range(0, D, BLOCK):  # second pass over the sample (from L2 on small cells)
+            idx = off + tl.arange(0, BLOCK)
+            msk = idx < D
+            x = tl.load(z_ptr + base + idx, mask=msk)
+            if LOWEST:  # x becomes the sample's lowest iterate where it improved
+                tl.store(best_ptr + base + idx, x, mask=msk & take)
+            else:
+                tl.store(best_ptr + base + idx, x, mask=msk)
+            if COPY:  # the next iterate is f(x) (out may be x itself: read before written)
+                tl.store(out_ptr + base + idx, tl.load(fz_ptr + base + idx, mask=msk), mask=msk)
+
+    @triton.jit
+    def _summary_kernel(trace_ptr, st_ptr, k_ptr, B, j, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        k = tl.load(k_ptr)
+        for q in tl.static_range(ROWS):
+            row = trace_ptr + k * 4 * B + q * B
+            mx = tl.full([BLOCK], float("-inf"), dtype=trace_ptr.dtype.element_ty)
+            nan = tl.zeros([BLOCK], dtype=tl.int32)
+            for off in range(0, B, BLOCK):
+                idx = off + tl.arange(0, BLOCK)
+                v = tl.load(row + idx, mask=idx < B, other=float("-inf"))
+                nan += (v != v).to(tl.int32)
+                mx = tl.maximum(mx, tl.where(v != v, float("-inf"), v))
+            top = tl.max(mx, axis=0)
+            top = tl.where(tl.sum(nan, axis=0) > 0, float("nan"), top)  # amax propagates NaN
+            tl.store(st_ptr + j * 4 + q, top)
+        tl.store(k_ptr, k + 1)
+
+    @triton.jit
+    def _anderson_weights_kernel(
+        H_ptr, alpha_ptr, fb_ptr, k_ptr, nc, m, lam, lam_abs, M: tl.constexpr
+    ):
+        i = tl.program_id(0).to(tl.int64)
+        it = tl.load(k_ptr)  # evaluations made, this step's included
+        slot = (it - 1) % m
+        r = tl.arange(0, M)
+        eye = r[:, None] == r[None, :]
+        inside = (r[:, None] < m) & (r[None, :] < m)
+        H = tl.zeros([M, M], dtype=tl.float64)
+        for q in range(nc):  # the chunks' partial Gram matrices
+            p = H_ptr + (i * nc + q) * m * m + r[:, None] * m + r[None, :]
+            H += tl.load(p, mask=inside, other=0.0).to(tl.float64)
+        dg = tl.sum(tl.where(eye, H, 0.0), axis=1)
+        reg = tl.max(tl.where(r < m, dg, float("-inf")), axis=0) * lam + lam_abs
+        add = tl.where(r >= it, 1e30, reg)  # slots not written yet: weight ~ 0
+        add = tl.where(r >= m, 1.0, add)  # padding: identity rows
+        H += tl.where(eye, add[:, None], 0.0)
+        b = tl.where(r < m, 1.0, 0.0).to(tl.float64)
+        for p in tl.static_range(M):  # Gauss-Jordan, no pivoting (H is SPD)
+            prow = tl.sum(tl.where(r[:, None] == p, H, 0.0), axis=0)
+            piv = tl.sum(tl.where(r == p, prow, 0.0), axis=0)
+            pb = tl.sum(tl.where(r == p, b, 0.0), axis=0)
+            col = tl.sum(tl.where(r[None, :] == p, H, 0.0), axis=1)
+            fac = tl.where(r == p, 0.0, col / piv)
+            H -= fac[:, None] * prow[None, :]
+            b -= fac * pb
+        w = b / tl.sum(tl.where(eye, H, 0.0), axis=1)
+        w = tl.where(r < m, w, 0.0)
+        alpha = w / tl.sum(w, axis=0)
+        s = tl.sum(tl.where(r < m, alpha, 0.0), axis=0)
+        bad = (s != s) | (tl.abs(s) == float("inf"))
+        alpha = tl.where(bad, tl.where(r == slot, 1.0, 0.0), alpha)
+        tl.store(alpha_ptr + i * m + r, alpha.to(alpha_ptr.dtype.element_ty), mask=r < m)
+        if bad:
+            tl.store(fb_ptr + i, tl.load(fb_ptr + i) + 1)
+
+
+def record(
+    tracker: Any,
+    z: Tensor,
+    fz: Tensor,
+    *,
+    copy_to: Tensor | None = None,
+    slots: tuple[Tensor, Tensor, int, int] | None = None,
+) -> None:
+    """The fused :meth:`Tracker.device_record` (two launches).
+
+    ``copy_to``: write f(x) there after x was read (the fixed-point update); ``slots``: (F, G,
+    m, cd) ring buffers of shape (B, nc, m, cd) that get f(x) and f(x) - x at slot ``k % m``
+    (k: the tracker's step counter before this step).
+    """
+    B = tracker.B
+    D = z.numel() // B
+    F = G = z
+    m = cd = 1
+    if slots is not None:
+        F, G, m, cd = slots
+    _record_kernel[(B,)](
+        z,
+        fz,
+        tracker.best_z,
+        copy_to if copy_to is not None else z,
+        F,
+        G,
+        tracker.trace,
+        tracker.dev_low,
+        tracker.dev_k,
+        D,
+        B,
+        m,
+        cd,
+        1e-9,
+        SEL=tracker.sel,
+        LOWEST=tracker.lowest,
+        COPY=copy_to is not None,
+        SLOTS=slots is not None,
+        BLOCK=_block(D),
+    )
+    _summary_kernel[(1,)](
+        tracker.trace,
+        tracker.dev_st,
+        tracker.dev_k,
+        B,
+        tracker.dev_j,
+        ROWS=4 if tracker.lowest else 2,
+        BLOCK=_block(B, 128, 1024),
+    )
+
+
+def anderson_weights(H: Tensor, alpha: Tensor, fallbacks: Tensor, k: Tensor, m: int, lam: float,
+                     lam_abs: float) -> None:  # fmt: skip
+    """alpha (B, m) from the chunks' Gram matrices H (B * nc, m, m) of the ring buffer G, with
+    the step counter ``k`` (evaluations made, this one included); counts fallbacks."""
+    B = alpha.shape[0]
+    nc = H.shape[0] // B
+    M = max(2, 1 << max(0, (m - 1).bit_length()))
+    _anderson_weights_kernel[(B,)](H, alpha, fallbacks, k, nc, m, lam, lam_abs, M=M)
