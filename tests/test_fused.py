@@ -134,10 +134,16 @@ CHECKS = textwrap.dedent(
                     res.append((z, s))
                 fused.ENABLED = True
                 (z0, s0), (z1, s1) = res
-                tol = 1e-4 if dt == torch.float32 else 1e-10
-                assert s0.nstep == s1.nstep and s0.status == s1.status, (name, s0.nstep, s1.nstep)
-                assert torch.allclose(z0, z1, rtol=tol, atol=tol), name
-                assert torch.allclose(s0.rel_trace, s1.rel_trace, rtol=tol, atol=tol), name
+                assert s0.status == s1.status == "converged", (name, s0.status, s1.status)
+                if dt == torch.float64:  # same iterates up to rounding: same decisions
+                    assert s0.nstep == s1.nstep, (name, s0.nstep, s1.nstep)
+                    assert torch.allclose(s0.rel_trace, s1.rel_trace, rtol=1e-9, atol=1e-12)
+                    assert torch.allclose(z0, z1, rtol=1e-9, atol=1e-9), name
+                else:  # float32 rounding may move the step where tol is first met by one or two
+                    assert abs(s0.nstep - s1.nstep) <= 2, (name, s0.nstep, s1.nstep)
+                    n = min(s0.nstep, s1.nstep) // 2
+                    assert torch.allclose(s0.rel_trace[:n], s1.rel_trace[:n], rtol=1e-3), name
+                    assert torch.allclose(z0, z1, rtol=1e-3, atol=1e-4), name
                 out[f"{name}/{returns}/{dt}"] = s1.nstep
     print(json.dumps(out))
     """

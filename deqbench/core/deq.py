@@ -365,16 +365,16 @@ class DEQLayer(nn.Module):
     def graph_allowed(self, solver: Any, options: dict[str, Any], state: Tensor) -> bool:
         """Whether a solve of ``state`` with ``solver`` (a registered solver function) may take
         the CUDA-graph path, forward or IFT adjoint: ``runtime.cuda_graph`` is "auto", the state
-        is on CUDA and launch-bound (at most AUTO_NUMEL elements: a larger one gains nothing,
-        conv64), the user did not set the solver's own ``cuda_graph``, the cell declares no
+        is on CUDA and launch- or host-bound (at most ``graph_numel(solver)`` elements: 2M by
+        default, a larger state gains nothing (fixed point on conv64); Anderson 16M), the user did not set the solver's own ``cuda_graph``, the cell declares no
         Python-level state (``cuda_graph_safe``), the solver supports graphs and no capture is
         under way."""
-        from ..solvers.base import AUTO_NUMEL, supports_graph
+        from ..solvers.base import graph_numel, supports_graph
 
         return not (
             self.runtime.cuda_graph != "auto"
             or state.device.type != "cuda"
-            or state.numel() > AUTO_NUMEL
+            or state.numel() > graph_numel(solver)
             or "cuda_graph" in options
             or not getattr(self.cell, "cuda_graph_safe", True)
             or not supports_graph(solver)

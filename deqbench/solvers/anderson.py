@@ -33,6 +33,7 @@ from ..core.registry import solvers
 from . import fused
 from .base import (
     COMMON_OPTIONS,
+    LARGE_NUMEL,
     CommonOptions,
     SolverStats,
     Tracker,
@@ -283,3 +284,6 @@ def _static_steps(
 
 
 anderson.supports_cuda_graph = True  # type: ignore[attr-defined]
+# the eager step is host-bound on large cells too (conv64: ~25 small kernels and a batched
+# solve per step against a ~1 ms f), so the DEQ layer captures it up to LARGE_NUMEL elements
+anderson.graph_numel = LARGE_NUMEL  # type: ignore[attr-defined]

@@ -666,6 +666,41 @@ GRAPH_STEPS_MAX = 16
 #: (launch-bound: one host round trip per chunk instead of per step), larger ones one
 AUTO_NUMEL = 1 << 21
 AUTO_STEPS = 2
+#: the DEQ layer's automatic graph path takes states of at most ``solver.graph_numel``
+#: elements (default AUTO_NUMEL); a solver whose step is host-bound on large cells too
+#: (Anderson on conv64: ~25 small kernels and a batched solve per step) raises it to this
+LARGE_NUMEL = 1 << 24
+#: bytes of static buffers the cached graphs may hold together (oldest dropped first)
+GRAPH_CACHE_BYTES = 4 << 30
+_GRAPH_BYTES: dict[tuple, int] = {}
+
+
+def graph_numel(solver: Any) -> int:
+    """The largest state (elements) the DEQ layer's automatic graph path captures for a solver."""
+    return int(getattr(solver, "graph_numel", AUTO_NUMEL))
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    return 0
+
+
+def _cache_graph(key: tuple, graph: Any, state: dict[str, Any]) -> None:
+    """Keep a captured graph and its static buffers, dropping the oldest entries beyond
+    GRAPH_CACHE_SIZE entries or GRAPH_CACHE_BYTES bytes."""
+    size = _nbytes(state)
+    while _GRAPH_CACHE and (
+        len(_GRAPH_CACHE) >= GRAPH_CACHE_SIZE
+        or sum(_GRAPH_BYTES.values()) + size > GRAPH_CACHE_BYTES
+    ):
+        old = next(iter(_GRAPH_CACHE))
+        _GRAPH_CACHE.pop(old)
+        _GRAPH_BYTES.pop(old, None)
+    _GRAPH_CACHE[key] = (graph, state)
+    _GRAPH_BYTES[key] = size
 
 
 @contextlib.contextmanager
@@ -685,6 +720,7 @@ def forbid_sync() -> Iterator[None]:
 def clear_graph_cache() -> None:
     """Drop every cached CUDA graph (and the memory its static buffers hold)."""
     _GRAPH_CACHE.clear()
+    _GRAPH_BYTES.clear()
 
 
 def drop_graphs(fs: list[Any]) -> None:
@@ -694,6 +730,7 @@ def drop_graphs(fs: list[Any]) -> None:
     ids = {id(f) for f in fs}
     for key in [k for k in _GRAPH_CACHE if len(k) > 1 and id(k[1]) in ids]:
         del _GRAPH_CACHE[key]
+        _GRAPH_BYTES.pop(key, None)
 
 
 def graph_mode(solver: str, options: dict[str, Any]) -> str | None:
@@ -737,7 +774,7 @@ def _first_line(exc: BaseException) -> str:
 def graph_loop(
     solver: str,
     tracker: Tracker,
-    body: Callable[[], None],
+    body: Callable[..., None],
     max_iter: int,
     *,
     mode: str = "capture",
@@ -746,6 +783,7 @@ def graph_loop(
     state: dict[str, Any] | None = None,
     warmup: int = 1,
     steps: int = 1,
+    phase: Callable[[int], int] | None = None,
 ) -> int:
     """Run ``body`` (one solver step on static buffers, ending in ``tracker.device_record``)
     ``warmup`` times eagerly, then capture ``steps`` of it in one CUDA graph and replay it
@@ -763,32 +801,66 @@ def graph_loop(
     ``state``, its static buffers) under ``key`` and replays it from the first step in later
     solves, which is valid only while f and every tensor it reads are the same objects at the
     same addresses (the usual static-input CUDA-graph pattern).
+
+    ``phase``: the steps differ by phase (Broyden reads only the memory rows that can be in
+    use by then): ``phase(n)`` (n: steps made before a chunk, non-decreasing in n) is passed to
+    ``body``, and one graph is captured per phase when first reached (sharing one memory pool).
     """
     nstep = 0
+    graphs: dict[int, Any] = graph if isinstance(graph, dict) else {}
+    if graph is not None and not isinstance(graph, dict):
+        graphs[0] = graph
+
+    def ph(n: int) -> int:
+        return phase(n) if phase is not None else 0
+
+    def run(p: int) -> None:
+        if phase is None:
+            body()
+        else:
+            body(p)
 
     def eager_step(probe: bool = False) -> bool:
         nonlocal nstep
         tracker.dev_j = 0
+        p = ph(nstep)
         if probe:
             try:
                 with forbid_sync():
-                    body()
+                    run(p)
             except RuntimeError as exc:
                 raise GraphCaptureError(
                     f"solver '{solver}': f synchronises with the host ({_first_line(exc)}), so "
                     "it cannot be captured in a CUDA graph"
                 ) from exc
         else:
-            body()
+            run(p)
         nstep += 1
         tracker.commit(1)
         return tracker.stop() or nstep >= max_iter
+
+    def capture(p: int) -> Any:
+        g = torch.cuda.CUDAGraph()
+        pool = next(iter(graphs.values())).pool() if graphs else None
+        try:
+            with torch.cuda.graph(g, pool=pool):
+                for j in range(steps):
+                    tracker.dev_j = j
+                    run(p)
+        except Exception as exc:
+            raise GraphCaptureError(
+                f"solver '{solver}': f could not be captured in a CUDA graph "
+                f"({type(exc).__name__}: {_first_line(exc)}); f "
+                "must not synchronise with the host or change shapes"
+            ) from exc
+        graphs[p] = g
+        return g
 
     if not tracker.cuda:  # no graphs on CPU: the same static body, eagerly (tests use this)
         while not eager_step():
             pass
         return nstep
-    if graph is None:
+    if not graphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         done = False
@@ -802,24 +874,15 @@ def graph_loop(
             while not done:
                 done = eager_step()
             return nstep
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                for j in range(steps):
-                    tracker.dev_j = j
-                    body()
-        except Exception as exc:
-            raise GraphCaptureError(
-                f"solver '{solver}': f could not be captured in a CUDA graph "
-                f"({type(exc).__name__}: {_first_line(exc)}); f "
-                "must not synchronise with the host or change shapes"
-            ) from exc
+        capture(ph(nstep))
         if mode == "cache" and key is not None:
-            while len(_GRAPH_CACHE) >= GRAPH_CACHE_SIZE:
-                _GRAPH_CACHE.pop(next(iter(_GRAPH_CACHE)))
-            _GRAPH_CACHE[key] = (graph, state if state is not None else {})
+            _cache_graph(key, graphs, state if state is not None else {})
     while nstep + steps <= max_iter:
-        graph.replay()
+        p = ph(nstep)
+        g = graphs.get(p)
+        if g is None:  # a later phase, first reached: captured now, kept with the others
+            g = capture(p)
+        g.replay()
         nstep += steps
         tracker.commit(steps)
         if tracker.stop():

@@ -32,10 +32,11 @@ lowest residual below 3 tol and max/min of the last 30 residuals below 1.3), and
 f(x)), the lowest-residual iterate per sample by default.
 
 ``cuda_graph`` runs the same method on static buffers (:func:`_static_steps`): the pair count,
-ring slot and restart flag live on the device, every step reads all ``memory`` pairs with zero
-coefficients on those not in use, and the restart update is folded into the ordinary one
-(B dg = B g+ - r with r = B g the previous direction, or -g on a restart), so one captured step
-serves the whole solve and makes the eager path's iterates up to rounding.
+ring slot and restart flag live on the device, every step reads the pairs that can be in use by
+then (a power-of-two bucket, one captured graph per bucket) with zero coefficients on those not
+in use, and the restart update is folded into the ordinary one (B dg = B g+ - r with r = B g
+the previous direction, or -g on a restart), so a few captured steps serve the whole solve and
+make the eager path's iterates up to rounding.
 """
 
 from __future__ import annotations
@@ -116,9 +117,10 @@ def broyden(
             (default 1e-4).
         stagnation: stop as stagnated, see the module docstring (default True).
         returns, check_every, protect_thres, cuda_graph, graph_steps: as for ``fixed_point``.
-            With ``cuda_graph`` every step works on all ``memory`` pairs (those not in use get
-            zero coefficients) and the restart or ring rule is applied on the device, so one
-            captured step serves the whole solve, with the eager path's iterates up to
+            With ``cuda_graph`` a step works on the pairs that can be in use by then (those
+            not in use get zero coefficients; one captured graph per power-of-two bucket) and
+            the restart or ring rule is applied on the device, so a few captured steps serve
+            the whole solve, with the eager path's iterates up to
             rounding. With ``line_search`` each trial is one step and the backtracking decision
             is made on the device; a rejected trial is recorded as the accepted point again, so
             the traces have one row per f-evaluation (the eager path's one per accepted point)
@@ -344,8 +346,11 @@ def _static_steps(
     point. The step counter, pair count (hence the restart flag and the ring slot) and, with a
     line search, the step sizes, trial count, accepted point and the decision whether to accept
     the last trial (made right after its evaluation, which is recorded as the accepted point
-    again when rejected) live on the device. Every step forms the products with all ``cap``
-    pairs; pairs not in use (not yet written, or dropped by a restart) get zero coefficients.
+    again when rejected) live on the device. A step forms the products with every pair that
+    can be in use by then (after n evaluations at most n - 1 pairs, rounded up to a power of
+    two: one captured graph per bucket, so a 10-step solve with memory 20 reads 3-17 pairs a
+    step instead of 20); pairs not in use (not yet written, or dropped by a restart) get zero
+    coefficients.
     With r = B g(x) (q, or -dx / s) and r = -g(x) on a restart (B = -I again), B dg = B g+ - r,
     so
 
@@ -405,10 +410,23 @@ def _static_steps(
     tiny = torch.finfo(dt).eps ** 0.5
     xv = xs.view(bsz, nc, cd)
     g, dx = A[:, :, 0], A[:, :, 1]
-    An = A.view(bsz * nc, R, cd)
     Wn = A[:, :, :2].view(bsz * nc, 2, cd)  # [g+, dx]
 
-    def update() -> None:
+    def rows_in_use(n: int) -> int:
+        """Pairs a step can use when n evaluations were made before its chunk: at most
+        n + steps - 1, rounded up to a power of two (one captured graph per bucket)."""
+        return min(cap, 1 << max(0, (n + steps - 1).bit_length()))
+
+    views: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def view(pb: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A's first 2 + 2 pb rows (B * nc, rows, cd), C's columns for them, ids of the pairs."""
+        if pb not in views:
+            rp = 2 + 2 * pb
+            views[pb] = (A[:, :, :rp].reshape(bsz * nc, rp, cd), C[:, :, :rp], ids[:pb])
+        return views[pb]
+
+    def update(pb: int) -> None:
         """The Broyden update from the last evaluation (g+ = g, dx: the step to it) and the
         point to evaluate next."""
         upd = it >= 2  # whether an update is made (counted)
@@ -425,16 +443,18 @@ def _static_steps(
             rs = None
             eff = npairs.clamp(max=cap)
             slot = npairs.remainder(cap)
-        use = ids < eff
+        An, Cp, idp = view(pb)
+        rp = An.shape[1]
+        use = idp < eff
         # -- [B g+, v] from two products over A, as the eager path (unused pairs zeroed) ------
         P = torch.bmm(An, Wn.transpose(1, 2))
-        P = P.view(bsz, nc, R, 2).sum(1) if nc > 1 else P.view(bsz, R, 2)
-        C[:, 0, 2::2] = torch.where(use, P[:, 3::2, 0], 0.0)  # v_j . g+
-        C[:, 1, 3::2] = torch.where(use, P[:, 2::2, 1], 0.0)  # u_j . dx
-        Cx = C if nc == 1 else C.unsqueeze(1).expand(bsz, nc, 2, R).reshape(-1, 2, R)
+        P = P.view(bsz, nc, rp, 2).sum(1) if nc > 1 else P.view(bsz, rp, 2)
+        Cp[:, 0, 2::2] = torch.where(use, P[:, 3::2, 0], 0.0)  # v_j . g+
+        Cp[:, 1, 3::2] = torch.where(use, P[:, 2::2, 1], 0.0)  # u_j . dx
+        Cx = Cp if nc == 1 else Cp.unsqueeze(1).expand(bsz, nc, 2, rp).reshape(-1, 2, rp)
         Y = torch.bmm(Cx, An).view(bsz, nc, 2, cd)
         Bg = Y[:, :, 0]
-        e = torch.linalg.vecdot(C[:, 0], P[:, :, 1])  # dx . B g+ (= v . g+)
+        e = torch.linalg.vecdot(Cp[:, 0], P[:, :, 1])  # dx . B g+ (= v . g+)
         dd = P[:, 1, 1]  # dx . dx
         den = e + dd / s.view(bsz) if line_search else e + dd  # v . dg with r = -dx / s
         ref = dd
@@ -490,8 +510,8 @@ def _static_steps(
         else:
             torch.where(upd, npairs + 1, npairs, out=npairs)
 
-    def body() -> None:
-        update()
+    def body(pb: int) -> None:
+        update(pb)
         if restart and not line_search:
             gx.copy_(g)  # g before the step (line search: g at the accepted point, above)
         fx = f(xs)
@@ -514,7 +534,7 @@ def _static_steps(
 
     nstep = graph_loop(
         "broyden", tracker, body, max_iter, mode=gmode, key=key, graph=graph, state=st,
-        steps=steps,
+        steps=steps, phase=rows_in_use,
     )  # fmt: skip
     npairs_, restarts_ = cnt[1:3].tolist()
     return nstep, min(npairs_, cap), restarts_, skipped.clone()

@@ -69,7 +69,7 @@ def fixed_point(
             into them). f is called in the eager step and once during capture (which evaluates
             nothing), not per replay; ``nstep`` counts evaluations. On CPU the static step runs
             eagerly. A DEQ layer turns "cache" on by itself on CUDA (``Runtime.cuda_graph``).
-        graph_steps: steps per captured graph (default "auto": 4 for states of at most 2M
+        graph_steps: steps per captured graph (default "auto": 2 for states of at most 2M
             elements, else 1): the host reads the residuals once per replay, so up to
             graph_steps - 1 steps past convergence may be made (``extra["nstep_to_tol"]``).
 

@@ -239,7 +239,8 @@ def record(
         LOWEST=tracker.lowest,
         COPY=copy_to is not None,
         SLOTS=slots is not None,
-        BLOCK=_block(D),
+        BLOCK=_block(D, hi=4096),
+        num_warps=8 if D >= 8192 else 4,
     )
     _summary_kernel[(1,)](
         tracker.trace,
