@@ -439,6 +439,11 @@ class Tracker:
                 "k": torch.empty(1, dtype=torch.long, device=dev),
                 "nf": torch.empty(self.B, dtype=rdtype, device=dev),
                 "best": torch.empty_like(z0, memory_format=torch.contiguous_format),
+                # the fused kernels' partial sums and per-sample decisions (split states)
+                "part": torch.empty(
+                    self.B * fused.splits(z0[0].numel()) * 2, dtype=rdtype, device=dev
+                ),
+                "flag": torch.empty(self.B, dtype=torch.int32, device=dev),
             }
         bufs["low"].fill_(math.inf)
         bufs["k"].zero_()
@@ -447,6 +452,7 @@ class Tracker:
         self.trace = bufs["trace"]
         self.dev_row, self.dev_st, self.dev_low = bufs["row"], bufs["st"], bufs["low"]
         self.dev_k, self.dev_nf, self.best_z = bufs["k"], bufs["nf"], bufs["best"]
+        self.dev_part, self.dev_flag = bufs["part"], bufs["flag"]
         self.dev_j = 0  # row of dev_st the next device_record writes (the step in its chunk)
         return bufs
 

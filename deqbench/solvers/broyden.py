@@ -33,7 +33,7 @@ f(x)), the lowest-residual iterate per sample by default.
 
 ``cuda_graph`` runs the same method on static buffers (:func:`_static_steps`): the pair count,
 ring slot and restart flag live on the device, every step reads the pairs that can be in use by
-then (a power-of-two bucket, one captured graph per bucket) with zero coefficients on those not
+then (in buckets of 4 pairs or memory / 8, one captured graph per bucket) with zero coefficients on those not
 in use, and the restart update is folded into the ordinary one (B dg = B g+ - r with r = B g
 the previous direction, or -g on a restart), so a few captured steps serve the whole solve and
 make the eager path's iterates up to rounding.
@@ -118,7 +118,7 @@ def broyden(
         stagnation: stop as stagnated, see the module docstring (default True).
         returns, check_every, protect_thres, cuda_graph, graph_steps: as for ``fixed_point``.
             With ``cuda_graph`` a step works on the pairs that can be in use by then (those
-            not in use get zero coefficients; one captured graph per power-of-two bucket) and
+            not in use get zero coefficients; one captured graph per bucket of pairs) and
             the restart or ring rule is applied on the device, so a few captured steps serve
             the whole solve, with the eager path's iterates up to
             rounding. With ``line_search`` each trial is one step and the backtracking decision
@@ -347,9 +347,9 @@ def _static_steps(
     line search, the step sizes, trial count, accepted point and the decision whether to accept
     the last trial (made right after its evaluation, which is recorded as the accepted point
     again when rejected) live on the device. A step forms the products with every pair that
-    can be in use by then (after n evaluations at most n - 1 pairs, rounded up to a power of
-    two: one captured graph per bucket, so a 10-step solve with memory 20 reads 3-17 pairs a
-    step instead of 20); pairs not in use (not yet written, or dropped by a restart) get zero
+    can be in use by then (after n evaluations at most n - 1 pairs, rounded up to a multiple
+    of 4 or memory / 8: one captured graph per bucket, so a 10-step solve with memory 20 reads
+    4-12 pairs a step instead of 20); pairs not in use (not yet written, or dropped by a restart) get zero
     coefficients.
     With r = B g(x) (q, or -dx / s) and r = -g(x) on a restart (B = -I again), B dg = B g+ - r,
     so
@@ -412,10 +412,12 @@ def _static_steps(
     g, dx = A[:, :, 0], A[:, :, 1]
     Wn = A[:, :, :2].view(bsz * nc, 2, cd)  # [g+, dx]
 
+    grain = max(4, -(-cap // 8))  # at most ~8 buckets, hence captured graphs
+
     def rows_in_use(n: int) -> int:
         """Pairs a step can use when n evaluations were made before its chunk: at most
-        n + steps - 1, rounded up to a power of two (one captured graph per bucket)."""
-        return min(cap, 1 << max(0, (n + steps - 1).bit_length()))
+        n + steps - 1, rounded up to a multiple of ``grain`` (one captured graph per bucket)."""
+        return min(cap, max(1, -(-(n + steps - 1) // grain) * grain))
 
     views: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 

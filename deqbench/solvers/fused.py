@@ -6,7 +6,8 @@ and the ring-buffer writes are ~13 small kernels per step in plain torch, each c
 microseconds even inside a CUDA graph, against ~50 us for f itself on the fc1024 cell. The
 kernels here do the same arithmetic in fewer launches:
 
-* :func:`record` (two kernels): one program per sample computes ``||f(x) - x||`` and
+* :func:`record` (two kernels; three for states of more than SPLIT_MIN elements a sample,
+  split over several programs each): one program per sample computes ``||f(x) - x||`` and
   ``||f(x)||``, the relative residual, the running lowest residual and the trace row, copies x
   into the lowest-iterate buffer where it improved, and optionally writes f(x) into the iterate
   (fixed point) or f(x) and f(x) - x into Anderson's ring slot; one program reduces the row to
@@ -41,11 +42,17 @@ except Exception:  # pragma: no cover - depends on the torch build
 ENABLED = os.environ.get("DEQBENCH_FUSED", "1") != "0"
 #: Triton's interpreter runs the kernels on CPU tensors (tests)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-#: a sample's state is reduced by one program; below this batch size a long state would run
-#: on too few programs, and the torch code (many programs per reduction) is faster
-MIN_BATCH = 32
-MAX_UNSPLIT = 1 << 14
+#: a sample's state longer than this is split over several programs of CHUNK elements (three
+#: launches: partial sums, per-sample decisions, copies) so that large states (conv64: 128
+#: samples of 65536) keep every SM streaming; shorter ones take one program per sample (two)
+SPLIT_MIN = 1 << 14
+CHUNK = 1 << 13
 DTYPES = (torch.float32, torch.float64)
+
+
+def splits(numel: int) -> int:
+    """Programs per sample for a per-sample state of ``numel`` elements."""
+    return 1 if numel <= SPLIT_MIN else -(-numel // CHUNK)
 
 
 def usable(*ts: Tensor) -> bool:
@@ -55,7 +62,7 @@ def usable(*ts: Tensor) -> bool:
     t = ts[0]
     if not (t.is_cuda or (INTERPRET and t.device.type == "cpu")) or t.dtype not in DTYPES:
         return False
-    if t.dim() == 0 or (t.shape[0] < MIN_BATCH and t[0].numel() > MAX_UNSPLIT):
+    if t.dim() == 0:
         return False
     return all(x.is_contiguous() and x.dtype == t.dtype and x.device == t.device for x in ts)
 
@@ -145,6 +152,103 @@ if triton is not None:
                 tl.store(out_ptr + base + idx, tl.load(fz_ptr + base + idx, mask=msk), mask=msk)
 
     @triton.jit
+    def _partial_kernel(
+        z_ptr, fz_ptr, F_ptr, G_ptr, part_ptr, k_ptr, D, m, cd, CH,
+        SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        i = tl.program_id(0).to(tl.int64)
+        sp = tl.program_id(1)
+        S = tl.num_programs(1)
+        base = i * D
+        acc_d = tl.zeros([BLOCK], dtype=z_ptr.dtype.element_ty)
+        acc_f = tl.zeros_like(acc_d)
+        nc = D // cd
+        slot = tl.load(k_ptr) % m
+        lo = sp.to(tl.int64) * CH
+        for off in range(0, CH, BLOCK):
+            idx = lo + off + tl.arange(0, BLOCK)
+            msk = (idx < D) & (idx < lo + CH)
+            x = tl.load(z_ptr + base + idx, mask=msk, other=0.0)
+            fx = tl.load(fz_ptr + base + idx, mask=msk, other=0.0)
+            d = fx - x
+            acc_d += d * d
+            acc_f += fx * fx
+            if SLOTS:
+                c = idx // cd
+                o = ((i * nc + c) * m + slot) * cd + (idx - c * cd)
+                tl.store(F_ptr + o, fx, mask=msk)
+                tl.store(G_ptr + o, d, mask=msk)
+        p = part_ptr + (i * S + sp) * 2
+        tl.store(p, tl.sum(acc_d, axis=0))
+        tl.store(p + 1, tl.sum(acc_f, axis=0))
+
+    @triton.jit
+    def _decide_kernel(
+        part_ptr, trace_ptr, low_ptr, flag_ptr, st_ptr, k_ptr, B, S, j, eps,
+        SEL: tl.constexpr, LOWEST: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
+    ):  # fmt: skip
+        """Per sample: the residuals from the partial sums, the lowest-residual decision (flag),
+        the trace row; then the batch summary and the step counter (one program)."""
+        k = tl.load(k_ptr)
+        row = trace_ptr + k * 4 * B
+        cols = tl.arange(0, SP)
+        dt = trace_ptr.dtype.element_ty
+        m0 = tl.full([BLOCK], float("-inf"), dtype=dt)
+        m1, m2, m3 = m0, m0, m0
+        nan = tl.zeros([BLOCK], dtype=tl.int32)
+        for off in range(0, B, BLOCK):
+            ids = off + tl.arange(0, BLOCK)
+            ok = ids < B
+            pm = ok[:, None] & (cols[None, :] < S)
+            pp = part_ptr + (ids[:, None].to(tl.int64) * S + cols[None, :]) * 2
+            a = tl.sqrt(tl.sum(tl.load(pp, mask=pm, other=0.0), axis=1))
+            r = a / (tl.sqrt(tl.sum(tl.load(pp + 1, mask=pm, other=0.0), axis=1)) + eps)
+            tl.store(row + ids, a, mask=ok)
+            tl.store(row + B + ids, r, mask=ok)
+            nan += ((a != a) & ok).to(tl.int32)
+            m0 = tl.maximum(m0, tl.where(ok & (a == a), a, float("-inf")))
+            m1 = tl.maximum(m1, tl.where(ok & (r == r), r, float("-inf")))
+            if LOWEST:
+                res = r if SEL == 1 else a
+                lo = tl.load(low_ptr + ids, mask=ok, other=0.0)
+                better = res <= lo
+                new = tl.where(better, res, lo)
+                tl.store(low_ptr + ids, new, mask=ok)
+                tl.store(row + 2 * B + ids, new, mask=ok)
+                tl.store(row + 3 * B + ids, res - new, mask=ok)
+                tl.store(flag_ptr + ids, better.to(tl.int32), mask=ok)
+                m2 = tl.maximum(m2, tl.where(ok, new, float("-inf")))
+                d3 = res - new
+                m3 = tl.maximum(m3, tl.where(ok & (d3 == d3), d3, float("-inf")))
+        isnan = tl.sum(nan, axis=0) > 0  # a NaN residual: the summary is NaN, as amax gives
+        tl.store(st_ptr + j * 4, tl.where(isnan, float("nan"), tl.max(m0, axis=0)))
+        tl.store(st_ptr + j * 4 + 1, tl.where(isnan, float("nan"), tl.max(m1, axis=0)))
+        if LOWEST:
+            tl.store(st_ptr + j * 4 + 2, tl.max(m2, axis=0))
+            tl.store(st_ptr + j * 4 + 3, tl.where(isnan, float("nan"), tl.max(m3, axis=0)))
+        tl.store(k_ptr, k + 1)
+
+    @triton.jit
+    def _copy_kernel(
+        z_ptr, fz_ptr, best_ptr, out_ptr, flag_ptr, D, CH,
+        LOWEST: tl.constexpr, COPY: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        i = tl.program_id(0).to(tl.int64)
+        lo = tl.program_id(1).to(tl.int64) * CH
+        base = i * D
+        take = (tl.zeros([BLOCK], dtype=tl.int32) + tl.load(flag_ptr + i)) != 0
+        for off in range(0, CH, BLOCK):
+            idx = lo + off + tl.arange(0, BLOCK)
+            msk = (idx < D) & (idx < lo + CH)
+            x = tl.load(z_ptr + base + idx, mask=msk)
+            if LOWEST:
+                tl.store(best_ptr + base + idx, x, mask=msk & take)
+            else:
+                tl.store(best_ptr + base + idx, x, mask=msk)
+            if COPY:
+                tl.store(out_ptr + base + idx, tl.load(fz_ptr + base + idx, mask=msk), mask=msk)
+
+    @triton.jit
     def _summary_kernel(trace_ptr, st_ptr, k_ptr, B, j, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         k = tl.load(k_ptr)
         for q in tl.static_range(ROWS):
@@ -220,11 +324,31 @@ def record(
     m = cd = 1
     if slots is not None:
         F, G, m, cd = slots
+    out = copy_to if copy_to is not None else z
+    S = splits(D)
+    if S > 1:
+        part, flag = tracker.dev_part, tracker.dev_flag
+        assert part is not None and part.numel() >= B * S * 2, "tracker buffers for another D"
+        blk = _block(CHUNK, hi=4096)
+        _partial_kernel[(B, S)](
+            z, fz, F, G, part, tracker.dev_k, D, m, cd, CHUNK,
+            SLOTS=slots is not None, BLOCK=blk,
+        )  # fmt: skip
+        _decide_kernel[(1,)](
+            part, tracker.trace, tracker.dev_low, flag, tracker.dev_st, tracker.dev_k, B, S,
+            tracker.dev_j, 1e-9, SEL=tracker.sel, LOWEST=tracker.lowest, BLOCK=128,
+            SP=max(2, 1 << (S - 1).bit_length()),
+        )  # fmt: skip
+        _copy_kernel[(B, S)](
+            z, fz, tracker.best_z, out, flag, D, CHUNK,
+            LOWEST=tracker.lowest, COPY=copy_to is not None, BLOCK=blk,
+        )  # fmt: skip
+        return
     _record_kernel[(B,)](
         z,
         fz,
         tracker.best_z,
-        copy_to if copy_to is not None else z,
+        out,
         F,
         G,
         tracker.trace,
