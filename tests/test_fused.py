@@ -24,7 +24,7 @@ CHECKS = textwrap.dedent(
     import torch
     import deqbench
     from deqbench.solvers import fused
-    from deqbench.solvers.base import CommonOptions, Tracker
+    from deqbench.solvers.base import CommonOptions, Tracker, clear_graph_cache
 
     dev = sys.argv[1]
     split = sys.argv[2] == "split"
@@ -132,6 +132,7 @@ CHECKS = textwrap.dedent(
                 res = []
                 for on in (False, True):
                     fused.ENABLED = on
+                    clear_graph_cache()  # a cached graph would replay the other variant
                     z, s = deqbench.solvers.get(name)(
                         f, torch.zeros(6, 24, dtype=dt, device=dev), max_iter=40, tol=1e-5,
                         returns=returns, cuda_graph="cache")
