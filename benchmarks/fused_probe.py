@@ -9,9 +9,7 @@ a step's time goes. A diagnostic; the targets are measured by benchmarks/vs_torc
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,25 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cells as cellmod  # noqa: E402
+from graph_probe import timed  # noqa: E402
 
 from deqbench.deq import DEQLayer, SolverConfig  # noqa: E402
 from deqbench.solvers import fused  # noqa: E402
 from deqbench.solvers.base import clear_graph_cache  # noqa: E402
-
-
-def timed(fn, repeats: int, cuda: bool) -> tuple[float, object]:
-    out = fn()
-    out = fn()
-    ts = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        if cuda:
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3, out
 
 
 def main() -> int:
@@ -60,7 +44,7 @@ def main() -> int:
         mod, x = cell.module, cell.x
         with torch.no_grad():
             tf, _ = timed(
-                lambda mod=mod, z0=cell.z0, x=x: [mod(z0, x) for _ in range(20)], 10, cuda
+                lambda mod=mod, z0=cell.z0, x=x: [mod(z0, x) for _ in range(20)], 10, 2, cuda
             )
         tf /= 20
         print(f"\n{cell.desc}: t_f {tf:.4f} ms")
@@ -76,7 +60,7 @@ def main() -> int:
                     with torch.no_grad():
                         return layer.solve(xs[next(it) % 4], torch.zeros_like(z0))
 
-                ms, (z, st) = timed(solve, args.repeats, cuda)
+                ms, (z, st) = timed(solve, args.repeats, 2, cuda)
                 to_tol = st.extra.get("nstep_to_tol", st.nstep)
                 print(
                     f"  {sname:12s} fused={str(on):5s} {ms:8.3f} ms  path {st.path:6s} nstep "

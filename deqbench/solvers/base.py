@@ -473,9 +473,7 @@ class Tracker:
         fused kernels of :mod:`deqbench.solvers.fused` do all of it in two launches (``d``,
         which must equal f(x) - x, is then recomputed in registers instead of read).
         """
-        if fused.tracker_usable(self, z, fz) and (
-            slots is None or (slots[0].is_contiguous() and slots[1].is_contiguous())
-        ):
+        if fused.tracker_usable(self, z, fz, slots):
             fused.record(self, z, fz, copy_to=copy_to, slots=slots)
             return
         if slots is not None:
@@ -764,7 +762,7 @@ def graph_steps(solver: str, options: dict[str, Any], z0: Tensor) -> int:
 
 
 def graph_state(mode: str | None, key: tuple) -> tuple[Any, dict[str, Any]]:
-    """(graph or None, static state dict to fill or reuse) for a solve."""
+    """(the cached graphs by phase or None, static state dict to fill or reuse) for a solve."""
     if mode == "cache" and key in _GRAPH_CACHE:
         hit = _GRAPH_CACHE.pop(key)
         _GRAPH_CACHE[key] = hit  # most recently used
@@ -785,7 +783,7 @@ def graph_loop(
     *,
     mode: str = "capture",
     key: tuple | None = None,
-    graph: Any = None,
+    graph: dict[int, Any] | None = None,
     state: dict[str, Any] | None = None,
     warmup: int = 1,
     steps: int = 1,
@@ -813,9 +811,7 @@ def graph_loop(
     ``body``, and one graph is captured per phase when first reached (sharing one memory pool).
     """
     nstep = 0
-    graphs: dict[int, Any] = graph if isinstance(graph, dict) else {}
-    if graph is not None and not isinstance(graph, dict):
-        graphs[0] = graph
+    graphs: dict[int, Any] = graph if graph is not None else {}  # phase -> captured graph
 
     def ph(n: int) -> int:
         return phase(n) if phase is not None else 0

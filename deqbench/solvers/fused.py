@@ -60,20 +60,23 @@ def usable(*ts: Tensor) -> bool:
     if not ENABLED or triton is None:
         return False
     t = ts[0]
-    if not (t.is_cuda or (INTERPRET and t.device.type == "cpu")) or t.dtype not in DTYPES:
-        return False
-    if t.dim() == 0:
+    on = t.is_cuda or (INTERPRET and t.device.type == "cpu")
+    if not on or t.dtype not in DTYPES or t.dim() == 0:
         return False
     return all(x.is_contiguous() and x.dtype == t.dtype and x.device == t.device for x in ts)
 
 
-def tracker_usable(tracker: Any, z: Tensor, fz: Tensor) -> bool:
-    """Whether :func:`record` can serve this tracker's :meth:`device_record` for (z, f(z))."""
+def tracker_usable(
+    tracker: Any, z: Tensor, fz: Tensor, slots: tuple[Tensor, Tensor, int, int] | None = None
+) -> bool:
+    """Whether :func:`record` can serve this tracker's :meth:`device_record` for (z, f(z))
+    (and the ring buffers ``slots``)."""
+    ring = () if slots is None else slots[:2]
     return (
         tracker.device_mode
         and z.shape == fz.shape
         and tracker.best_z is not None
-        and usable(z, fz, tracker.best_z, tracker.trace)
+        and usable(z, fz, tracker.best_z, tracker.trace, *ring)
     )
 
 
@@ -84,103 +87,90 @@ def _block(n: int, lo: int = 128, hi: int = 2048) -> int:
 if triton is not None:
 
     @triton.jit
-    def _record_kernel(
-        z_ptr,
-        fz_ptr,
-        best_ptr,
-        out_ptr,
-        F_ptr,
-        G_ptr,
-        trace_ptr,
-        low_ptr,
-        k_ptr,
-        D,
-        B,
-        m,
-        cd,
-        eps,
-        SEL: tl.constexpr,
-        LOWEST: tl.constexpr,
-        COPY: tl.constexpr,
-        SLOTS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        i = tl.program_id(0).to(tl.int64)
-        k = tl.load(k_ptr)
+    def _sums(z_ptr, fz_ptr, F_ptr, G_ptr, i, lo, n, D, m, cd, slot, SLOTS: tl.constexpr,
+              BLOCK: tl.constexpr):  # fmt: skip
+        """Sums of (f(x) - x)^2 and f(x)^2 over elements [lo, lo + n) of sample i, writing f(x)
+        and f(x) - x to the ring buffers (B, nc, m, cd) at ``slot`` (``SLOTS``) on the way."""
         base = i * D
         acc_d = tl.zeros([BLOCK], dtype=z_ptr.dtype.element_ty)
         acc_f = tl.zeros_like(acc_d)
         nc = D // cd
-        slot = k % m
-        for off in range(0, D, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            msk = idx < D
+        for off in range(0, n, BLOCK):
+            idx = lo + off + tl.arange(0, BLOCK)
+            msk = (idx < D) & (off + tl.arange(0, BLOCK) < n)
             x = tl.load(z_ptr + base + idx, mask=msk, other=0.0)
             fx = tl.load(fz_ptr + base + idx, mask=msk, other=0.0)
             d = fx - x
             acc_d += d * d
             acc_f += fx * fx
-            if SLOTS:  # ring buffers (B, nc, m, cd): chunk c = idx // cd, element idx % cd
+            if SLOTS:  # chunk c = idx // cd, element idx % cd
                 c = idx // cd
                 o = ((i * nc + c) * m + slot) * cd + (idx - c * cd)
                 tl.store(F_ptr + o, fx, mask=msk)
                 tl.store(G_ptr + o, d, mask=msk)
-        a = tl.sqrt(tl.sum(acc_d, axis=0))
-        r = a / (tl.sqrt(tl.sum(acc_f, axis=0)) + eps)
+        return tl.sum(acc_d, axis=0), tl.sum(acc_f, axis=0)
+
+    @triton.jit
+    def _copies(z_ptr, fz_ptr, best_ptr, out_ptr, i, lo, n, D, better, LOWEST: tl.constexpr,
+                COPY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Elements [lo, lo + n) of sample i: x into the lowest-iterate buffer (where
+        ``better``, or always unless ``LOWEST``), then f(x) into ``out`` (``COPY``; out may
+        be x itself: read before written)."""
+        base = i * D
+        # as a block (Triton's interpreter cannot combine a scalar mask with a block one)
+        take = (tl.zeros([BLOCK], dtype=tl.int32) + better.to(tl.int32)) != 0
+        for off in range(0, n, BLOCK):
+            idx = lo + off + tl.arange(0, BLOCK)
+            msk = (idx < D) & (off + tl.arange(0, BLOCK) < n)
+            x = tl.load(z_ptr + base + idx, mask=msk)
+            if LOWEST:
+                tl.store(best_ptr + base + idx, x, mask=msk & take)
+            else:
+                tl.store(best_ptr + base + idx, x, mask=msk)
+            if COPY:
+                tl.store(out_ptr + base + idx, tl.load(fz_ptr + base + idx, mask=msk), mask=msk)
+
+    @triton.jit
+    def _record_kernel(
+        z_ptr, fz_ptr, best_ptr, out_ptr, F_ptr, G_ptr, trace_ptr, low_ptr, k_ptr, D, B, m, cd,
+        eps, SEL: tl.constexpr, LOWEST: tl.constexpr, COPY: tl.constexpr,
+        SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One program per sample: residuals, lowest-residual decision, trace row, copies."""
+        i = tl.program_id(0).to(tl.int64)
+        k = tl.load(k_ptr)
+        sd, sf = _sums(z_ptr, fz_ptr, F_ptr, G_ptr, i, 0, D, D, m, cd, k % m, SLOTS, BLOCK)
+        a = tl.sqrt(sd)
+        r = a / (tl.sqrt(sf) + eps)
         row = trace_ptr + k * 4 * B + i
         tl.store(row, a)
         tl.store(row + B, r)
+        better = a == a  # unused without LOWEST
         if LOWEST:
             res = r if SEL == 1 else a
             lo = tl.load(low_ptr + i)
             better = res <= lo  # NaN never
-            # as a block (Triton's interpreter cannot combine a scalar mask with a block one)
-            take = (tl.zeros([BLOCK], dtype=tl.int32) + better.to(tl.int32)) != 0
             new = tl.where(better, res, lo)
             tl.store(low_ptr + i, new)
             tl.store(row + 2 * B, new)
             tl.store(row + 3 * B, res - new)
-        for off in range(0, D, BLOCK):  # second pass over the sample (from L2 on small cells)
-            idx = off + tl.arange(0, BLOCK)
-            msk = idx < D
-            x = tl.load(z_ptr + base + idx, mask=msk)
-            if LOWEST:  # x becomes the sample's lowest iterate where it improved
-                tl.store(best_ptr + base + idx, x, mask=msk & take)
-            else:
-                tl.store(best_ptr + base + idx, x, mask=msk)
-            if COPY:  # the next iterate is f(x) (out may be x itself: read before written)
-                tl.store(out_ptr + base + idx, tl.load(fz_ptr + base + idx, mask=msk), mask=msk)
+        # second pass over the sample (from L2 on small cells)
+        _copies(z_ptr, fz_ptr, best_ptr, out_ptr, i, 0, D, D, better, LOWEST, COPY, BLOCK)
 
     @triton.jit
     def _partial_kernel(
         z_ptr, fz_ptr, F_ptr, G_ptr, part_ptr, k_ptr, D, m, cd, CH,
         SLOTS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
+        """Programs (sample, chunk of CH elements): the partial sums of a split sample."""
         i = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
-        S = tl.num_programs(1)
-        base = i * D
-        acc_d = tl.zeros([BLOCK], dtype=z_ptr.dtype.element_ty)
-        acc_f = tl.zeros_like(acc_d)
-        nc = D // cd
         slot = tl.load(k_ptr) % m
         lo = sp.to(tl.int64) * CH
-        for off in range(0, CH, BLOCK):
-            idx = lo + off + tl.arange(0, BLOCK)
-            msk = (idx < D) & (idx < lo + CH)
-            x = tl.load(z_ptr + base + idx, mask=msk, other=0.0)
-            fx = tl.load(fz_ptr + base + idx, mask=msk, other=0.0)
-            d = fx - x
-            acc_d += d * d
-            acc_f += fx * fx
-            if SLOTS:
-                c = idx // cd
-                o = ((i * nc + c) * m + slot) * cd + (idx - c * cd)
-                tl.store(F_ptr + o, fx, mask=msk)
-                tl.store(G_ptr + o, d, mask=msk)
-        p = part_ptr + (i * S + sp) * 2
-        tl.store(p, tl.sum(acc_d, axis=0))
-        tl.store(p + 1, tl.sum(acc_f, axis=0))
+        sd, sf = _sums(z_ptr, fz_ptr, F_ptr, G_ptr, i, lo, CH, D, m, cd, slot, SLOTS, BLOCK)
+        p = part_ptr + (i * tl.num_programs(1) + sp) * 2
+        tl.store(p, sd)
+        tl.store(p + 1, sf)
 
     @triton.jit
     def _decide_kernel(
@@ -233,20 +223,11 @@ if triton is not None:
         z_ptr, fz_ptr, best_ptr, out_ptr, flag_ptr, D, CH,
         LOWEST: tl.constexpr, COPY: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
+        """Programs (sample, chunk): the copies of a split sample, by its decision flag."""
         i = tl.program_id(0).to(tl.int64)
         lo = tl.program_id(1).to(tl.int64) * CH
-        base = i * D
-        take = (tl.zeros([BLOCK], dtype=tl.int32) + tl.load(flag_ptr + i)) != 0
-        for off in range(0, CH, BLOCK):
-            idx = lo + off + tl.arange(0, BLOCK)
-            msk = (idx < D) & (idx < lo + CH)
-            x = tl.load(z_ptr + base + idx, mask=msk)
-            if LOWEST:
-                tl.store(best_ptr + base + idx, x, mask=msk & take)
-            else:
-                tl.store(best_ptr + base + idx, x, mask=msk)
-            if COPY:
-                tl.store(out_ptr + base + idx, tl.load(fz_ptr + base + idx, mask=msk), mask=msk)
+        better = tl.load(flag_ptr + i) != 0
+        _copies(z_ptr, fz_ptr, best_ptr, out_ptr, i, lo, CH, D, better, LOWEST, COPY, BLOCK)
 
     @triton.jit
     def _summary_kernel(trace_ptr, st_ptr, k_ptr, B, j, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -312,12 +293,14 @@ def record(
     copy_to: Tensor | None = None,
     slots: tuple[Tensor, Tensor, int, int] | None = None,
 ) -> None:
-    """The fused :meth:`Tracker.device_record` (two launches).
+    """The fused :meth:`Tracker.device_record` (two launches; three for a split state).
 
     ``copy_to``: write f(x) there after x was read (the fixed-point update); ``slots``: (F, G,
     m, cd) ring buffers of shape (B, nc, m, cd) that get f(x) and f(x) - x at slot ``k % m``
     (k: the tracker's step counter before this step).
     """
+    from .base import EPS  # base imports this module
+
     B = tracker.B
     D = z.numel() // B
     F = G = z
@@ -336,7 +319,7 @@ def record(
         )  # fmt: skip
         _decide_kernel[(1,)](
             part, tracker.trace, tracker.dev_low, flag, tracker.dev_st, tracker.dev_k, B, S,
-            tracker.dev_j, 1e-9, SEL=tracker.sel, LOWEST=tracker.lowest, BLOCK=128,
+            tracker.dev_j, EPS, SEL=tracker.sel, LOWEST=tracker.lowest, BLOCK=128,
             SP=max(2, 1 << (S - 1).bit_length()),
         )  # fmt: skip
         _copy_kernel[(B, S)](
@@ -345,27 +328,10 @@ def record(
         )  # fmt: skip
         return
     _record_kernel[(B,)](
-        z,
-        fz,
-        tracker.best_z,
-        out,
-        F,
-        G,
-        tracker.trace,
-        tracker.dev_low,
-        tracker.dev_k,
-        D,
-        B,
-        m,
-        cd,
-        1e-9,
-        SEL=tracker.sel,
-        LOWEST=tracker.lowest,
-        COPY=copy_to is not None,
-        SLOTS=slots is not None,
-        BLOCK=_block(D, hi=4096),
-        num_warps=8 if D >= 8192 else 4,
-    )
+        z, fz, tracker.best_z, out, F, G, tracker.trace, tracker.dev_low, tracker.dev_k, D, B,
+        m, cd, EPS, SEL=tracker.sel, LOWEST=tracker.lowest, COPY=copy_to is not None,
+        SLOTS=slots is not None, BLOCK=_block(D, hi=4096), num_warps=8 if D >= 8192 else 4,
+    )  # fmt: skip
     _summary_kernel[(1,)](
         tracker.trace,
         tracker.dev_st,
