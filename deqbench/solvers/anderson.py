@@ -107,16 +107,17 @@ def anderson(
     if not (lam >= 0 and lam_abs >= 0):
         raise option_error("anderson", f"lam and lam_abs must be >= 0, got {lam}, {lam_abs}")
 
+    gmode = graph_mode("anderson", options)
     tracker = Tracker(
-        "anderson", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=common
-    )
+        "anderson", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=common,
+        static=gmode is not None,
+    )  # fmt: skip
     shape = z0.shape
     bsz = int(shape[0])
     dim = flat(z0).shape[1]
     nc, cd = chunking(bsz, dim, z0.device)  # each sample's vector as nc chunks of length cd
     m = min(m, max_iter)
     dev, dt = z0.device, z0.dtype
-    gmode = graph_mode("anderson", options)
     if gmode is not None:
         steps = graph_steps("anderson", options, z0)
         nstep, fallbacks = _static_steps(

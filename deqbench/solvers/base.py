@@ -345,6 +345,7 @@ class Tracker:
         stop_mode: str,
         common: CommonOptions,
         stagnation: tuple[int, float, float] | None = None,
+        static: bool = False,
     ) -> None:
         if not z0.is_floating_point():
             raise option_error(solver, f"z0 must be a floating-point tensor, got {z0.dtype}")
@@ -366,14 +367,17 @@ class Tracker:
             else torch.float32
         )
         n = int(max_iter)
-        # rows: abs, rel, running lowest (stop mode), res - lowest
-        self.trace = torch.empty(n, 4, self.B, dtype=rdtype, device=dev)
-        self.dstats = torch.empty(n, 4, dtype=rdtype, device=dev)  # unused entries never read
-        if self.cuda:
-            self.hstats = torch.empty(n, 4, dtype=rdtype, pin_memory=True)
-            self.events: list[Any] = [None] * n
-        else:
-            self.hstats = self.dstats
+        self.events: list[Any] = [None] * n
+        # events are recorded on this stream (looked up once: it costs ~10 us per call)
+        self.stream = torch.cuda.current_stream(dev) if self.cuda else None
+        if not static:  # else enable_device_mode brings (cached) static buffers
+            # rows: abs, rel, running lowest (stop mode), res - lowest
+            self.trace = torch.empty(n, 4, self.B, dtype=rdtype, device=dev)
+            self.dstats = torch.empty(n, 4, dtype=rdtype, device=dev)  # unused entries never read
+            self.hstats = (
+                torch.empty(n, 4, dtype=rdtype, pin_memory=True) if self.cuda else self.dstats
+            )
+        self.n, self.rdtype = n, rdtype
         self.bshape = (self.B,) + (1,) * (len(self.shape) - 1)
         self.k = 0  # steps recorded
         self.read = 0  # steps whose summary the host has consumed
@@ -414,7 +418,7 @@ class Tracker:
         if self.cuda:
             self.hstats[k].copy_(st, non_blocking=True)
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(self.stream)
             self.events[k] = ev
         self.k = k + 1
         self.bounds.append(self.k)
@@ -427,12 +431,16 @@ class Tracker:
         tensors, so :meth:`device_record` can be captured in a CUDA graph.
 
         ``bufs`` (from an earlier solve of the same shapes, for a cached graph) is reset and
-        reused; the buffers are returned.
+        reused; the buffers are returned. A tracker made with ``static=True`` allocates no
+        buffers of its own and must call this before its first step.
         """
-        dev, rdtype = self.trace.device, self.trace.dtype
+        dev, rdtype, n = z0.device, self.rdtype, self.n
         if bufs is None:
+            dstats = torch.empty(n, 4, dtype=rdtype, device=dev)
             bufs = {
-                "trace": self.trace,
+                "trace": torch.empty(n, 4, self.B, dtype=rdtype, device=dev),
+                "dstats": dstats,
+                "hstats": torch.empty(n, 4, dtype=rdtype, pin_memory=True) if self.cuda else dstats,
                 "row": torch.empty(4, self.B, dtype=rdtype, device=dev),
                 "st": torch.zeros(GRAPH_STEPS_MAX, 4, dtype=rdtype, device=dev),
                 "low": torch.empty(self.B, dtype=rdtype, device=dev),
@@ -449,7 +457,7 @@ class Tracker:
         bufs["k"].zero_()
         bufs["best"].copy_(z0)
         self.device_mode = True
-        self.trace = bufs["trace"]
+        self.trace, self.dstats, self.hstats = bufs["trace"], bufs["dstats"], bufs["hstats"]
         self.dev_row, self.dev_st, self.dev_low = bufs["row"], bufs["st"], bufs["low"]
         self.dev_k, self.dev_nf, self.best_z = bufs["k"], bufs["nf"], bufs["best"]
         self.dev_part, self.dev_flag = bufs["part"], bufs["flag"]
@@ -474,7 +482,7 @@ class Tracker:
         which must equal f(x) - x, is then recomputed in registers instead of read).
         """
         if fused.tracker_usable(self, z, fz, slots):
-            fused.record(self, z, fz, copy_to=copy_to, slots=slots)
+            fused.record(self, z, fz, copy_to=copy_to, slots=slots, eps=EPS)
             return
         if slots is not None:
             F, G, m, cd = slots
@@ -511,7 +519,7 @@ class Tracker:
         if self.cuda:
             self.hstats[k : k + steps].copy_(self.dev_st[:steps], non_blocking=True)
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(self.stream)
             self.events[k + steps - 1] = ev
         else:
             self.dstats[k : k + steps].copy_(self.dev_st[:steps])
@@ -610,14 +618,18 @@ class Tracker:
         Everything the host needs (converged, lowest step) comes from the step summaries it
         already read, so no further synchronisation is needed in the usual case.
         """
+        k = self.k
+        trace = self.trace[:k]
+        z = self.best_z
+        if self.device_mode:  # static buffers, reused by the next solve of a cached graph;
+            # copied before the host waits for the last step (the copies queue behind it)
+            trace, z = trace.clone(), cast(Tensor, z).clone()
         self._consume(self.k)
         while self.pending:
             self._resolve(self.pending[0][0], False)
-        assert self.best_z is not None, "finish() before record()"
-        k = self.k
-        trace = self.trace[:k]
-        if self.device_mode:  # static buffers, reused by the next solve of a cached graph
-            trace = trace.clone()
+        if not self.device_mode:  # reading may have resolved pending iterates
+            z = self.best_z
+        assert z is not None, "finish() before record()"
         dev = trace.device
         if self.lowest and not self.last_allbetter:
             # the step each sample's returned iterate comes from: the last that matched the
@@ -652,9 +664,6 @@ class Tracker:
         )
         if self.device_mode and self.cuda:
             stats.path = "graph"
-        z = self.best_z
-        if self.device_mode:
-            z = z.clone()
         if z.shape != self.shape:
             z = z.reshape(self.shape)
         return z, stats
@@ -866,11 +875,13 @@ def graph_loop(
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         done = False
+        main, tracker.stream = tracker.stream, side  # the warm-up's events on its stream
         with torch.cuda.stream(side):
             for _ in range(warmup):
                 if eager_step(probe=True):
                     done = True
                     break
+        tracker.stream = main
         torch.cuda.current_stream().wait_stream(side)
         if done or nstep + steps > max_iter:
             while not done:

@@ -162,6 +162,7 @@ def broyden(
         stop_mode=stop_mode,
         common=common,
         stagnation=stagnation,
+        static=gmode is not None,
     )
     shape = z0.shape
     bsz = int(shape[0])

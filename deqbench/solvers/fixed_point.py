@@ -88,10 +88,11 @@ def fixed_point(
     if not 0 < tau <= 1:
         raise option_error("fixed_point", f"tau must be in (0, 1], got {tau}")
 
-    tracker = Tracker(
-        "fixed_point", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=common
-    )
     gmode = graph_mode("fixed_point", options)
+    tracker = Tracker(
+        "fixed_point", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=common,
+        static=gmode is not None,
+    )  # fmt: skip
     if gmode is not None:
         steps = graph_steps("fixed_point", options, z0)
         key = ("fixed_point", f, tuple(z0.shape), z0.dtype, z0.device, max_iter, tau,

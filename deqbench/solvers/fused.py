@@ -292,15 +292,15 @@ def record(
     *,
     copy_to: Tensor | None = None,
     slots: tuple[Tensor, Tensor, int, int] | None = None,
+    eps: float = 1e-9,
 ) -> None:
-    """The fused :meth:`Tracker.device_record` (two launches; three for a split state).
+    """The fused :meth:`Tracker.device_record` (two launches; three for a split state);
+    ``eps`` as in the relative residual (``solvers.base.EPS``).
 
     ``copy_to``: write f(x) there after x was read (the fixed-point update); ``slots``: (F, G,
     m, cd) ring buffers of shape (B, nc, m, cd) that get f(x) and f(x) - x at slot ``k % m``
     (k: the tracker's step counter before this step).
     """
-    from .base import EPS  # base imports this module
-
     B = tracker.B
     D = z.numel() // B
     F = G = z
@@ -319,7 +319,7 @@ def record(
         )  # fmt: skip
         _decide_kernel[(1,)](
             part, tracker.trace, tracker.dev_low, flag, tracker.dev_st, tracker.dev_k, B, S,
-            tracker.dev_j, EPS, SEL=tracker.sel, LOWEST=tracker.lowest, BLOCK=128,
+            tracker.dev_j, eps, SEL=tracker.sel, LOWEST=tracker.lowest, BLOCK=128,
             SP=max(2, 1 << (S - 1).bit_length()),
         )  # fmt: skip
         _copy_kernel[(B, S)](
@@ -329,7 +329,7 @@ def record(
         return
     _record_kernel[(B,)](
         z, fz, tracker.best_z, out, F, G, tracker.trace, tracker.dev_low, tracker.dev_k, D, B,
-        m, cd, EPS, SEL=tracker.sel, LOWEST=tracker.lowest, COPY=copy_to is not None,
+        m, cd, eps, SEL=tracker.sel, LOWEST=tracker.lowest, COPY=copy_to is not None,
         SLOTS=slots is not None, BLOCK=_block(D, hi=4096), num_warps=8 if D >= 8192 else 4,
     )  # fmt: skip
     _summary_kernel[(1,)](
