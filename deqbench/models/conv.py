@@ -3,12 +3,21 @@
 Cell: f(z, x) = GN3(ReLU(z + GN2(x + conv2(GN1(ReLU(conv1(z))))))), 3x3 convs without bias,
 weights N(0, 0.01^2), GroupNorm with 8 groups. Model: conv stem + BatchNorm -> DEQ -> BatchNorm ->
 average pool -> linear head.
+
+Under a bfloat16 (or float16) autocast (``runtime.amp: bf16``) the cell runs end to end in that
+dtype: plain autocast runs the convolutions in bf16 but puts every GroupNorm in float32, so the
+norms, additions and the casts between them (all memory-bound) cost more than the convolutions
+they sit between. Here the activations stay in bf16, the GroupNorms take bf16 input with their
+statistics accumulated in float32 (PyTorch's kernels do), and the output is bf16 (the DEQ layer
+casts it back to the float32 iterate). ``lowp_norms = False`` gives plain autocast instead.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.deq import DEQLayer, DEQModel
@@ -24,8 +33,24 @@ def _groups(c: int, groups: int) -> int:
     return g
 
 
+def _lowp_dtype(t: Tensor) -> torch.dtype | None:
+    """The autocast dtype on ``t``'s device when it is a 16-bit float (else None)."""
+    dev = t.device.type
+    if not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    return dt if dt in (torch.bfloat16, torch.float16) else None
+
+
 class ResNetCell(nn.Module):
-    """f(z, x) = GN3(relu(z + GN2(x + conv2(GN1(relu(conv1(z)))))))."""
+    """f(z, x) = GN3(relu(z + GN2(x + conv2(GN1(relu(conv1(z)))))));
+
+    under a 16-bit autocast end to end in that dtype (``lowp_norms``, see the module docstring).
+    """
+
+    #: under a 16-bit autocast: GroupNorms on 16-bit activations (False: plain autocast, which
+    #: runs them in float32)
+    lowp_norms = True
 
     def __init__(self, channels: int, inner: int, groups: int = 8, kernel: int = 3) -> None:
         super().__init__()
@@ -39,8 +64,28 @@ class ResNetCell(nn.Module):
         nn.init.normal_(self.conv2.weight, 0.0, 0.01)
 
     def forward(self, z: Tensor, x: Tensor) -> Tensor:
+        dt = _lowp_dtype(z) if self.lowp_norms else None
+        if dt is not None:
+            return self._forward_lowp(z, x, dt)
         y = self.norm1(self.conv1(z).relu_())
         return self.norm3((z + self.norm2(x + self.conv2(y))).relu_())
+
+    def _forward_lowp(self, z: Tensor, x: Tensor, dt: torch.dtype) -> Tensor:
+        """The same map with every activation in ``dt`` (GroupNorm statistics in float32)."""
+
+        def conv(m: nn.Conv2d, t: Tensor) -> Tensor:
+            return F.conv2d(t, m.weight.to(dt), None, m.stride, m.padding, m.dilation, m.groups)
+
+        def norm(m: nn.GroupNorm, t: Tensor) -> Tensor:
+            w = None if m.weight is None else m.weight.to(dt)
+            b = None if m.bias is None else m.bias.to(dt)
+            return F.group_norm(t, m.num_groups, w, b, m.eps)
+
+        with torch.autocast(z.device.type, enabled=False):
+            zl = z.to(dt)
+            y = norm(self.norm1, conv(self.conv1, zl).relu_())
+            h = norm(self.norm2, conv(self.conv2, y).add_(x.to(dt)))
+            return norm(self.norm3, h.add_(zl).relu_())
 
 
 class ConvDEQ(DEQModel):

@@ -392,11 +392,40 @@ class Tracker:
         self.last_allbetter = True  # host: whether every sample improved at the last read step
         self.bounds: list[int] = []  # step counts after each host-visible chunk (events there)
         self.conv_at: int | None = None  # f-evaluations up to the first iterate below tol
+        self._inf: Tensor | None = None  # fused eager record: see inf_row, eager_part
+        self._part: Tensor | None = None
 
     # -- per step ---------------------------------------------------------------------------
-    def record(self, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
-        """Record iterate ``z`` with ``fz = f(z)`` and ``d = fz - z`` (None: computed here)."""
+    def record(
+        self,
+        z: Tensor,
+        fz: Tensor,
+        d: Tensor | None,
+        *,
+        slots: tuple[Tensor, Tensor, int, int] | None = None,
+    ) -> None:
+        """Record iterate ``z`` with ``fz = f(z)`` and ``d = fz - z`` (None: computed here).
+
+        ``slots``: (F, G, m, cd), ring buffers of shape (B, nc, m, cd) that get f(x) and
+        f(x) - x at slot ``k % m`` (k: steps recorded before this one; Anderson; ``d`` is then
+        ignored). On CUDA the trace row and the batch summary come from the fused kernels of
+        :mod:`deqbench.solvers.fused` (two launches, the ring writes included; ``d``, which must
+        equal f(x) - x, is recomputed in registers instead of read)."""
         k = self.k
+        ring = () if slots is None else slots[:2]
+        if z.shape == fz.shape and fused.usable(z, fz, self.trace, *ring):
+            fused.record_eager(self, z, fz, k, slots=slots, eps=EPS)
+            if self.lowest and k > 0:
+                self.pending.append((k, z))
+            else:
+                self.best_z = z
+            self._host_copy(k, self.dstats[k])
+            return
+        if slots is not None:
+            F, G, m, cd = slots
+            slot = k % m
+            F[:, :, slot].copy_(fz.reshape(self.B, -1, cd))
+            d = torch.sub(F[:, :, slot], z.reshape(self.B, -1, cd), out=G[:, :, slot])
         tr = self.trace[k]
         batch_norm(fz - z if d is None else d, out=tr[0])
         nf = batch_norm(fz).add_(EPS)
@@ -415,6 +444,10 @@ class Tracker:
             torch.sub(res, tr[2], out=tr[3])
             torch.amax(tr, dim=1, out=st)
             self.pending.append((k, z))
+        self._host_copy(k, st)
+
+    def _host_copy(self, k: int, st: Tensor) -> None:
+        """Step k's summary to pinned host memory (asynchronously on CUDA) and its event."""
         if self.cuda:
             self.hstats[k].copy_(st, non_blocking=True)
             ev = torch.cuda.Event()
@@ -422,6 +455,19 @@ class Tracker:
             self.events[k] = ev
         self.k = k + 1
         self.bounds.append(self.k)
+
+    @property
+    def inf_row(self) -> Tensor:
+        """(B,) of +inf: the running lowest before the first step (fused eager record)."""
+        if self._inf is None:
+            self._inf = torch.full((self.B,), math.inf, dtype=self.rdtype, device=self.trace.device)
+        return self._inf
+
+    def eager_part(self, S: int) -> Tensor:
+        """Scratch for the fused eager record's partial sums of a state split in S programs."""
+        if self._part is None or self._part.numel() < self.B * S * 2:
+            self._part = torch.empty(self.B * S * 2, dtype=self.rdtype, device=self.trace.device)
+        return self._part
 
     # -- device mode (CUDA graphs) ----------------------------------------------------------
     def enable_device_mode(

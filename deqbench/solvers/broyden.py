@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ..core.registry import solvers
+from . import fused
 from .base import (
     COMMON_OPTIONS,
     CommonOptions,
@@ -362,6 +363,11 @@ def _static_steps(
     own expressions. Before the first evaluation every buffer is zero and the update is a no-op
     (dx = 0); after it, dx = 0 makes the update degenerate, which leaves q+ = -g_0: the eager
     path's first (fixed-point) step. Neither stores a pair or counts a skip.
+
+    Without a line search, where :func:`~deqbench.solvers.fused.usable` (CUDA with Triton), the
+    update and ``gx = g`` are :func:`~deqbench.solvers.fused.broyden_update`: two Triton
+    kernels instead of ~60 small torch ones (restart rule; ~45 for the ring), the same
+    arithmetic up to sum order; the torch code below is the reference and runs elsewhere.
     """
     shape, dev, dt = z0.shape, z0.device, z0.dtype
     bsz = int(shape[0])
@@ -411,6 +417,10 @@ def _static_steps(
     tiny = torch.finfo(dt).eps ** 0.5
     xv = xs.view(bsz, nc, cd)
     g, dx = A[:, :, 0], A[:, :, 1]
+    # the update and gx = g as two Triton kernels (fused.broyden_update) where they can run
+    fz = not line_search and fused.usable(A, xs, *(() if gx is None else (gx,)))
+    if fz and "fused" not in st:
+        st["fused"] = fused.broyden_buffers(A)  # partial products, counter snapshot
     Wn = A[:, :, :2].view(bsz * nc, 2, cd)  # [g+, dx]
 
     grain = max(4, -(-cap // 8))  # at most ~8 buckets, hence captured graphs
@@ -431,7 +441,10 @@ def _static_steps(
 
     def update(pb: int) -> None:
         """The Broyden update from the last evaluation (g+ = g, dx: the step to it) and the
-        point to evaluate next."""
+        point to evaluate next (without a line search: and gx = g, see ``body``)."""
+        if fz:
+            fused.broyden_update(A, xv, gx, cnt, skipped, st["fused"], pb, cap, tiny)
+            return
         upd = it >= 2  # whether an update is made (counted)
         if line_search:
             acc = accb  # the last trial was accepted (decided after its evaluation)
@@ -515,7 +528,7 @@ def _static_steps(
 
     def body(pb: int) -> None:
         update(pb)
-        if restart and not line_search:
+        if restart and not line_search and not fz:
             gx.copy_(g)  # g before the step (line search: g at the accepted point, above)
         fx = f(xs)
         check_output("broyden", xs, fx)

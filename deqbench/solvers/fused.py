@@ -15,10 +15,16 @@ kernels here do the same arithmetic in fewer launches:
 * :func:`anderson_weights` (one kernel): the regularised m x m least-squares system per sample,
   solved in float64 by Gauss-Jordan elimination (the matrix is symmetric positive definite), the
   normalised weights, and the one-hot fallback for a sample whose solve is not finite.
+* :func:`broyden_update` (two kernels): Broyden's static step without a line search (the
+  update from the last evaluation and the next point), ~60 small torch kernels a step
+  otherwise: the chunks' partial products of the pair buffer with g+ and dx, then per
+  (sample, chunk) the per-sample coefficients and decisions from them, B g+, the new pair
+  [u, v], the next step dx and x + dx, the skip count, pair count and restart count.
 
 They replace the torch code of :meth:`~deqbench.solvers.base.Tracker.device_record` and
 Anderson's static step exactly up to rounding (sum order of the norms); the torch code stays
-the reference and runs wherever these do not (CPU, no Triton, ``DEQBENCH_FUSED=0``). Tests run
+the reference and runs wherever these do not (CPU, no Triton, ``DEQBENCH_FUSED=0``, a Broyden
+line search). Tests run
 them on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``) against the torch code, and
 on the GPU machine in ``gpu``-marked tests.
 """
@@ -47,6 +53,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: samples of 65536) keep every SM streaming; shorter ones take one program per sample (two)
 SPLIT_MIN = 1 << 14
 CHUNK = 1 << 13
+#: Broyden: a chunk of the pair buffer longer than this is split over several programs; a
+#: program reads its rows in tiles of at most BROYDEN_TILE elements (rows x columns)
+BROYDEN_PIECE = 1 << 12
+BROYDEN_TILE = 1 << 12
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -130,15 +140,21 @@ if triton is not None:
             if COPY:
                 tl.store(out_ptr + base + idx, tl.load(fz_ptr + base + idx, mask=msk), mask=msk)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["kh"])  # a new value must not recompile
     def _record_kernel(
-        z_ptr, fz_ptr, best_ptr, out_ptr, F_ptr, G_ptr, trace_ptr, low_ptr, k_ptr, D, B, m, cd,
-        eps, SEL: tl.constexpr, LOWEST: tl.constexpr, COPY: tl.constexpr,
-        SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+        z_ptr, fz_ptr, best_ptr, out_ptr, F_ptr, G_ptr, trace_ptr, low_ptr, k_ptr, kh, D, B, m,
+        cd, eps, SEL: tl.constexpr, LOWEST: tl.constexpr, COPY: tl.constexpr,
+        SLOTS: tl.constexpr, HOSTK: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """One program per sample: residuals, lowest-residual decision, trace row, copies."""
+        """One program per sample: residuals, lowest-residual decision, trace row, copies.
+
+        ``HOSTK`` (the eager tracker): the step is ``kh``, the running lowest is read from
+        ``low_ptr`` (the previous trace row) and not written back, no lowest-iterate copy."""
         i = tl.program_id(0).to(tl.int64)
-        k = tl.load(k_ptr)
+        if HOSTK:
+            k = kh
+        else:
+            k = tl.load(k_ptr)
         sd, sf = _sums(z_ptr, fz_ptr, F_ptr, G_ptr, i, 0, D, D, m, cd, k % m, SLOTS, BLOCK)
         a = tl.sqrt(sd)
         r = a / (tl.sqrt(sf) + eps)
@@ -151,35 +167,44 @@ if triton is not None:
             lo = tl.load(low_ptr + i)
             better = res <= lo  # NaN never
             new = tl.where(better, res, lo)
-            tl.store(low_ptr + i, new)
+            if not HOSTK:
+                tl.store(low_ptr + i, new)
             tl.store(row + 2 * B, new)
             tl.store(row + 3 * B, res - new)
-        # second pass over the sample (from L2 on small cells)
-        _copies(z_ptr, fz_ptr, best_ptr, out_ptr, i, 0, D, D, better, LOWEST, COPY, BLOCK)
+        if not HOSTK:  # second pass over the sample (from L2 on small cells)
+            _copies(z_ptr, fz_ptr, best_ptr, out_ptr, i, 0, D, D, better, LOWEST, COPY, BLOCK)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["kh"])  # a new value must not recompile
     def _partial_kernel(
-        z_ptr, fz_ptr, F_ptr, G_ptr, part_ptr, k_ptr, D, m, cd, CH,
-        SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+        z_ptr, fz_ptr, F_ptr, G_ptr, part_ptr, k_ptr, kh, D, m, cd, CH,
+        SLOTS: tl.constexpr, HOSTK: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """Programs (sample, chunk of CH elements): the partial sums of a split sample."""
         i = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
-        slot = tl.load(k_ptr) % m
+        if HOSTK:
+            slot = kh % m
+        else:
+            slot = tl.load(k_ptr) % m
         lo = sp.to(tl.int64) * CH
         sd, sf = _sums(z_ptr, fz_ptr, F_ptr, G_ptr, i, lo, CH, D, m, cd, slot, SLOTS, BLOCK)
         p = part_ptr + (i * tl.num_programs(1) + sp) * 2
         tl.store(p, sd)
         tl.store(p + 1, sf)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["kh", "j"])  # a new value must not recompile
     def _decide_kernel(
-        part_ptr, trace_ptr, low_ptr, flag_ptr, st_ptr, k_ptr, B, S, j, eps,
-        SEL: tl.constexpr, LOWEST: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr,
+        part_ptr, trace_ptr, low_ptr, flag_ptr, st_ptr, k_ptr, kh, B, S, j, eps,
+        SEL: tl.constexpr, LOWEST: tl.constexpr, HOSTK: tl.constexpr, BLOCK: tl.constexpr,
+        SP: tl.constexpr,
     ):  # fmt: skip
         """Per sample: the residuals from the partial sums, the lowest-residual decision (flag),
-        the trace row; then the batch summary and the step counter (one program)."""
-        k = tl.load(k_ptr)
+        the trace row; then the batch summary and the step counter (one program). ``HOSTK``:
+        as in ``_record_kernel`` (no flag, no counter)."""
+        if HOSTK:
+            k = kh
+        else:
+            k = tl.load(k_ptr)
         row = trace_ptr + k * 4 * B
         cols = tl.arange(0, SP)
         dt = trace_ptr.dtype.element_ty
@@ -203,10 +228,11 @@ if triton is not None:
                 lo = tl.load(low_ptr + ids, mask=ok, other=0.0)
                 better = res <= lo
                 new = tl.where(better, res, lo)
-                tl.store(low_ptr + ids, new, mask=ok)
+                if not HOSTK:
+                    tl.store(low_ptr + ids, new, mask=ok)
+                    tl.store(flag_ptr + ids, better.to(tl.int32), mask=ok)
                 tl.store(row + 2 * B + ids, new, mask=ok)
                 tl.store(row + 3 * B + ids, res - new, mask=ok)
-                tl.store(flag_ptr + ids, better.to(tl.int32), mask=ok)
                 m2 = tl.maximum(m2, tl.where(ok, new, float("-inf")))
                 d3 = res - new
                 m3 = tl.maximum(m3, tl.where(ok & (d3 == d3), d3, float("-inf")))
@@ -216,7 +242,8 @@ if triton is not None:
         if LOWEST:
             tl.store(st_ptr + j * 4 + 2, tl.max(m2, axis=0))
             tl.store(st_ptr + j * 4 + 3, tl.where(isnan, float("nan"), tl.max(m3, axis=0)))
-        tl.store(k_ptr, k + 1)
+        if not HOSTK:
+            tl.store(k_ptr, k + 1)
 
     @triton.jit
     def _copy_kernel(
@@ -229,9 +256,13 @@ if triton is not None:
         better = tl.load(flag_ptr + i) != 0
         _copies(z_ptr, fz_ptr, best_ptr, out_ptr, i, lo, CH, D, better, LOWEST, COPY, BLOCK)
 
-    @triton.jit
-    def _summary_kernel(trace_ptr, st_ptr, k_ptr, B, j, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        k = tl.load(k_ptr)
+    @triton.jit(do_not_specialize=["kh", "j"])  # a new value must not recompile
+    def _summary_kernel(trace_ptr, st_ptr, k_ptr, kh, B, j, ROWS: tl.constexpr,
+                        HOSTK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        if HOSTK:
+            k = kh
+        else:
+            k = tl.load(k_ptr)
         for q in tl.static_range(ROWS):
             row = trace_ptr + k * 4 * B + q * B
             mx = tl.full([BLOCK], float("-inf"), dtype=trace_ptr.dtype.element_ty)
@@ -244,14 +275,19 @@ if triton is not None:
             top = tl.max(mx, axis=0)
             top = tl.where(tl.sum(nan, axis=0) > 0, float("nan"), top)  # amax propagates NaN
             tl.store(st_ptr + j * 4 + q, top)
-        tl.store(k_ptr, k + 1)
+        if not HOSTK:
+            tl.store(k_ptr, k + 1)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["kh"])  # a new value must not recompile
     def _anderson_weights_kernel(
-        H_ptr, alpha_ptr, fb_ptr, k_ptr, nc, m, lam, lam_abs, M: tl.constexpr
-    ):
+        H_ptr, alpha_ptr, fb_ptr, k_ptr, kh, nc, m, lam, lam_abs, M: tl.constexpr,
+        HOSTK: tl.constexpr,
+    ):  # fmt: skip
         i = tl.program_id(0).to(tl.int64)
-        it = tl.load(k_ptr)  # evaluations made, this step's included
+        if HOSTK:
+            it = kh  # evaluations made, this step's included
+        else:
+            it = tl.load(k_ptr)
         slot = (it - 1) % m
         r = tl.arange(0, M)
         eye = r[:, None] == r[None, :]
@@ -284,6 +320,146 @@ if triton is not None:
         if bad:
             tl.store(fb_ptr + i, tl.load(fb_ptr + i) + 1)
 
+    @triton.jit
+    def _broyden_products_kernel(
+        A_ptr, gx_ptr, part_ptr, cnt_ptr, snap_ptr, R, rp, cd, L, K,
+        RESTART: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Programs (sample, piece of a chunk): the partial products of rows r < rp of the pair
+        buffer A (B, nc, R, cd) with g+ (row 0) and dx (row 1), and dx . gx (``RESTART``), into
+        part (B, nc K, R + 1, 2); program (0, 0) snapshots the counters [it, npairs, nrestarts]."""
+        b = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1).to(tl.int64)
+        S = tl.num_programs(1)
+        c = p // K
+        lo = (p - c * K) * L
+        ch = b * (S // K) + c  # (sample, chunk)
+        base = ch * R * cd
+        rr = tl.arange(0, RP)
+        rm = rr < rp
+        dt = A_ptr.dtype.element_ty
+        acc_g = tl.zeros([RP], dtype=dt)
+        acc_d = tl.zeros([RP], dtype=dt)
+        acc_x = tl.zeros([BLOCK], dtype=dt)
+        for off in range(0, L, BLOCK):
+            k = lo + off + tl.arange(0, BLOCK)
+            km = (k < cd) & (off + tl.arange(0, BLOCK) < L)
+            g = tl.load(A_ptr + base + k, mask=km, other=0.0)
+            dx = tl.load(A_ptr + base + cd + k, mask=km, other=0.0)
+            t = tl.load(A_ptr + base + rr[:, None] * cd + k[None, :],
+                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
+            acc_g += tl.sum(t * g[None, :], axis=1)
+            acc_d += tl.sum(t * dx[None, :], axis=1)
+            if RESTART:
+                acc_x += dx * tl.load(gx_ptr + ch * cd + k, mask=km, other=0.0)
+        q = part_ptr + (b * S + p) * (R + 1) * 2
+        tl.store(q + rr * 2, acc_g, mask=rm)
+        tl.store(q + rr * 2 + 1, acc_d, mask=rm)
+        if RESTART:
+            tl.store(q + R * 2, tl.sum(acc_x, axis=0))
+        if (b == 0) & (p == 0):
+            i = tl.arange(0, 4)
+            tl.store(snap_ptr + i, tl.load(cnt_ptr + i, mask=i < 3), mask=i < 3)
+
+    @triton.jit
+    def _broyden_update_kernel(
+        A_ptr, x_ptr, gx_ptr, part_ptr, snap_ptr, cnt_ptr, skip_ptr, R, rp, cd, L, K, cap, tiny,
+        RESTART: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Programs (sample, piece of a chunk): the sample's coefficients and decisions from the
+        partial products, then over the piece B g+, v, u, the next dx, x + dx and gx = g+."""
+        b = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1).to(tl.int64)
+        S = tl.num_programs(1)
+        c = p // K
+        lo = (p - c * K) * L
+        ch = b * (S // K) + c
+        base = ch * R * cd
+        dt = A_ptr.dtype.element_ty
+        it = tl.load(snap_ptr)
+        npairs = tl.load(snap_ptr + 1)
+        upd = it >= 2  # whether an update is made (counted)
+        if RESTART:
+            rs = npairs >= cap  # B = -I again, then this step's update of it
+            eff = tl.where(rs, 0, npairs)
+            slot = eff
+        else:
+            rs = npairs < 0
+            eff = tl.minimum(npairs, cap)
+            slot = npairs % cap
+        # -- the sample's products: P[r, 1] (rows . dx), P[r + 1, 0], P[r - 1, 1], dx . gx ----
+        rr = tl.arange(0, RP)
+        Pd = tl.zeros([RP], dtype=dt)
+        Pn = tl.zeros([RP], dtype=dt)
+        Pp = tl.zeros([RP], dtype=dt)
+        Px = tl.zeros([RP], dtype=dt)
+        for j in range(S):
+            q = part_ptr + (b * S + j) * (R + 1) * 2
+            Pd += tl.load(q + rr * 2 + 1, mask=rr < rp, other=0.0)
+            Pn += tl.load(q + (rr + 1) * 2, mask=rr + 1 < rp, other=0.0)
+            Pp += tl.load(q + (rr - 1) * 2 + 1, mask=(rr >= 1) & (rr - 1 < rp), other=0.0)
+            if RESTART:
+                Px += tl.load(q + R * 2 + rr, mask=rr < 1, other=0.0)
+        # coefficients of rows r: B g+ = -g+ + sum_j (v_j.g+) u_j, v = -dx + sum_j (u_j.dx) v_j
+        # over the pairs in use (zero for the others: they still meet their rows, as in bmm)
+        use0 = (rr >= 2) & (rr % 2 == 0) & (rr < rp) & ((rr - 2) // 2 < eff)
+        use1 = (rr >= 3) & (rr % 2 == 1) & (rr < rp) & ((rr - 3) // 2 < eff)
+        c0 = tl.where(rr == 0, -1.0, tl.where(use0, Pn, 0.0)).to(dt)
+        c1 = tl.where(rr == 1, -1.0, tl.where(use1, Pp, 0.0)).to(dt)
+        e = tl.sum(c0 * Pd, axis=0)  # dx . B g+ (= v . g+)
+        dd = tl.sum(tl.where(rr == 1, Pd, 0.0), axis=0)  # dx . dx
+        den = e + dd  # v . dg with r = -dx
+        ref = dd
+        if RESTART:  # r = -g: v . dg = e + dx . gx
+            dxg = tl.sum(Px, axis=0)
+            den = tl.where(rs, e + dxg, den)
+            ref = tl.where(rs, tl.abs(dxg), dd)
+        inv = 1.0 / den
+        ok = (inv == inv) & (tl.abs(inv) != float("inf")) & (tl.abs(den) > tiny * (tl.abs(e) + ref))
+        inv = tl.where(ok, inv, 0.0)
+        # next dx = -q+: -B g+ (dx.dx) / den when updated, -B g+ when skipped, -B g+ - u e on a
+        # restart; u = (dx + r - B g+) / den
+        a = tl.where(ok, -dd * inv, -1.0)
+        ri = inv * 0.0
+        ce = ri
+        if RESTART:
+            a = tl.where(rs, -1.0, a)
+            ri = tl.where(rs, inv, 0.0)
+            ce = tl.where(rs, -e, 0.0)
+        if p == 0:
+            tl.store(skip_ptr + b, tl.load(skip_ptr + b) + tl.where(upd & (ok == 0), 1, 0))
+            if b == 0:  # the counters (the other programs read the snapshot)
+                if RESTART:
+                    tl.store(cnt_ptr + 2, tl.load(snap_ptr + 2) + tl.where(rs & upd, 1, 0))
+                    tl.store(cnt_ptr + 1, tl.where(upd, tl.where(rs, 1, npairs + 1), npairs))
+                else:
+                    tl.store(cnt_ptr + 1, tl.where(upd, npairs + 1, npairs))
+        # -- the piece: every row read before the new pair's rows are written (a ring slot may
+        # be one of them) ---------------------------------------------------------------------
+        su = base + (2 + 2 * slot) * cd
+        rm = rr < rp
+        for off in range(0, L, BLOCK):
+            k = lo + off + tl.arange(0, BLOCK)
+            km = (k < cd) & (off + tl.arange(0, BLOCK) < L)
+            t = tl.load(A_ptr + base + rr[:, None] * cd + k[None, :],
+                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
+            bg = tl.sum(c0[:, None] * t, axis=0)
+            v = tl.sum(c1[:, None] * t, axis=0)
+            u = bg * -inv
+            dxn = bg * a
+            if RESTART:
+                dx = tl.load(A_ptr + base + cd + k, mask=km, other=0.0)
+                gxo = tl.load(gx_ptr + ch * cd + k, mask=km, other=0.0)
+                u = u + dx * ri
+                u = u - gxo * ri
+                dxn = dxn + u * ce
+                tl.store(gx_ptr + ch * cd + k, tl.load(A_ptr + base + k, mask=km), mask=km)
+            tl.store(A_ptr + su + k, u, mask=km)
+            tl.store(A_ptr + su + cd + k, v, mask=km)
+            tl.store(A_ptr + base + cd + k, dxn, mask=km)
+            x = tl.load(x_ptr + ch * cd + k, mask=km)
+            tl.store(x_ptr + ch * cd + k, x + dxn, mask=km)
+
 
 def record(
     tracker: Any,
@@ -314,12 +490,12 @@ def record(
         assert part is not None and part.numel() >= B * S * 2, "tracker buffers for another D"
         blk = _block(CHUNK, hi=4096)
         _partial_kernel[(B, S)](
-            z, fz, F, G, part, tracker.dev_k, D, m, cd, CHUNK,
-            SLOTS=slots is not None, BLOCK=blk,
+            z, fz, F, G, part, tracker.dev_k, 0, D, m, cd, CHUNK,
+            SLOTS=slots is not None, HOSTK=False, BLOCK=blk,
         )  # fmt: skip
         _decide_kernel[(1,)](
-            part, tracker.trace, tracker.dev_low, flag, tracker.dev_st, tracker.dev_k, B, S,
-            tracker.dev_j, eps, SEL=tracker.sel, LOWEST=tracker.lowest, BLOCK=128,
+            part, tracker.trace, tracker.dev_low, flag, tracker.dev_st, tracker.dev_k, 0, B, S,
+            tracker.dev_j, eps, SEL=tracker.sel, LOWEST=tracker.lowest, HOSTK=False, BLOCK=128,
             SP=max(2, 1 << (S - 1).bit_length()),
         )  # fmt: skip
         _copy_kernel[(B, S)](
@@ -328,26 +504,128 @@ def record(
         )  # fmt: skip
         return
     _record_kernel[(B,)](
-        z, fz, tracker.best_z, out, F, G, tracker.trace, tracker.dev_low, tracker.dev_k, D, B,
+        z, fz, tracker.best_z, out, F, G, tracker.trace, tracker.dev_low, tracker.dev_k, 0, D, B,
         m, cd, eps, SEL=tracker.sel, LOWEST=tracker.lowest, COPY=copy_to is not None,
-        SLOTS=slots is not None, BLOCK=_block(D, hi=4096), num_warps=8 if D >= 8192 else 4,
+        SLOTS=slots is not None, HOSTK=False, BLOCK=_block(D, hi=4096),
+        num_warps=8 if D >= 8192 else 4,
     )  # fmt: skip
     _summary_kernel[(1,)](
-        tracker.trace,
-        tracker.dev_st,
-        tracker.dev_k,
-        B,
-        tracker.dev_j,
-        ROWS=4 if tracker.lowest else 2,
+        tracker.trace, tracker.dev_st, tracker.dev_k, 0, B, tracker.dev_j,
+        ROWS=4 if tracker.lowest else 2, HOSTK=False, BLOCK=_block(B, 128, 1024),
+    )  # fmt: skip
+
+
+def record_eager(
+    tracker: Any,
+    z: Tensor,
+    fz: Tensor,
+    k: int,
+    *,
+    slots: tuple[Tensor, Tensor, int, int] | None = None,
+    eps: float = 1e-9,
+) -> None:
+    """The eager :meth:`Tracker.record` of step ``k`` (a host int) in two launches (three for
+    a split state): the trace row ``tracker.trace[k]`` (abs, rel, running lowest read from row
+    k - 1, residual minus lowest) and the batch summary ``tracker.dstats[k]``; the eager
+    tracker keeps its lowest iterate by reference, so nothing is copied. ``slots``: as in
+    :func:`record`, at slot ``k % m``."""
+    B = tracker.B
+    D = z.numel() // B
+    F = G = z
+    m = cd = 1
+    if slots is not None:
+        F, G, m, cd = slots
+    trace = tracker.trace
+    low = trace[k - 1, 2] if k > 0 else tracker.inf_row
+    S = splits(D)
+    if S > 1:
+        part = tracker.eager_part(S)
+        _partial_kernel[(B, S)](
+            z, fz, F, G, part, part, k, D, m, cd, CHUNK,
+            SLOTS=slots is not None, HOSTK=True, BLOCK=_block(CHUNK, hi=4096),
+        )  # fmt: skip
+        _decide_kernel[(1,)](
+            part, trace, low, part, tracker.dstats, part, k, B, S, k, eps, SEL=tracker.sel,
+            LOWEST=tracker.lowest, HOSTK=True, BLOCK=128, SP=max(2, 1 << (S - 1).bit_length()),
+        )  # fmt: skip
+        return
+    _record_kernel[(B,)](
+        z, fz, z, z, F, G, trace, low, low, k, D, B, m, cd, eps, SEL=tracker.sel,
+        LOWEST=tracker.lowest, COPY=False, SLOTS=slots is not None, HOSTK=True,
+        BLOCK=_block(D, hi=4096), num_warps=8 if D >= 8192 else 4,
+    )  # fmt: skip
+    _summary_kernel[(1,)](
+        trace, tracker.dstats, low, k, B, k, ROWS=4 if tracker.lowest else 2, HOSTK=True,
         BLOCK=_block(B, 128, 1024),
-    )
+    )  # fmt: skip
 
 
-def anderson_weights(H: Tensor, alpha: Tensor, fallbacks: Tensor, k: Tensor, m: int, lam: float,
-                     lam_abs: float) -> None:  # fmt: skip
+def anderson_weights(H: Tensor, alpha: Tensor, fallbacks: Tensor, k: Tensor | int, m: int,
+                     lam: float, lam_abs: float) -> None:  # fmt: skip
     """alpha (B, m) from the chunks' Gram matrices H (B * nc, m, m) of the ring buffer G, with
-    the step counter ``k`` (evaluations made, this one included); counts fallbacks."""
+    the step counter ``k`` (evaluations made, this one included: a device tensor, or a host
+    int on the eager path); counts fallbacks."""
     B = alpha.shape[0]
     nc = H.shape[0] // B
     M = max(2, 1 << max(0, (m - 1).bit_length()))
-    _anderson_weights_kernel[(B,)](H, alpha, fallbacks, k, nc, m, lam, lam_abs, M=M)
+    host = isinstance(k, int)
+    kp = fallbacks if host else k
+    kh = k if host else 0
+    _anderson_weights_kernel[(B,)](
+        H, alpha, fallbacks, kp, kh, nc, m, lam, lam_abs, M=M, HOSTK=host
+    )  # fmt: skip
+
+
+def broyden_pieces(cd: int) -> int:
+    """Programs per chunk of length ``cd`` in :func:`broyden_update`."""
+    return -(-cd // BROYDEN_PIECE)
+
+
+def broyden_buffers(A: Tensor) -> tuple[Tensor, Tensor]:
+    """Scratch for :func:`broyden_update` on the pair buffer A (B, nc, R, cd): the partial
+    products (B, nc * pieces, R + 1, 2) and the counter snapshot (4,)."""
+    B, nc, R, cd = A.shape
+    part = torch.empty(B, nc * broyden_pieces(cd), R + 1, 2, dtype=A.dtype, device=A.device)
+    return part, torch.zeros(4, dtype=torch.int64, device=A.device)
+
+
+def broyden_update(
+    A: Tensor,
+    x: Tensor,
+    gx: Tensor | None,
+    cnt: Tensor,
+    skipped: Tensor,
+    scratch: tuple[Tensor, Tensor],
+    pb: int,
+    cap: int,
+    tiny: float,
+) -> None:
+    """Broyden's static step without a line search (``_static_steps``' torch update followed
+    by ``gx = g``) in two launches, on the first 2 + 2 ``pb`` rows of the pair buffer
+    A = [g+, dx, u_0, v_0, ...] (B, nc, R, cd).
+
+    Writes the new pair [u, v] into the rows of its slot (also when no update is made), the
+    next step into A's row 1, x (B, nc, cd) += that step, and with ``gx`` (the restart rule:
+    g at the point the last step came from, (B, nc, cd)) gx = g+; counts skipped updates per
+    sample in ``skipped`` (B,) and advances npairs and nrestarts in ``cnt`` = [it, npairs,
+    nrestarts, ...] (int64, read on the device only). ``scratch``: :func:`broyden_buffers`.
+    Without ``gx`` the pairs form a ring of ``cap`` slots.
+    """
+    B, nc, R, cd = A.shape
+    part, snap = scratch
+    K = broyden_pieces(cd)
+    L = -(-cd // K)
+    rp = 2 + 2 * pb
+    RP = max(2, 1 << (rp - 1).bit_length())
+    blk = max(2, min(1 << max(0, (L - 1).bit_length()), BROYDEN_TILE // RP))
+    restart = gx is not None
+    g_x = gx if gx is not None else A  # not read without the restart rule
+    grid = (B, nc * K)
+    assert part.shape[1] == nc * K and part.shape[2] == R + 1, "scratch for another layout"
+    _broyden_products_kernel[grid](
+        A, g_x, part, cnt, snap, R, rp, cd, L, K, RESTART=restart, RP=RP, BLOCK=blk
+    )
+    _broyden_update_kernel[grid](
+        A, x, g_x, part, snap, cnt, skipped, R, rp, cd, L, K, cap, tiny,
+        RESTART=restart, RP=RP, BLOCK=blk,
+    )  # fmt: skip
