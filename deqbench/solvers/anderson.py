@@ -146,8 +146,10 @@ def anderson(
     fallbacks = torch.zeros(bsz, dtype=torch.int64, device=dev)
     Hs = torch.zeros(bsz, m, m, dtype=sdt, device=dev)  # G G^T, updated one row per step
     alpha_buf = torch.empty(bsz, m, dtype=dt, device=dev)
-    # the fused weights kernel (one launch instead of ~15) where it runs (CUDA, Triton)
-    fast = sdt == torch.float64 and fused.usable(Hs) and fused.usable(alpha_buf)
+    # the fused kernels where they run (CUDA, Triton): the new row of G G^T, the weights and
+    # the mix, three launches instead of ~20
+    fast = sdt == torch.float64 and fused.usable(Hs) and fused.usable(Fb, Gb, alpha_buf)
+    rows = _row_buffer(bsz, nc, m, cd, dt, dev) if fast else None
     x = z0
     nstep = 0
     while True:
@@ -163,26 +165,32 @@ def anderson(
             break
         # the new row and column of G G^T (the other entries do not change)
         Gn = Gb[:, :, :n].reshape(bsz * nc, n, cd)  # views: (B, nc) flatten without a copy
-        h = torch.bmm(Gn, Gs.reshape(bsz * nc, cd, 1)).view(bsz, nc, n)
-        h = (h.sum(1) if nc > 1 else h[:, 0]).to(sdt)
-        Hs[:, slot, :n] = h
-        Hs[:, :n, slot] = h
+        if fast:  # the row, then the weights (slots not written yet are masked in them)
+            assert rows is not None
+            fused.anderson_row(Gb, rows, nstep, m)
+            fused.anderson_weights(Hs, alpha_buf, fallbacks, nstep, m, lam, lam_abs, rows=rows)
+        else:
+            h = torch.bmm(Gn, Gs.reshape(bsz * nc, cd, 1)).view(bsz, nc, n)
+            h = (h.sum(1) if nc > 1 else h[:, 0]).to(sdt)
+            Hs[:, slot, :n] = h
+            Hs[:, :n, slot] = h
         if n == 1:  # one residual: a plain (beta-damped) fixed-point step
             # f's output itself (never modified, so no copy is needed)
             x = fx if beta == 1.0 else torch.add(x.reshape(bsz, nc, cd), Gs, alpha=beta).view(shape)
             continue
+        if fast:  # a fresh tensor: the tracker holds earlier iterates
+            xn = torch.empty(shape, dtype=dt, device=dev)
+            fused.anderson_mix(Fb, Gb, alpha_buf, xn, nstep, m, beta)
+            x = xn
+            continue
         Fn = Fb[:, :, :n].reshape(bsz * nc, n, cd)
-        if fast:  # one kernel (slots not written yet are masked in it)
-            fused.anderson_weights(Hs, alpha_buf, fallbacks, nstep, m, lam, lam_abs)
-            alpha = alpha_buf[:, :n].reshape(bsz, 1, 1, n)
-        else:
-            H = Hs[:, :n, :n].clone()
-            diag = H.diagonal(dim1=1, dim2=2)
-            reg = diag.amax(dim=1, keepdim=True)
-            reg = reg * lam + lam_abs if lam_abs else reg * lam
-            diag.add_(reg)
-            onehot = (eye_ids[:n] == slot).to(sdt).view(1, n, 1)
-            alpha = _weights(H, ones[:, :n], onehot, fallbacks, dt).view(bsz, 1, 1, n)
+        H = Hs[:, :n, :n].clone()
+        diag = H.diagonal(dim1=1, dim2=2)
+        reg = diag.amax(dim=1, keepdim=True)
+        reg = reg * lam + lam_abs if lam_abs else reg * lam
+        diag.add_(reg)
+        onehot = (eye_ids[:n] == slot).to(sdt).view(1, n, 1)
+        alpha = _weights(H, ones[:, :n], onehot, fallbacks, dt).view(bsz, 1, 1, n)
         if nc > 1:
             alpha = alpha.expand(bsz, nc, 1, n)
         alpha = alpha.reshape(bsz * nc, 1, n)
@@ -191,6 +199,12 @@ def anderson(
             xn = torch.baddbmm(xn, alpha, Gn, alpha=-(1.0 - beta))
         x = xn.view(shape)
     return tracker.finish(nstep, {"m": m, "lam": lam, "lam_abs": lam_abs, "fallbacks": fallbacks})
+
+
+def _row_buffer(bsz: int, nc: int, m: int, cd: int, dt: torch.dtype, dev: torch.device) -> Tensor:
+    """Scratch for :func:`fused.anderson_row`'s partial products (per sample, chunk, piece)."""
+    npow2 = max(2, 1 << max(0, (m - 1).bit_length()))
+    return torch.empty(bsz * nc * fused.anderson_pieces(cd) * npow2, dtype=dt, device=dev)
 
 
 def _system_dtype(dt: torch.dtype) -> torch.dtype:
@@ -244,8 +258,12 @@ def _static_steps(
         st["ones"] = torch.ones(bsz, m, 1, dtype=sdt, device=dev)
         st["ids"] = torch.arange(m, device=dev)
         st["alpha"] = torch.empty(bsz, m, dtype=dt, device=dev)
+        st["Hs"] = torch.empty(bsz, m, m, dtype=sdt, device=dev)  # G G^T (fused kernels)
+        st["rows"] = _row_buffer(bsz, nc, m, cd, dt, dev)
     xs, Fb, Gb, fallbacks = st["xs"], st["Fb"], st["Gb"], st["fallbacks"]
     ones, ids, alpha_buf = st["ones"], st["ids"], st["alpha"]
+    Hs, rows = st["Hs"], st["rows"]
+    Hs.zero_()
     it = tracker.dev_k  # evaluations made (advanced by device_record)
     xs.copy_(z0)
     Fb.zero_()
@@ -254,9 +272,16 @@ def _static_steps(
     Gn = Gb.view(bsz * nc, m, cd)
     Fn = Fb.view(bsz * nc, m, cd)
 
+    fast = sdt == torch.float64 and fused.usable(Fb, Gb, xs, alpha_buf) and fused.usable(Hs)
+
     def body() -> None:
         fx = f(xs)
         tracker.device_record(xs, fx, None, slots=(Fb, Gb, m, cd))  # F, G at slot it % m
+        if fast:  # the new row of G G^T, the weights, the mix: three kernels
+            fused.anderson_row(Gb, rows, it, m)
+            fused.anderson_weights(Hs, alpha_buf, fallbacks, it, m, lam, lam_abs, rows=rows)
+            fused.anderson_mix(Fb, Gb, alpha_buf, xs, it, m, beta)
+            return
         Hc = torch.bmm(Gn, Gn.transpose(1, 2))  # (B * nc, m, m): the chunks' Gram matrices
         if fused.usable(Hc, alpha_buf):
             fused.anderson_weights(Hc, alpha_buf, fallbacks, it, m, lam, lam_abs)

@@ -172,13 +172,16 @@ def broyden(
     nc, cd = chunking(bsz, dim, dev)  # each sample's vector as nc chunks of length cd
     cap = max(1, min(memory, max_iter - 2))  # pairs ever stored
     if gmode is not None:
-        nstep, npairs, restarts, skipped = _static_steps(
+        nstep, counts, skipped = _static_steps(
             f, z0, tracker, gmode, common.returns, stop_mode, cap, nc, cd, on_full,
             line_search, ls_trials, c1, max_iter, steps,
         )  # fmt: skip
-        info: dict[str, Any] = {"memory": memory, "pairs": npairs, "restarts": restarts}
+        info: dict[str, Any] = {"memory": memory}
         info |= {"skipped_updates": skipped, "cuda_graph": gmode, "graph_steps": steps}
-        return tracker.finish(nstep, info)
+        z, stats = tracker.finish(nstep, info)
+        npairs, restarts = counts()  # after finish's wait: no sync of its own in practice
+        stats.extra |= {"pairs": min(npairs, cap), "restarts": restarts}
+        return z, stats
 
     def rows(buf: Tensor, a: int, b: int) -> Tensor:
         """Rows a:b of every sample as a (B * nc, b - a, cd) view (no copy)."""
@@ -339,9 +342,10 @@ def _static_steps(
     c1: float,
     max_iter: int,
     steps: int,
-) -> tuple[int, int, int, Tensor]:
+) -> tuple[int, Callable[[], tuple[int, int]], Tensor]:
     """Broyden on static buffers, one f-evaluation per step, so that a step can be captured in
-    a CUDA graph and replayed. Returns (nstep, pairs, restarts, skipped_updates).
+    a CUDA graph and replayed. Returns (nstep, a function giving (pairs made, restarts),
+    skipped_updates).
 
     A step first makes the update from the previous evaluation (the eager loop's update, moved
     to the next step so that the last evaluation makes none), then evaluates f at the new
@@ -552,8 +556,25 @@ def _static_steps(
         "broyden", tracker, body, max_iter, mode=gmode, key=key, graph=graph, state=st,
         steps=steps, phase=rows_in_use,
     )  # fmt: skip
-    npairs_, restarts_ = cnt[1:3].tolist()
-    return nstep, min(npairs_, cap), restarts_, skipped.clone()
+    skipped = skipped.clone()
+    if not xs.is_cuda:
+        pr = cnt[1:3].tolist()
+        return nstep, lambda: (pr[0], pr[1]), skipped
+    # the counters to pinned memory behind the last step, read after the tracker's final wait
+    # (a synchronous read here would stall the host before that wait, for a pageable copy)
+    if "cnt_host" not in st:
+        st["cnt_host"] = torch.empty(2, dtype=torch.long, pin_memory=True)
+    host = st["cnt_host"]
+    host.copy_(cnt[1:3], non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(tracker.stream)
+
+    def counts() -> tuple[int, int]:
+        done.synchronize()
+        pr = host.tolist()
+        return pr[0], pr[1]
+
+    return nstep, counts, skipped
 
 
 broyden.supports_cuda_graph = True  # type: ignore[attr-defined]

@@ -280,9 +280,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["kh"])  # a new value must not recompile
     def _anderson_weights_kernel(
-        H_ptr, alpha_ptr, fb_ptr, k_ptr, kh, nc, m, lam, lam_abs, M: tl.constexpr,
-        HOSTK: tl.constexpr,
+        H_ptr, alpha_ptr, fb_ptr, k_ptr, row_ptr, kh, nc, m, lam, lam_abs, M: tl.constexpr,
+        HOSTK: tl.constexpr, ROW: tl.constexpr,
     ):  # fmt: skip
+        """One program per sample. ``ROW``: H is the persistent float64 G G^T (B, m, m), whose
+        row and column of the newest slot are first set from the partial products row_ptr
+        (B, nc, M) of :func:`anderson_row` (and stored); else H holds the chunks' partial Gram
+        matrices (B * nc, m, m), summed here."""
         i = tl.program_id(0).to(tl.int64)
         if HOSTK:
             it = kh  # evaluations made, this step's included
@@ -292,10 +296,20 @@ if triton is not None:
         r = tl.arange(0, M)
         eye = r[:, None] == r[None, :]
         inside = (r[:, None] < m) & (r[None, :] < m)
-        H = tl.zeros([M, M], dtype=tl.float64)
-        for q in range(nc):  # the chunks' partial Gram matrices
-            p = H_ptr + (i * nc + q) * m * m + r[:, None] * m + r[None, :]
-            H += tl.load(p, mask=inside, other=0.0).to(tl.float64)
+        if ROW:
+            new = tl.zeros([M], dtype=tl.float64)
+            for q in range(nc):  # the pieces' partial products with the newest slot
+                new += tl.load(row_ptr + (i * nc + q) * M + r).to(tl.float64)
+            p = H_ptr + i * m * m + r[:, None] * m + r[None, :]
+            H = tl.load(p, mask=inside, other=0.0)
+            H = tl.where(r[:, None] == slot, new[None, :], H)
+            H = tl.where(r[None, :] == slot, new[:, None], H)
+            tl.store(p, H, mask=inside)
+        else:
+            H = tl.zeros([M, M], dtype=tl.float64)
+            for q in range(nc):  # the chunks' partial Gram matrices
+                p = H_ptr + (i * nc + q) * m * m + r[:, None] * m + r[None, :]
+                H += tl.load(p, mask=inside, other=0.0).to(tl.float64)
         dg = tl.sum(tl.where(eye, H, 0.0), axis=1)
         reg = tl.max(tl.where(r < m, dg, float("-inf")), axis=0) * lam + lam_abs
         add = tl.where(r >= it, 1e30, reg)  # slots not written yet: weight ~ 0
@@ -319,6 +333,63 @@ if triton is not None:
         tl.store(alpha_ptr + i * m + r, alpha.to(alpha_ptr.dtype.element_ty), mask=r < m)
         if bad:
             tl.store(fb_ptr + i, tl.load(fb_ptr + i) + 1)
+
+    @triton.jit(do_not_specialize=["kh"])
+    def _anderson_row_kernel(
+        G_ptr, row_ptr, k_ptr, kh, m, cd, L, HOSTK: tl.constexpr, M: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Programs (sample chunk, piece of L elements) over the ring buffer G (B * nc, m, cd):
+        partial products of the slots in use with the newest one into row_ptr (B * nc, K, M)."""
+        bc = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1).to(tl.int64)
+        if HOSTK:
+            it = kh
+        else:
+            it = tl.load(k_ptr)
+        s = (it - 1) % m
+        n = tl.minimum(it, m)
+        r = tl.arange(0, M)
+        rm = r < n
+        base = bc * m * cd
+        lo = p * L
+        acc = tl.zeros([M], dtype=G_ptr.dtype.element_ty)
+        for off in range(0, L, BLOCK):
+            kk = lo + off + tl.arange(0, BLOCK)
+            km = (kk < cd) & (off + tl.arange(0, BLOCK) < L)
+            g = tl.load(G_ptr + base + s * cd + kk, mask=km, other=0.0)
+            t = tl.load(G_ptr + base + r[:, None] * cd + kk[None, :],
+                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
+            acc += tl.sum(t * g[None, :], axis=1)
+        tl.store(row_ptr + (bc * tl.num_programs(1) + p) * M + r, acc)
+
+    @triton.jit(do_not_specialize=["kh"])
+    def _anderson_mix_kernel(
+        F_ptr, G_ptr, alpha_ptr, x_ptr, k_ptr, kh, nc, m, cd, L, gcoef,
+        HOSTK: tl.constexpr, DAMP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Programs (sample chunk, piece): x = sum_i alpha_i F_i (+ gcoef sum_i alpha_i G_i,
+        ``DAMP``) over the slots in use, written into x (B * nc, cd)."""
+        bc = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1).to(tl.int64)
+        if HOSTK:
+            it = kh
+        else:
+            it = tl.load(k_ptr)
+        n = tl.minimum(it, m)
+        b = bc // nc
+        base = bc * m * cd
+        lo = p * L
+        for off in range(0, L, BLOCK):
+            kk = lo + off + tl.arange(0, BLOCK)
+            km = (kk < cd) & (off + tl.arange(0, BLOCK) < L)
+            acc = tl.zeros([BLOCK], dtype=F_ptr.dtype.element_ty)
+            for i in range(n):
+                a = tl.load(alpha_ptr + b * m + i)
+                acc += a * tl.load(F_ptr + base + i * cd + kk, mask=km, other=0.0)
+                if DAMP:
+                    acc += (gcoef * a) * tl.load(G_ptr + base + i * cd + kk, mask=km, other=0.0)
+            tl.store(x_ptr + bc * cd + kk, acc, mask=km)
 
     @triton.jit
     def _broyden_products_kernel(
@@ -560,19 +631,65 @@ def record_eager(
     )  # fmt: skip
 
 
+def _slots_pow2(m: int) -> int:
+    return max(2, 1 << max(0, (m - 1).bit_length()))
+
+
+#: elements of a chunk one program of :func:`anderson_row` / :func:`anderson_mix` covers
+ANDERSON_PIECE = 1 << 13
+
+
 def anderson_weights(H: Tensor, alpha: Tensor, fallbacks: Tensor, k: Tensor | int, m: int,
-                     lam: float, lam_abs: float) -> None:  # fmt: skip
+                     lam: float, lam_abs: float, rows: Tensor | None = None) -> None:  # fmt: skip
     """alpha (B, m) from the chunks' Gram matrices H (B * nc, m, m) of the ring buffer G, with
     the step counter ``k`` (evaluations made, this one included: a device tensor, or a host
-    int on the eager path); counts fallbacks."""
+    int on the eager path); counts fallbacks. With ``rows`` (the partial products of
+    :func:`anderson_row`), H is instead the persistent float64 G G^T (B, m, m), whose newest
+    row and column are set from them first."""
     B = alpha.shape[0]
-    nc = H.shape[0] // B
-    M = max(2, 1 << max(0, (m - 1).bit_length()))
+    M = _slots_pow2(m)
     host = isinstance(k, int)
     kp = fallbacks if host else k
     kh = k if host else 0
+    row = rows is not None
+    nc = rows.numel() // (B * M) if rows is not None else H.shape[0] // B
     _anderson_weights_kernel[(B,)](
-        H, alpha, fallbacks, kp, kh, nc, m, lam, lam_abs, M=M, HOSTK=host
+        H, alpha, fallbacks, kp, rows if rows is not None else H, kh, nc, m, lam, lam_abs,
+        M=M, HOSTK=host, ROW=row,
+    )  # fmt: skip
+
+
+def anderson_pieces(cd: int) -> int:
+    """Programs per chunk of length ``cd`` in :func:`anderson_row` and :func:`anderson_mix`."""
+    return -(-cd // ANDERSON_PIECE)
+
+
+def anderson_row(G: Tensor, rows: Tensor, k: Tensor | int, m: int) -> None:
+    """The products of the newest slot ``(k - 1) % m`` of the ring buffer G (B, nc, m, cd) with
+    every slot in use, partial per chunk and piece, into ``rows`` (B * nc * pieces * M,
+    M = m rounded up to a power of two) for :func:`anderson_weights`."""
+    B, nc, _, cd = G.shape
+    K = anderson_pieces(cd)
+    M = _slots_pow2(m)
+    L = -(-cd // K)
+    host = isinstance(k, int)
+    _anderson_row_kernel[(B * nc, K)](
+        G, rows, rows if host else k, k if host else 0, m, cd, L, HOSTK=host, M=M,
+        BLOCK=max(16, min(_block(L, 16, 1024), 4096 // M)),
+    )  # fmt: skip
+
+
+def anderson_mix(F: Tensor, G: Tensor, alpha: Tensor, x: Tensor, k: Tensor | int, m: int,
+                 beta: float) -> None:  # fmt: skip
+    """x = sum_i alpha_i (F_i - (1 - beta) G_i) over the slots in use of the ring buffers
+    F, G (B, nc, m, cd) with the weights alpha (B, m), written into x (B * nc * cd elements)."""
+    B, nc, _, cd = F.shape
+    K = anderson_pieces(cd)
+    L = -(-cd // K)
+    host = isinstance(k, int)
+    _anderson_mix_kernel[(B * nc, K)](
+        F, G, alpha, x, alpha if host else k, k if host else 0, nc, m, cd, L, beta - 1.0,
+        HOSTK=host, DAMP=beta != 1.0, BLOCK=_block(L, 128, 1024),
     )  # fmt: skip
 
 

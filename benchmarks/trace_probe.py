@@ -1,0 +1,142 @@
+"""Traces (torch.profiler, Chrome trace JSON) of single solves on the issue-17 cells, to see
+where a solve's wall time goes: host work before the first kernel, GPU gaps, and the work after
+the last one. A diagnostic; the targets are measured by benchmarks/vs_torchdeq.py.
+
+Per case (after warm-up, so graphs are captured and Triton kernels compiled) one profiled call;
+``--out DIR`` gets ``<case>.json``, and a one-line summary per case is printed: wall time of the
+call, first kernel start and last kernel end relative to the call, GPU busy time (union of the
+kernel intervals), and the top kernels by time.
+
+    python benchmarks/trace_probe.py --out DIR [--quick] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cells as cellmod  # noqa: E402
+
+import deqbench  # noqa: E402
+from deqbench.deq import DEQLayer, Runtime, SolverConfig  # noqa: E402
+from deqbench.solvers import get as get_solver  # noqa: E402
+
+
+def summarize(path: Path, wall_ms: float) -> str:
+    ev = json.loads(path.read_text())["traceEvents"]
+    kern = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    marks = [e for e in ev if e.get("name") == "probe_call" and "dur" in e]
+    if not kern or not marks:
+        return f"{path.stem}: no kernels or marker in trace"
+    t0, t1 = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
+    kern.sort(key=lambda e: e["ts"])
+    busy, end = 0.0, -1e30
+    for e in kern:
+        s, f = e["ts"], e["ts"] + e["dur"]
+        if f > end:
+            busy += f - max(s, end)
+            end = f
+    first, last = kern[0]["ts"] - t0, kern[-1]["ts"] + kern[-1]["dur"] - t0
+    by: dict[str, list[float]] = {}
+    for e in kern:
+        by.setdefault(e["name"][:60], []).append(e["dur"])
+    top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:8]
+    tops = "; ".join(f"{k} x{len(v)} {sum(v):.0f}us" for k, v in top)
+    return (
+        f"{path.stem}: wall {wall_ms:.3f} ms (traced call {(t1 - t0) / 1e3:.3f} ms), first kernel "
+        f"at {first / 1e3:.3f} ms, last ends {last / 1e3:.3f} ms, GPU busy {busy / 1e3:.3f} ms, "
+        f"{len(kern)} kernels\n    {tops}"
+    )
+
+
+def trace(name: str, fn, out: Path, cuda: bool) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        with record_function("probe_call"):
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+    p = out / f"{name}.json"
+    prof.export_chrome_trace(str(p))
+    print(summarize(p, min(ts) * 1e3), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = True
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    cells = {c.name: c for c in cellmod.cells(args.quick, dev)}
+    for cname, c in cells.items():
+        mod, x, z0 = c.module, c.x, c.z0
+        for sname, tol in (("fixed_point", 1e-4), ("anderson", 1e-4), ("broyden", 1e-4)):
+            layer = DEQLayer(mod, SolverConfig(sname, max_iter=100, tol=tol))
+
+            def solve(layer=layer, x=x, z0=z0):
+                with torch.no_grad():
+                    return layer.solve(x, torch.zeros_like(z0))
+
+            trace(f"{cname}_{sname}_default", solve, args.out, cuda)
+            if cname.startswith("conv") and sname == "anderson":
+                fn = get_solver(sname)
+
+                def eager(fn=fn, mod=mod, x=x, z0=z0, tol=tol):
+                    with torch.no_grad():
+                        return fn(lambda z: mod(z, x), torch.zeros_like(z0), max_iter=100, tol=tol)
+
+                trace(f"{cname}_{sname}_eager", eager, args.out, cuda)
+    # the conv_deq cell's f under float32, plain autocast and its bf16 path (20 calls)
+    ch, size, batch = (16, 16, 16) if args.quick else (64, 32, 128)
+    torch.manual_seed(0)
+    model = deqbench.models.create(
+        "conv_deq", in_shape=(3, size, size), num_outputs=10, channels=ch, inner=ch
+    ).to(dev)
+    cell = model.deq.cell
+    with torch.no_grad():
+        u = model.inject(torch.randn(batch, 3, size, size, device=dev))
+    z = torch.randn_like(u)
+    for label, amp, lowp in (("f32", "none", True), ("autocast", "bf16", False),
+                             ("lowp", "bf16", True)):  # fmt: skip
+        cell.lowp_norms = lowp
+        rt = Runtime(amp=amp)
+
+        def calls(rt=rt):
+            with torch.no_grad(), rt.autocast(dev):
+                for _ in range(20):
+                    cell(z, u)
+
+        trace(f"convdeq_f_{label}", calls, args.out, cuda)
+    cell.lowp_norms = True
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
