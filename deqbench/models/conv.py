@@ -10,6 +10,21 @@ norms, additions and the casts between them (all memory-bound) cost more than th
 they sit between. Here the activations stay in bf16, the GroupNorms take bf16 input with their
 statistics accumulated in float32 (PyTorch's kernels do), and the output is bf16 (the DEQ layer
 casts it back to the float32 iterate). ``lowp_norms = False`` gives plain autocast instead.
+
+What runs where (``ResNetCell.forward``):
+
+* grad mode off (the forward solve, which runs under ``no_grad``), tensors on CUDA (or on CPU
+  under Triton's interpreter), float32/bfloat16/float16 (not float64), ``DEQBENCH_FUSED`` != "0",
+  not under ``torch.compile`` nor inside a torch.func transform: the fused path. Each GroupNorm
+  with the additions and ReLU before it is one Triton kernel
+  (:func:`deqbench.models.fused_norm.group_norm_act`, float32 statistics), the convolutions
+  stay cuDNN. Without autocast everything is in z's dtype. Under a 16-bit autocast (with
+  ``lowp_norms``) the convolutions and the first two GroupNorm outputs are 16-bit, x is added in
+  its own dtype, and the last GroupNorm adds the float32 z and writes float32 directly, so the
+  cell's output is rounded at float32, not bf16 (an all-bf16 output put the fixed-point residual
+  floor near 4e-3).
+* otherwise (grad enabled, float64, CPU without the interpreter, ``DEQBENCH_FUSED=0``, plain
+  autocast with ``lowp_norms = False``): the torch code (the bf16 path above, or plain torch).
 """
 
 from __future__ import annotations
@@ -22,7 +37,7 @@ from torch import Tensor, nn
 
 from ..core.deq import DEQLayer, DEQModel
 from ..core.registry import models
-from . import declare_defaults
+from . import declare_defaults, fused_norm
 from ._common import as_image_shape
 
 
@@ -46,6 +61,9 @@ class ResNetCell(nn.Module):
     """f(z, x) = GN3(relu(z + GN2(x + conv2(GN1(relu(conv1(z)))))));
 
     under a 16-bit autocast end to end in that dtype (``lowp_norms``, see the module docstring).
+    With grad mode off and the fused kernels usable (CUDA, not float64, ``DEQBENCH_FUSED`` !=
+    "0"), each GroupNorm and the pre-ops before it are one Triton kernel (:meth:`_forward_fused`);
+    under a 16-bit autocast that path returns float32 (the last norm reads z in float32).
     """
 
     #: under a 16-bit autocast: GroupNorms on 16-bit activations (False: plain autocast, which
@@ -65,10 +83,46 @@ class ResNetCell(nn.Module):
 
     def forward(self, z: Tensor, x: Tensor) -> Tensor:
         dt = _lowp_dtype(z) if self.lowp_norms else None
+        if not torch.is_grad_enabled() and self._fused_ok(z, x, dt):
+            return self._forward_fused(z, x, dt)
         if dt is not None:
             return self._forward_lowp(z, x, dt)
         y = self.norm1(self.conv1(z).relu_())
         return self.norm3((z + self.norm2(x + self.conv2(y))).relu_())
+
+    def _fused_ok(self, z: Tensor, x: Tensor, dt: torch.dtype | None) -> bool:
+        """Whether :meth:`_forward_fused` serves this call (grad mode checked by the caller)."""
+        if torch.compiler.is_compiling() or z.dim() != 4 or x.shape != z.shape:
+            return False
+        if dt is None and torch.is_autocast_enabled(z.device.type):
+            return False  # plain autocast (lowp_norms False, or not a 16-bit dtype): torch
+        return fused_norm.usable(z, x, *self.parameters())
+
+    def _forward_fused(self, z: Tensor, x: Tensor, dt: torch.dtype | None) -> Tensor:
+        """The cell with one Triton kernel per GroupNorm and its pre-ops (no autograd graph).
+
+        ``dt`` None: convolutions, activations and output in z's dtype. A 16-bit ``dt`` (the
+        autocast dtype): convolutions and the first two norms' outputs in ``dt``, x added in its
+        own dtype, z added in its own dtype (not rounded to ``dt``) and the output in z's dtype.
+        """
+        gna = fused_norm.group_norm_act
+        if dt is None:  # output dtypes as torch's type promotion gives them
+            c1 = self.conv1(z)
+            y = gna(c1, relu_first=True, norm=self.norm1, out_dtype=c1.dtype)
+            c2 = self.conv2(y)
+            ht = torch.promote_types(c2.dtype, x.dtype)
+            h = gna(c2, x, relu_first=False, norm=self.norm2, out_dtype=ht)
+            return gna(
+                h, z, relu_first=True, norm=self.norm3, out_dtype=torch.promote_types(ht, z.dtype)
+            )
+
+        def conv(m: nn.Conv2d, t: Tensor) -> Tensor:
+            return F.conv2d(t, m.weight.to(dt), None, m.stride, m.padding, m.dilation, m.groups)
+
+        with torch.autocast(z.device.type, enabled=False):
+            y = gna(conv(self.conv1, z.to(dt)), relu_first=True, norm=self.norm1, out_dtype=dt)
+            h = gna(conv(self.conv2, y), x, relu_first=False, norm=self.norm2, out_dtype=dt)
+            return gna(h, z, relu_first=True, norm=self.norm3, out_dtype=z.dtype)
 
     def _forward_lowp(self, z: Tensor, x: Tensor, dt: torch.dtype) -> Tensor:
         """The same map with every activation in ``dt`` (GroupNorm statistics in float32)."""
