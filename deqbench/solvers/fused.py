@@ -365,11 +365,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["kh"])
     def _anderson_mix_kernel(
-        F_ptr, G_ptr, alpha_ptr, x_ptr, k_ptr, kh, nc, m, cd, L, gcoef,
+        F_ptr, G_ptr, alpha_ptr, x_ptr, k_ptr, kh, nc, m, cd, L, g_hi, g_lo,
         HOSTK: tl.constexpr, DAMP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """Programs (sample chunk, piece): x = sum_i alpha_i F_i (+ gcoef sum_i alpha_i G_i,
-        ``DAMP``) over the slots in use, written into x (B * nc, cd)."""
+        """Programs (sample chunk, piece): x = sum_i alpha_i F_i (+ g sum_i alpha_i G_i,
+        ``DAMP``) over the slots in use, written into x (B * nc, cd). Triton passes float
+        scalars as float32, so g comes as g_hi + g_lo (two float32s, ~48 bits)."""
         bc = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1).to(tl.int64)
         if HOSTK:
@@ -380,15 +381,17 @@ if triton is not None:
         b = bc // nc
         base = bc * m * cd
         lo = p * L
+        dt = F_ptr.dtype.element_ty
+        g = (tl.zeros([BLOCK], dtype=dt) + g_hi) + g_lo  # in dt: the two parts add exactly
         for off in range(0, L, BLOCK):
             kk = lo + off + tl.arange(0, BLOCK)
             km = (kk < cd) & (off + tl.arange(0, BLOCK) < L)
-            acc = tl.zeros([BLOCK], dtype=F_ptr.dtype.element_ty)
+            acc = tl.zeros([BLOCK], dtype=dt)
             for i in range(n):
                 a = tl.load(alpha_ptr + b * m + i)
                 acc += a * tl.load(F_ptr + base + i * cd + kk, mask=km, other=0.0)
                 if DAMP:
-                    acc += (gcoef * a) * tl.load(G_ptr + base + i * cd + kk, mask=km, other=0.0)
+                    acc += (g * a) * tl.load(G_ptr + base + i * cd + kk, mask=km, other=0.0)
             tl.store(x_ptr + bc * cd + kk, acc, mask=km)
 
     @triton.jit
@@ -687,8 +690,10 @@ def anderson_mix(F: Tensor, G: Tensor, alpha: Tensor, x: Tensor, k: Tensor | int
     K = anderson_pieces(cd)
     L = -(-cd // K)
     host = isinstance(k, int)
+    g = beta - 1.0
+    g_hi = float(torch.tensor(g, dtype=torch.float32))
     _anderson_mix_kernel[(B * nc, K)](
-        F, G, alpha, x, alpha if host else k, k if host else 0, nc, m, cd, L, beta - 1.0,
+        F, G, alpha, x, alpha if host else k, k if host else 0, nc, m, cd, L, g_hi, g - g_hi,
         HOSTK=host, DAMP=beta != 1.0, BLOCK=_block(L, 128, 1024),
     )  # fmt: skip
 
