@@ -107,10 +107,13 @@ CHECKS = textwrap.dedent(
                         assert torch.allclose(z1, z0, rtol=1e-3, atol=1e-4), tag
                         out[tag] = s1.nstep
                         continue
-                    tol = 1e-5 if dt == torch.float32 else (1e-8 if name == "anderson" else 1e-12)
+                    # Anderson: a Gauss-Jordan kernel vs LU (solve_ex) on a regularised system
+                    # whose condition grows to ~1e8 near convergence
+                    tol = 1e-5 if dt == torch.float32 else (1e-6 if name == "anderson" else 1e-12)
                     assert (s1.nstep, s1.status) == (s0.nstep, s0.status), (tag, s1, s0)
-                    assert torch.allclose(s1.rel_trace, s0.rel_trace, rtol=tol, atol=0), tag
-                    assert torch.allclose(s1.abs_trace, s0.abs_trace, rtol=tol, atol=0), tag
+                    for a, b in ((s1.rel_trace, s0.rel_trace), (s1.abs_trace, s0.abs_trace)):
+                        err = float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+                        assert err <= tol, (tag, err)
                     assert torch.allclose(z1, z0, rtol=tol, atol=tol), tag
                     assert torch.equal(l1, l0) and s1.lowest_step == s0.lowest_step, tag
                     if cname == "non-normal" and returns == "lowest":

@@ -330,7 +330,9 @@ class DEQLayer(nn.Module):
         # enclosing autocast; the cell map turns ``runtime.amp`` on for each f-evaluation.
         with torch.no_grad(), torch.autocast(device_type=u.device.type, enabled=False):
             z, stats = self._solve(fn, cfg, u, z0)
-        self.last_forward_stats = stats
+        self.__dict__["last_forward_stats"] = (
+            stats  # a plain attribute (Module.__setattr__ is slow)
+        )
         return z, stats
 
     def _solve(self, fn: Any, cfg: SolverConfig, u: Tensor, z0: Tensor) -> tuple[Tensor, Any]:
@@ -385,12 +387,17 @@ class DEQLayer(nn.Module):
         """What a captured graph of the cell depends on besides shapes: train/eval mode, the
         runtime and the storage of the cell's parameters and buffers (a replay reads them at
         their addresses; in-place updates are seen, new storage needs a new capture)."""
-        return (
-            self.cell.training,
-            self.runtime,
-            tuple(t.data_ptr() for t in self.cell.parameters()),
-            tuple(t.data_ptr() for t in self.cell.buffers()),
-        )
+        # a plain walk over the module tree (parameters() and buffers() build names and memo
+        # sets: several times slower, and this runs before every captured solve)
+        ptrs: list[int] = []
+        stack: list[nn.Module] = [self.cell]
+        while stack:
+            m = stack.pop()
+            ptrs.extend(t.data_ptr() for t in m._parameters.values() if t is not None)
+            ptrs.append(-1)  # parameters and buffers apart
+            ptrs.extend(t.data_ptr() for t in m._buffers.values() if t is not None)
+            stack.extend(c for c in m._modules.values() if c is not None)
+        return (self.cell.training, self.runtime, tuple(ptrs))
 
     def _graph_key(self, cfg: SolverConfig, fn: Any, u: Tensor, z0: Tensor) -> tuple | None:
         """The static key of a graph-path solve, or None for the eager path."""

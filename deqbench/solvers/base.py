@@ -365,11 +365,7 @@ class Tracker:
         self.stagnation = stagnation
         dev = z0.device
         self.cuda = dev.type == "cuda"
-        rdtype = (
-            torch.empty(0, dtype=z0.dtype).real.dtype
-            if z0.is_floating_point() or z0.is_complex()
-            else torch.float32
-        )
+        rdtype = z0.dtype  # real floating point (checked above)
         n = int(max_iter)
         self.events: list[Any] = [None] * n
         # events are recorded on this stream (looked up once: it costs ~10 us per call)
@@ -397,6 +393,7 @@ class Tracker:
         self.bounds: list[int] = []  # step counts after each host-visible chunk (events there)
         self.conv_at: int | None = None  # f-evaluations up to the first iterate below tol
         self._inf: Tensor | None = None  # fused eager record: see inf_row, eager_part
+        self._prepared: tuple[int, Tensor, Tensor, Tensor] | None = None  # _prepare_finish
         self._part: Tensor | None = None
 
     # -- per step ---------------------------------------------------------------------------
@@ -595,6 +592,8 @@ class Tracker:
             self._consume(prev)
             if self.status is None and self.best_hist and self._near(k - self.read):
                 self.exact_reads += 1
+                if self.device_mode:  # likely the last step: finish's copies queue behind it
+                    self._prepare_finish()
                 self._consume(k)
         return self.status is not None
 
@@ -663,6 +662,16 @@ class Tracker:
         return lo > 0 and max(recent) / lo < ratio
 
     # -- end --------------------------------------------------------------------------------
+    def _prepare_finish(self) -> None:
+        """Queue what :meth:`finish` copies out of the static buffers (the trace, the lowest
+        iterate, the all-improved ``lowest_steps``) behind the steps recorded so far, before
+        the host waits for them: if no step follows, finish uses these and launches nothing
+        after the GPU went idle."""
+        k = self.k
+        best = cast(Tensor, self.best_z)
+        steps = torch.full((self.B,), k - 1, dtype=torch.long, device=best.device)
+        self._prepared = (k, self.trace[:k].clone(), best.clone(), steps)
+
     def finish(self, nstep: int, extra: dict[str, Any] | None = None) -> tuple[Tensor, SolverStats]:
         """Read what is left (one sync), pick the returned iterates and build the stats.
 
@@ -672,7 +681,10 @@ class Tracker:
         k = self.k
         trace = self.trace[:k]
         z = self.best_z
-        if self.device_mode:  # static buffers, reused by the next solve of a cached graph;
+        last_steps = None
+        if self._prepared is not None and self._prepared[0] == k:
+            _, trace, z, last_steps = self._prepared
+        elif self.device_mode:  # static buffers, reused by the next solve of a cached graph;
             # copied before the host waits for the last step (the copies queue behind it)
             trace, z = trace.clone(), cast(Tensor, z).clone()
         self._consume(self.k)
@@ -690,7 +702,11 @@ class Tracker:
             best = trace[:, :2].gather(0, lowest_steps.view(1, 1, self.B).expand(1, 2, self.B))[0]
             lowest_step = int(lowest_steps.max())
         else:  # every sample's returned iterate is the last one
-            lowest_steps = torch.full((self.B,), k - 1, dtype=torch.long, device=dev)
+            lowest_steps = (
+                last_steps
+                if last_steps is not None
+                else torch.full((self.B,), k - 1, dtype=torch.long, device=dev)
+            )
             best = trace[k - 1, :2]
             lowest_step = k - 1
         top = self.best_hist[-1]  # batch max of the returned residuals (stop mode)
