@@ -77,6 +77,7 @@ from deqbench.deq import (  # noqa: E402
 from deqbench.performance.backward import measure_mode  # noqa: E402
 from deqbench.performance.gradients import CellModel, InnerProductLoss, reference_gradient  # noqa: E402
 from deqbench.performance.measure import (  # noqa: E402
+    Timing,
     f_time,
     gpu_peak_memory,
     is_cuda,
@@ -213,7 +214,11 @@ def time_default(layer: DEQLayer, cell: Any, cfg: SolverConfig, args: argparse.N
         return st.nstep
 
     t = time_fn(
-        run, device=cell.z0.device, repeats=args.repeats, warmup=max(1, args.warmup), setup=setup
+        run,
+        device=cell.z0.device,
+        repeats=-(-args.repeats // ROUNDS),
+        warmup=max(1, args.warmup),
+        setup=setup,
     )
     return t, [int(n) for n in t.results], box["stats"], box["z"]
 
@@ -274,7 +279,7 @@ def solver_row(
                 max_iter=args.max_iter,
                 tol=tol,
                 options=opts,
-                repeats=args.repeats,
+                repeats=-(-args.repeats // ROUNDS),
                 warmup=args.warmup,
                 t_f=tf.median,
             )
@@ -305,6 +310,10 @@ def solver_row(
             abs_residual=ab,
             status=stats.status,
             peak_mib=peak,
+            _times=list(t.times),
+            _cpu=list(t.cpu_times),
+            _ovh=ovh,
+            _to_tol_tf=to_tol * tf.median,
         )
     except Exception as exc:  # noqa: BLE001 - a row that failed is reported, not fatal
         msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -327,6 +336,37 @@ def solver_row(
             peak_mib=math.nan,
             error=msg,
         )
+    return row
+
+
+#: rounds of each solver comparison (see bench_solvers); each round makes repeats / ROUNDS
+#: timed calls (rounded up) after its own warm-up
+ROUNDS = 3
+
+
+def merge_rounds(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the rounds of the same row: every timed repeat together (median, IQR,
+    spread and per-repeat overhead over all of them); the rest from the last round."""
+    row = {k: v for k, v in parts[-1].items() if not k.startswith("_")}
+    err = next((p["error"] for p in parts if p.get("error")), "")
+    if err or any("_times" not in p for p in parts):
+        row["error"] = err or row.get("error", "")
+        return row
+    t = Timing(times=[x for p in parts for x in p["_times"]])
+    ovh = sorted(x for p in parts for x in p["_ovh"])
+    cpu = sorted(x for p in parts for x in p["_cpu"])
+    row.update(
+        time_ms=t.median * 1e3,
+        iqr_ms=t.iqr * 1e3,
+        spread=t.spread,
+        cpu_ms=cpu[len(cpu) // 2] * 1e3 if cpu else math.nan,
+        times_ms=";".join(f"{x * 1e3:.4f}" for x in t.times),
+        overhead=ovh[len(ovh) // 2] if ovh else math.nan,
+        overhead_to_tol=t.median / parts[-1]["_to_tol_tf"] if parts[-1]["_to_tol_tf"] else math.nan,
+        f_evals_constant=all(p["f_evals_constant"] for p in parts)
+        and len({p["nstep"] for p in parts}) == 1,
+        rounds=len(parts),
+    )
     return row
 
 
@@ -355,8 +395,19 @@ def bench_solvers(cells: list[Any], tols: list[float], args: argparse.Namespace)
                     todo = [("eager", ours), ("default", ours)]
                     if args.td:
                         todo.append(("eager", theirs))
-                    for variant, name in todo:  # interleaved: drift affects all alike
-                        r = solver_row(cell, layer, f, tf, amp, tol, variant, ours, name, args)
+                    # the repeats in ROUNDS rounds over the three rows (deqbench eager,
+                    # default, TorchDEQ), merged per row: a slow period of the host (runs
+                    # showed single rows 2-3x slower for a whole measurement) falls on all
+                    # of them alike instead of deciding one comparison
+                    parts: dict[int, list[dict]] = {i: [] for i in range(len(todo))}
+                    for _ in range(ROUNDS):
+                        for i, (variant, name) in enumerate(todo):
+                            parts[i].append(
+                                solver_row(cell, layer, f, tf, amp, tol, variant, ours, name, args)
+                            )
+                    for i in range(len(todo)):
+                        r = merge_rounds(parts[i])
+                        name, variant = r["solver"], r["variant"]
                         rows.append(r)
                         log(
                             f"  {cell.name} {amp:4s} {tol:.0e} {name:20s} {variant:7s} "
@@ -812,7 +863,9 @@ def summarize(
         f"cuDNN {env['cudnn']}, float32 (bf16 rows: {env.get('amp_rows', 'off')}), TF32 "
         f"matmul/cuDNN {env['tf32_matmul']}/{env['tf32_cudnn']}, cudnn.benchmark "
         f"{env['cudnn_benchmark']}, threads {env['threads']}; medians of every timed repeat "
-        "(CUDA events on GPU).",
+        f"(CUDA events on GPU); a solver comparison (deqbench eager, default, TorchDEQ) is "
+        f"timed in {ROUNDS} rounds over its rows, so that a slow period of the host falls on "
+        "all of them.",
         "",
     ]
     if not td:
