@@ -537,7 +537,8 @@ def _static_steps(
         fx = f(xs)
         check_output("broyden", xs, fx)
         torch.sub(fx.reshape(bsz, nc, cd), xv, out=g)
-        it.add_(1)
+        if not fz:  # the fused update counted it
+            it.add_(1)
         if not line_search:
             tracker.device_record(xs, fx, g)
             return

@@ -508,6 +508,7 @@ if triton is not None:
         if p == 0:
             tl.store(skip_ptr + b, tl.load(skip_ptr + b) + tl.where(upd & (ok == 0), 1, 0))
             if b == 0:  # the counters (the other programs read the snapshot)
+                tl.store(cnt_ptr, it + 1)  # the evaluation that follows (was a torch add_)
                 if RESTART:
                     tl.store(cnt_ptr + 2, tl.load(snap_ptr + 2) + tl.where(rs & upd, 1, 0))
                     tl.store(cnt_ptr + 1, tl.where(upd, tl.where(rs, 1, npairs + 1), npairs))
@@ -737,7 +738,8 @@ def broyden_update(
     next step into A's row 1, x (B, nc, cd) += that step, and with ``gx`` (the restart rule:
     g at the point the last step came from, (B, nc, cd)) gx = g+; counts skipped updates per
     sample in ``skipped`` (B,) and advances npairs and nrestarts in ``cnt`` = [it, npairs,
-    nrestarts, ...] (int64, read on the device only). ``scratch``: :func:`broyden_buffers`.
+    nrestarts, ...] (int64, read on the device only), and counts the evaluation that follows
+    in ``cnt[0]``. ``scratch``: :func:`broyden_buffers`.
     Without ``gx`` the pairs form a ring of ``cap`` slots.
     """
     B, nc, R, cd = A.shape
