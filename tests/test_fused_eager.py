@@ -64,6 +64,30 @@ CHECKS = textwrap.dedent(
         ref = torch.einsum("bi,bcid->bcd", a, Fb[:, :, :it] - (1 - beta) * Gb[:, :, :it])
         assert torch.allclose(x.cpu(), ref.reshape(B, -1), rtol=1e-12, atol=1e-12), beta
     fused.ANDERSON_PIECE = 1 << 13
+
+    # an inf in f(x) (abs residual inf, rel residual inf / inf = NaN): the batch summary's rel
+    # and (res - lowest) rows are NaN as torch's amax gives, so the step is not taken as one
+    # where every sample improved, and the solve ends diverged (one sample's residual)
+    from deqbench.solvers.base import CommonOptions, Tracker
+    z0 = torch.randn(3, 24, dtype=torch.float64).to(dev)
+    z1 = torch.randn(3, 24, dtype=torch.float64).to(dev)
+    f0, f1 = z0 + 1.0, z1 + 1e-9
+    f1[0, 3] = float("inf")
+    for returns in ("lowest", "last"):
+        got = {}
+        for on in (True, False):
+            fused.ENABLED = on
+            t = Tracker("t", z0, max_iter=10, tol=1e-3, stop_mode="rel",
+                        common=CommonOptions(returns=returns))
+            t.record(z0, f0, None)
+            t.stop()
+            t.record(z1, f1, None)
+            t.stop()
+            z, st = t.finish(2)
+            got[on] = (st.status, st.converged, st.extra["lowest_steps"].tolist(), z)
+        fused.ENABLED = True
+        assert got[True][:3] == got[False][:3], (returns, got[True][:3], got[False][:3])
+        assert torch.equal(got[True][3], got[False][3]) and got[True][0] == "diverged"
     B, D = 5, 24
     # non-normal 2x2 blocks [[0.8, 2.5], [0, 0.8]]: ||A^k|| rises before it decays
     A = torch.zeros(D, D, dtype=torch.float64)

@@ -211,6 +211,7 @@ if triton is not None:
         m0 = tl.full([BLOCK], float("-inf"), dtype=dt)
         m1, m2, m3 = m0, m0, m0
         nan = tl.zeros([BLOCK], dtype=tl.int32)
+        nan1, nan3 = nan, nan
         for off in range(0, B, BLOCK):
             ids = off + tl.arange(0, BLOCK)
             ok = ids < B
@@ -221,6 +222,7 @@ if triton is not None:
             tl.store(row + ids, a, mask=ok)
             tl.store(row + B + ids, r, mask=ok)
             nan += ((a != a) & ok).to(tl.int32)
+            nan1 += ((r != r) & ok).to(tl.int32)  # inf / inf: r NaN where a is not
             m0 = tl.maximum(m0, tl.where(ok & (a == a), a, float("-inf")))
             m1 = tl.maximum(m1, tl.where(ok & (r == r), r, float("-inf")))
             if LOWEST:
@@ -235,13 +237,17 @@ if triton is not None:
                 tl.store(row + 3 * B + ids, res - new, mask=ok)
                 m2 = tl.maximum(m2, tl.where(ok, new, float("-inf")))
                 d3 = res - new
+                nan3 += ((d3 != d3) & ok).to(tl.int32)
                 m3 = tl.maximum(m3, tl.where(ok & (d3 == d3), d3, float("-inf")))
-        isnan = tl.sum(nan, axis=0) > 0  # a NaN residual: the summary is NaN, as amax gives
+        # a NaN in a row makes its summary NaN, as amax gives (per row, as _summary_kernel)
+        isnan = tl.sum(nan, axis=0) > 0
         tl.store(st_ptr + j * 4, tl.where(isnan, float("nan"), tl.max(m0, axis=0)))
-        tl.store(st_ptr + j * 4 + 1, tl.where(isnan, float("nan"), tl.max(m1, axis=0)))
+        isnan1 = tl.sum(nan1, axis=0) > 0
+        tl.store(st_ptr + j * 4 + 1, tl.where(isnan1, float("nan"), tl.max(m1, axis=0)))
         if LOWEST:
             tl.store(st_ptr + j * 4 + 2, tl.max(m2, axis=0))
-            tl.store(st_ptr + j * 4 + 3, tl.where(isnan, float("nan"), tl.max(m3, axis=0)))
+            isnan3 = tl.sum(nan3, axis=0) > 0
+            tl.store(st_ptr + j * 4 + 3, tl.where(isnan3, float("nan"), tl.max(m3, axis=0)))
         if not HOSTK:
             tl.store(k_ptr, k + 1)
 
