@@ -142,17 +142,19 @@ CHECKS = textwrap.dedent(
         out["cell"] += 1
         # bf16 autocast: the fused path's output is float32 (the last norm reads z in float32)
         ref, got, n = both(cell, z, x, amp=bf16)
-        assert n == 3 and got.dtype == f32 and ref.dtype == bf16, (n, got.dtype, ref.dtype)
+        assert n == 3 and got.dtype == f32 and ref.dtype == f32, (n, got.dtype, ref.dtype)
         exact = cell(z, x)  # float32
         # bf16 rounding of the activations: max error relative to the output scale, and the
-        # rms error (the outputs are of unit variance); the torch bf16 path rounds its output
-        # to bf16 too, so the fused path (float32 output) is closer to the float32 cell
+        # rms error (the outputs are of unit variance); the torch bf16 path is the same map in
+        # torch code (convolutions and the first two norms' outputs in bf16, float32 output)
         scale = float(exact.abs().max())
         rms = lambda t: float((t - exact).pow(2).mean().sqrt())
         err = float((got - exact).abs().max()) / scale
         assert err < 1e-2 and rms(got) < 1e-2, (err, rms(got))
-        assert float((got - ref.float()).abs().max()) / scale < 1.5e-2
-        assert rms(got) < rms(ref.float()), (rms(got), rms(ref.float()))
+        # (their bf16 roundings fall on slightly different values, so the two differ by about
+        # as much as each differs from the float32 cell)
+        assert float((got - ref).abs().max()) / scale < 1.5e-2
+        assert rms(ref) < 1e-2, rms(ref)
         out["bf16_err"] = err
         out["cell"] += 1
         # plain autocast (lowp_norms False) and float64 stay on the torch code

@@ -7,9 +7,11 @@ average pool -> linear head.
 Under a bfloat16 (or float16) autocast (``runtime.amp: bf16``) the cell runs end to end in that
 dtype: plain autocast runs the convolutions in bf16 but puts every GroupNorm in float32, so the
 norms, additions and the casts between them (all memory-bound) cost more than the convolutions
-they sit between. Here the activations stay in bf16, the GroupNorms take bf16 input with their
-statistics accumulated in float32 (PyTorch's kernels do), and the output is bf16 (the DEQ layer
-casts it back to the float32 iterate). ``lowp_norms = False`` gives plain autocast instead.
+they sit between. Here the activations stay in bf16, the first two GroupNorms take bf16 input
+with their statistics accumulated in float32 (PyTorch's kernels do), and the last one adds the
+float32 iterate z and runs in float32, so the output is rounded at float32 (an all-bf16 output
+put the fixed-point residual floor near 4e-3 and cost an extra iteration at rel 1e-2).
+``lowp_norms = False`` gives plain autocast instead.
 
 What runs where (``ResNetCell.forward``):
 
@@ -125,7 +127,10 @@ class ResNetCell(nn.Module):
             return gna(h, z, relu_first=True, norm=self.norm3, out_dtype=z.dtype)
 
     def _forward_lowp(self, z: Tensor, x: Tensor, dt: torch.dtype) -> Tensor:
-        """The same map with every activation in ``dt`` (GroupNorm statistics in float32)."""
+        """The same map with the convolutions and the first two GroupNorms in ``dt`` (their
+        statistics in float32) and the last one from the float32 z, in float32: the map of
+        :meth:`_forward_fused` in torch code (the grad-enabled evaluations, e.g. the
+        backward's VJPs, see the same map as the forward solve)."""
 
         def conv(m: nn.Conv2d, t: Tensor) -> Tensor:
             return F.conv2d(t, m.weight.to(dt), None, m.stride, m.padding, m.dilation, m.groups)
@@ -136,10 +141,13 @@ class ResNetCell(nn.Module):
             return F.group_norm(t, m.num_groups, w, b, m.eps)
 
         with torch.autocast(z.device.type, enabled=False):
-            zl = z.to(dt)
-            y = norm(self.norm1, conv(self.conv1, zl).relu_())
-            h = norm(self.norm2, conv(self.conv2, y).add_(x.to(dt)))
-            return norm(self.norm3, h.add_(zl).relu_())
+            y = norm(self.norm1, conv(self.conv1, z.to(dt)).relu_())
+            # as the fused kernels: x added in its own dtype, that norm computed there and
+            # rounded to dt; the last from the float32 z
+            n2, n3 = self.norm2, self.norm3
+            h = conv(self.conv2, y) + x
+            h = F.group_norm(h, n2.num_groups, n2.weight, n2.bias, n2.eps).to(dt)
+            return F.group_norm((h + z).relu_(), n3.num_groups, n3.weight, n3.bias, n3.eps)
 
 
 class ConvDEQ(DEQModel):
