@@ -16,14 +16,16 @@ the DEQ layer's Anderson solve (the throughput stage's solver, rel 1e-2) per var
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cells as cellmod  # noqa: E402
 
 import deqbench  # noqa: E402
 from deqbench.deq import DEQLayer, Runtime, SolverConfig  # noqa: E402
@@ -44,16 +46,10 @@ def timed(fn, repeats: int, cuda: bool) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
+    ap = cellmod.probe_parser()
     ap.add_argument("--solve", action="store_true")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = True
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
+    dev, cuda = cellmod.probe_device(args, cudnn_benchmark=True)
     ch, size, batch = (16, 16, 16) if args.quick else (64, 32, 128)
     torch.manual_seed(0)
     model = deqbench.models.create(

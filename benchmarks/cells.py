@@ -13,6 +13,7 @@ Each builder returns a :class:`Cell`: the module, the fixed input x, z0 = 0 and 
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -110,3 +111,25 @@ def cells(quick: bool = False, device: str | torch.device = "cpu") -> list[Cell]
             fc_cell(256, 64, 128, device=device),
         ]
     return [conv_cell(device=device), fc_cell(device=device)]
+
+
+def probe_parser() -> argparse.ArgumentParser:
+    """The command line every probe script shares: ``--device`` (CUDA where there is one) and
+    ``--quick`` (the small cells)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true")
+    return ap
+
+
+def probe_device(
+    args: argparse.Namespace, cudnn_benchmark: bool = False
+) -> tuple[torch.device, bool]:
+    """TF32 off (matmul and cuDNN: the targets are float32), optionally cudnn.benchmark; the
+    device of ``args.device`` and whether it is CUDA."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
+    dev = torch.device(args.device)
+    return dev, dev.type == "cuda"

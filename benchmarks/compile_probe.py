@@ -81,15 +81,10 @@ def probe(cell, args: argparse.Namespace, cuda: bool) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
+    ap = cellmod.probe_parser()
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
+    dev, cuda = cellmod.probe_device(args)
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     print(f"device: {name}  torch {torch.__version__}  float32, TF32 off")
     for cell in cellmod.cells(args.quick, dev):

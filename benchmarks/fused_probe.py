@@ -8,7 +8,6 @@ a step's time goes. A diagnostic; the targets are measured by benchmarks/vs_torc
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -26,18 +25,12 @@ from deqbench.solvers.base import clear_graph_cache  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
+    ap = cellmod.probe_parser()
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = True
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
+    dev, cuda = cellmod.probe_device(args, cudnn_benchmark=True)
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     print(f"device: {name}  torch {torch.__version__}  fused usable: {fused.triton is not None}")
     for cell in cellmod.cells(args.quick, dev):

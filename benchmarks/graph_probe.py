@@ -113,16 +113,11 @@ def probe(cell, solvers: list[str], args: argparse.Namespace, cuda: bool) -> Non
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
+    ap = cellmod.probe_parser()
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tol", type=float, default=1e-4)
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
+    dev, cuda = cellmod.probe_device(args)
     print(
         f"device: {torch.cuda.get_device_name(dev) if cuda else 'cpu'}  torch {torch.__version__}"
     )

@@ -9,7 +9,6 @@ and ``finish`` include their waits for the GPU). A diagnostic for trimming host 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 import time
@@ -43,14 +42,10 @@ def timer(name: str, fn):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
+    ap = cellmod.probe_parser()
     ap.add_argument("--solves", type=int, default=200)
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
+    dev, cuda = cellmod.probe_device(args)
     cell = [c for c in cellmod.cells(args.quick, dev) if c.name == "fc"][0]
     for name in ("enable_device_mode", "commit", "stop", "finish", "_consume"):
         setattr(base.Tracker, name, timer(name, getattr(base.Tracker, name)))

@@ -12,7 +12,6 @@ kernel intervals), and the top kernels by time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -83,17 +82,11 @@ def trace(name: str, fn, out: Path, cuda: bool) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
+    ap = cellmod.probe_parser()
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = True
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
+    dev, cuda = cellmod.probe_device(args, cudnn_benchmark=True)
     cells = {c.name: c for c in cellmod.cells(args.quick, dev)}
     for cname, c in cells.items():
         mod, x, z0 = c.module, c.x, c.z0

@@ -6,14 +6,11 @@ Anderson system). CPU: the kernels run under Triton's interpreter in a subproces
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from kernel_checks import run_checks
 
 triton = pytest.importorskip("triton")
 
@@ -155,17 +152,9 @@ CHECKS = textwrap.dedent(
 )
 
 
-def _run(env_extra: dict[str, str], dev: str, split: bool = False) -> dict:
-    env = {**os.environ, **env_extra}
-    args = [sys.executable, "-c", CHECKS, dev, "split" if split else "whole"]
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("split", [False, True], ids=["per-sample", "split"])
 def test_fused_kernels_match_references_on_cpu_interpreter(split):
-    steps = _run({"TRITON_INTERPRET": "1", "DEQBENCH_FUSED": "1"}, "cpu", split)
+    steps = run_checks(CHECKS, "cpu", "split" if split else "whole")
     assert len(steps) == (6 if split else 12) and all(n > 1 for n in steps.values())
 
 
@@ -180,5 +169,5 @@ def test_fused_kernels_are_off_on_cpu_without_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split", [False, True], ids=["per-sample", "split"])
 def test_fused_kernels_match_references_on_cuda(split):
-    steps = _run({"DEQBENCH_FUSED": "1", "TRITON_INTERPRET": "0"}, "cuda", split)
+    steps = run_checks(CHECKS, "cuda", "split" if split else "whole")
     assert len(steps) == (6 if split else 12)

@@ -6,14 +6,11 @@ imported); GPU: the same checks on CUDA, captured in CUDA graphs, in a ``gpu``-m
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from kernel_checks import run_checks
 
 triton = pytest.importorskip("triton")
 
@@ -135,17 +132,8 @@ CHECKS = textwrap.dedent(
 )
 
 
-def _run(env_extra: dict[str, str], dev: str) -> dict:
-    env = {**os.environ, **env_extra}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECKS, dev], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_fused_broyden_matches_torch_and_eager_on_cpu_interpreter():
-    out = _run({"TRITON_INTERPRET": "1", "DEQBENCH_FUSED": "1"}, "cpu")
+    out = run_checks(CHECKS, "cpu")
     assert len(out) == 9
 
 
@@ -160,5 +148,5 @@ def test_fused_broyden_is_off_without_interpreter_and_for_other_dtypes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_broyden_matches_torch_and_eager_on_cuda():
-    out = _run({"DEQBENCH_FUSED": "1", "TRITON_INTERPRET": "0"}, "cuda")
+    out = run_checks(CHECKS, "cuda")
     assert len(out) == 12

@@ -5,14 +5,11 @@ is imported); GPU: the same checks on CUDA in ``gpu``-marked tests. Timing is no
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from kernel_checks import run_checks
 
 triton = pytest.importorskip("triton")
 
@@ -184,20 +181,12 @@ CHECKS = textwrap.dedent(
 )
 
 
-def _run(env_extra: dict[str, str], dev: str, mode: str) -> dict:
-    env = {**os.environ, **env_extra}
-    args = [sys.executable, "-c", CHECKS, dev, mode]
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 EXPECTED = {"kernel": 4 * 8 + 8 + 1, "cell": 4}
 
 
 @pytest.mark.parametrize("mode", ["fit", "loop"])
 def test_fused_norm_matches_torch_on_cpu_interpreter(mode):
-    res = _run({"TRITON_INTERPRET": "1", "DEQBENCH_FUSED": "1"}, "cpu", mode)
+    res = run_checks(CHECKS, "cpu", mode)
     assert res.pop("bf16_err") < 1e-2 and res == EXPECTED
 
 
@@ -220,5 +209,5 @@ def test_fused_norm_is_off_on_cpu_without_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["fit", "loop"])
 def test_fused_norm_matches_torch_on_cuda(mode):
-    res = _run({"DEQBENCH_FUSED": "1", "TRITON_INTERPRET": "0"}, "cuda", mode)
+    res = run_checks(CHECKS, "cuda", mode)
     assert res.pop("bf16_err") < 1e-2 and res == EXPECTED

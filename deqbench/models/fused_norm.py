@@ -32,22 +32,15 @@ transform or carrying forward-mode tangents. See :func:`usable`.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor, nn
 
-try:  # Triton ships with the CUDA builds of torch; anything else falls back to torch code
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the torch build
-    triton = None
-    tl = None
+from ..core.triton_env import ENABLED_BY_ENV, kernel_device, tl, triton
+from ..core.triton_env import INTERPRET as INTERPRET  # re-exported (tests read it here)
 
-#: switch the fused kernels off (``DEQBENCH_FUSED=0``) to compare with the torch code
-ENABLED = os.environ.get("DEQBENCH_FUSED", "1") != "0"
-#: Triton's interpreter runs the kernels on CPU tensors (tests)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: switch the fused kernels off (``DEQBENCH_FUSED=0``, or set this) to compare with torch code
+ENABLED = ENABLED_BY_ENV
 #: a (sample, group) slab of at most this many elements is held in registers (one read);
 #: larger ones are looped over in blocks of LOOP_BLOCK (two reads)
 FIT_MAX = 1 << 14
@@ -70,10 +63,10 @@ def usable(*ts: Tensor) -> bool:
     """Whether :func:`group_norm_act` can run on these (same-device) tensors: CUDA (or CPU under
     the interpreter), Triton importable, ``DEQBENCH_FUSED`` != "0", contiguous, float32,
     bfloat16 or float16 (dtypes may differ), plain tensors (no torch.func wrapper or tangent)."""
-    if not ENABLED or triton is None or not ts:
+    if not ENABLED or not ts:
         return False
     dev = ts[0].device
-    if not (dev.type == "cuda" or (INTERPRET and dev.type == "cpu")):
+    if not kernel_device(dev):
         return False
     dual = getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
     return all(

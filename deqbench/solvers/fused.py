@@ -31,23 +31,16 @@ on the GPU machine in ``gpu``-marked tests.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
-try:  # Triton ships with the CUDA builds of torch; anything else falls back to torch code
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the torch build
-    triton = None
-    tl = None
+from ..core.triton_env import ENABLED_BY_ENV, kernel_device, tl, triton
+from ..core.triton_env import INTERPRET as INTERPRET  # re-exported (tests read it here)
 
-#: switch the fused kernels off (``DEQBENCH_FUSED=0``) to compare with the torch code
-ENABLED = os.environ.get("DEQBENCH_FUSED", "1") != "0"
-#: Triton's interpreter runs the kernels on CPU tensors (tests)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: switch the fused kernels off (``DEQBENCH_FUSED=0``, or set this) to compare with torch code
+ENABLED = ENABLED_BY_ENV
 #: a sample's state longer than this is split over several programs of CHUNK elements (three
 #: launches: partial sums, per-sample decisions, copies) so that large states (conv64: 128
 #: samples of 65536) keep every SM streaming; shorter ones take one program per sample (two)
@@ -67,11 +60,10 @@ def splits(numel: int) -> int:
 
 def usable(*ts: Tensor) -> bool:
     """Whether the fused kernels can run on these (same-device, same-dtype) tensors."""
-    if not ENABLED or triton is None:
+    if not ENABLED:
         return False
     t = ts[0]
-    on = t.is_cuda or (INTERPRET and t.device.type == "cpu")
-    if not on or t.dtype not in DTYPES or t.dim() == 0:
+    if not kernel_device(t.device) or t.dtype not in DTYPES or t.dim() == 0:
         return False
     return all(x.is_contiguous() and x.dtype == t.dtype and x.device == t.device for x in ts)
 
@@ -95,6 +87,15 @@ def _block(n: int, lo: int = 128, hi: int = 2048) -> int:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _steps(k_ptr, kh, HOSTK: tl.constexpr):
+        """The step counter: the device counter at ``k_ptr`` (captured steps), or the host's
+        ``kh`` (``HOSTK``: the eager path)."""
+        if HOSTK:
+            return kh
+        else:
+            return tl.load(k_ptr)
 
     @triton.jit
     def _sums(z_ptr, fz_ptr, F_ptr, G_ptr, i, lo, n, D, m, cd, slot, SLOTS: tl.constexpr,
@@ -151,10 +152,7 @@ if triton is not None:
         ``HOSTK`` (the eager tracker): the step is ``kh``, the running lowest is read from
         ``low_ptr`` (the previous trace row) and not written back, no lowest-iterate copy."""
         i = tl.program_id(0).to(tl.int64)
-        if HOSTK:
-            k = kh
-        else:
-            k = tl.load(k_ptr)
+        k = _steps(k_ptr, kh, HOSTK)
         sd, sf = _sums(z_ptr, fz_ptr, F_ptr, G_ptr, i, 0, D, D, m, cd, k % m, SLOTS, BLOCK)
         a = tl.sqrt(sd)
         r = a / (tl.sqrt(sf) + eps)
@@ -182,10 +180,7 @@ if triton is not None:
         """Programs (sample, chunk of CH elements): the partial sums of a split sample."""
         i = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
-        if HOSTK:
-            slot = kh % m
-        else:
-            slot = tl.load(k_ptr) % m
+        slot = _steps(k_ptr, kh, HOSTK) % m
         lo = sp.to(tl.int64) * CH
         sd, sf = _sums(z_ptr, fz_ptr, F_ptr, G_ptr, i, lo, CH, D, m, cd, slot, SLOTS, BLOCK)
         p = part_ptr + (i * tl.num_programs(1) + sp) * 2
@@ -201,10 +196,7 @@ if triton is not None:
         """Per sample: the residuals from the partial sums, the lowest-residual decision (flag),
         the trace row; then the batch summary and the step counter (one program). ``HOSTK``:
         as in ``_record_kernel`` (no flag, no counter)."""
-        if HOSTK:
-            k = kh
-        else:
-            k = tl.load(k_ptr)
+        k = _steps(k_ptr, kh, HOSTK)
         row = trace_ptr + k * 4 * B
         cols = tl.arange(0, SP)
         dt = trace_ptr.dtype.element_ty
@@ -265,10 +257,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["kh", "j"])  # a new value must not recompile
     def _summary_kernel(trace_ptr, st_ptr, k_ptr, kh, B, j, ROWS: tl.constexpr,
                         HOSTK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        if HOSTK:
-            k = kh
-        else:
-            k = tl.load(k_ptr)
+        k = _steps(k_ptr, kh, HOSTK)
         for q in tl.static_range(ROWS):
             row = trace_ptr + k * 4 * B + q * B
             mx = tl.full([BLOCK], float("-inf"), dtype=trace_ptr.dtype.element_ty)
@@ -294,10 +283,7 @@ if triton is not None:
         (B, nc, M) of :func:`anderson_row` (and stored); else H holds the chunks' partial Gram
         matrices (B * nc, m, m), summed here."""
         i = tl.program_id(0).to(tl.int64)
-        if HOSTK:
-            it = kh  # evaluations made, this step's included
-        else:
-            it = tl.load(k_ptr)
+        it = _steps(k_ptr, kh, HOSTK)  # evaluations made, this step's included
         slot = (it - 1) % m
         r = tl.arange(0, M)
         eye = r[:, None] == r[None, :]
@@ -349,10 +335,7 @@ if triton is not None:
         partial products of the slots in use with the newest one into row_ptr (B * nc, K, M)."""
         bc = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1).to(tl.int64)
-        if HOSTK:
-            it = kh
-        else:
-            it = tl.load(k_ptr)
+        it = _steps(k_ptr, kh, HOSTK)
         s = (it - 1) % m
         n = tl.minimum(it, m)
         r = tl.arange(0, M)
@@ -379,10 +362,7 @@ if triton is not None:
         scalars as float32, so g comes as g_hi + g_lo (two float32s, ~48 bits)."""
         bc = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1).to(tl.int64)
-        if HOSTK:
-            it = kh
-        else:
-            it = tl.load(k_ptr)
+        it = _steps(k_ptr, kh, HOSTK)
         n = tl.minimum(it, m)
         b = bc // nc
         base = bc * m * cd
