@@ -234,9 +234,11 @@ def solver_row(
     pair: str,
     name: str,
     args: argparse.Namespace,
+    peak_memory: bool = True,
 ) -> dict[str, Any]:
     """One timed row: deqbench ``eager`` (the solver on ``f``), deqbench ``default`` (through
-    ``layer``) or TorchDEQ (``eager``, on the bare cell; under autocast for bf16)."""
+    ``layer``) or TorchDEQ (``eager``, on the bare cell; under autocast for bf16). The peak
+    memory pass only with ``peak_memory`` (the last of a comparison's rounds)."""
     td = name.startswith("torchdeq_")
     dev = cell.z0.device
     row: dict[str, Any] = {
@@ -286,7 +288,7 @@ def solver_row(
             t, nfe, stats, z = st.timing, st.nfe, st.stats, box["z"]
             step = functools.partial(fn, fx, cell.z0, max_iter=args.max_iter, tol=tol, **opts)
         peak = math.nan
-        if is_cuda(dev):
+        if is_cuda(dev) and peak_memory:
             with torch.no_grad():
                 peak = gpu_peak_memory(step, dev).peak_mib
         nstep = int(stats.nstep) if variant == "default" else nfe[-1]
@@ -400,10 +402,23 @@ def bench_solvers(cells: list[Any], tols: list[float], args: argparse.Namespace)
                     # showed single rows 2-3x slower for a whole measurement) falls on all
                     # of them alike instead of deciding one comparison
                     parts: dict[int, list[dict]] = {i: [] for i in range(len(todo))}
-                    for _ in range(ROUNDS):
+                    for rnd in range(ROUNDS):
+                        last = rnd == ROUNDS - 1  # its peak memory pass and fields are kept
                         for i, (variant, name) in enumerate(todo):
                             parts[i].append(
-                                solver_row(cell, layer, f, tf, amp, tol, variant, ours, name, args)
+                                solver_row(
+                                    cell,
+                                    layer,
+                                    f,
+                                    tf,
+                                    amp,
+                                    tol,
+                                    variant,
+                                    ours,
+                                    name,
+                                    args,
+                                    peak_memory=last,
+                                )  # fmt: skip
                             )
                     for i in range(len(todo)):
                         r = merge_rounds(parts[i])
