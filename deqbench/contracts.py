@@ -12,6 +12,7 @@ from .core.contracts import (  # noqa: F401 - re-exported
     Init,
     ModelFactory,
     MonotoneCell,
+    OwnSolverModel,
     Solver,
     SpectralQuantities,
     SplittingOps,

@@ -18,5 +18,10 @@ from .core.deq import (  # noqa: F401 - re-exported
     direct_solves,
     is_deq,
     last_stats,
+    own_backward,
+    own_solve_stats,
+    own_solver,
+    reports_solves,
     set_runtime,
+    watch_own_solves,
 )

@@ -162,10 +162,13 @@ def test_validate_and_run_every_solver_and_the_wrapped_model(plugin, tmp_path):
     (run_dir,) = (tmp_path / "results" / "monotone").iterdir()
     df = deqbench.load_results(run_dir)
     assert set(df[df.analysis == "runner"].status) == {"ok"}
-    # the native model computes its own equilibrium: solver/backward read n/a, the id stays
+    # the native model computes its own equilibrium and reports it (last_solve_stats): the
+    # columns say what solved it, and its own iterations are measured
     native = df[df.model == "monotone_fc_native"]
-    assert set(native.cell_id) == {"monotone_fc_native-anderson-ift"}
-    assert set(native.solver) == {"n/a"} and set(native.backward) == {"n/a"}
-    assert "n/a" not in set(df[df.model == "monotone_fc"].solver)
+    assert len(set(native.cell_id)) == 1
+    assert set(native.solver) == {"own:peaceman_rachford"} and set(native.backward) == {"own:ift"}
+    assert not set(df[df.model == "monotone_fc"].solver) & {"n/a", "not measured"}
+    conv = native[native.metric == "test_forward_converged"]
+    assert len(conv) and (conv.value == 1).all()
     fam = df[(df.analysis == "family_stats") & (df.metric == "lambda_max_sym_W")]
     assert (fam.value <= 1e-6).all()  # m = 1: lambda_max((W + W^T) / 2) <= 0

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp
 
 from ..solvers.base import SolverStats, make_stats, residuals
+from . import verdict
 
 
 def _quiet_jvp_import() -> None:
@@ -360,11 +361,18 @@ def _direct(
     return x, st
 
 
+def _adjoint_tol(stats: SolverStats, cfg: Any) -> float:
+    """The tolerance an adjoint solve is held to: the configured one, or a direct solve's own
+    acceptance limit (max(tol, 1e3 eps), see :func:`_direct`)."""
+    return float(stats.tol) if stats.solver == "direct" else float(cfg.tol)
+
+
 class _ImplicitFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, z0, u, *params):  # type: ignore[override]
         z, _ = layer.solve(u, z0)
         ctx.layer = layer
+        ctx.ledger = verdict.current()  # the backward may run in another thread (CUDA)
         ctx.save_for_backward(z, u, *params)
         return z
 
@@ -394,6 +402,8 @@ class _ImplicitFunction(torch.autograd.Function):
                 ga = None
             if ga is not None:
                 grads = ga.grads(w)
+                verdict.check_claim(stats, _adjoint_tol(stats, cfg), cfg.stop_mode, cfg.solver)
+                verdict.record("adjoint", stats, cfg.max_iter, getattr(ctx, "ledger", None))
                 layer.last_backward_stats = stats
                 layer.vjp_bwd = nvjp + 1
                 return (None, None, grads[1], *grads[2:])
@@ -463,6 +473,8 @@ class _ImplicitFunction(torch.autograd.Function):
             nvjp += cfg.refine
         grads = vjp_fn(w)
         nvjp += 1
+        verdict.check_claim(stats, _adjoint_tol(stats, cfg), cfg.stop_mode, cfg.solver)
+        verdict.record("adjoint", stats, cfg.max_iter, getattr(ctx, "ledger", None))
         layer.last_backward_stats = stats
         layer.vjp_bwd = nvjp
         return (None, None, grads[1], *grads[2:])

@@ -51,6 +51,8 @@ CLAUSES: dict[str, str] = {
     "model.cell": "each DEQLayer's cell is an nn.Module whose forward(z, u) keeps z's shape",
     "model.declared": "the model's declaration (declare_defaults) admits the cell's solver and "
     "backward mode",
+    "model.solve_stats": "a model without DEQ layers that has last_solve_stats() returns, after "
+    "its forward, a SolverStats or a dict with nstep, tol and rel_residual or abs_residual",
     "solver.import": "the entry point imports and names a callable",
     "solver.signature": "solve(f, z0, *, max_iter, tol, stop_mode='rel', **options)",
     "solver.returns": "returns a 2-tuple (z, SolverStats) with z shaped like z0",
@@ -94,13 +96,18 @@ class ModelFactory(Protocol):
       backward mode and analysis applies; or
     * any other ``nn.Module`` (an explicit network, or a *wrapped* model whose equilibrium is
       computed by third-party code): it trains and is measured by the analyses that only need
-      ``model(x)``; the suite's solver and backward mode do not reach it.
+      ``model(x)``; the suite's solver and backward mode do not reach it. A wrapped model that
+      runs its own fixed-point loop reports each solve through ``last_solve_stats()``
+      (:class:`OwnSolverModel`), so that its convergence is measured and checked like a DEQ
+      layer's; without it, its cells say ``solver=not measured``.
 
     Optional attributes of the factory:
 
     * ``deqbench_defaults``: set by :func:`deqbench.models.declare_defaults` (the forward solver,
       backward mode and init under which the model converges; the solvers it supports and the
-      backward modes that apply). Fields a suite leaves unset come from it [model.declared].
+      backward modes that apply; for a model that runs its own solver, ``solvers=()`` or the
+      names ``own_solver``/``own_backward``). Fields a suite leaves unset come from it
+      [model.declared].
     * ``wraps = True``: it is also a :class:`Wrapper`.
 
     Checked by ``deqbench validate``: the factory is called with ``in_shape``/``num_outputs`` and
@@ -172,6 +179,76 @@ class EquilibriumModel(Protocol):
     def readout(self, z: Tensor) -> Tensor: ...
 
     def z0(self, u: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class OwnSolverModel(Protocol):
+    """A model without DEQ layers whose forward runs its own fixed-point loop (a wrapped
+    third-party DEQ), reporting what that loop did. Optional, but without it deqbench cannot see
+    the model's solves: its cells say ``solver=not measured`` and ``solver_stats`` is skipped.
+
+    * ``last_solve_stats() -> SolverStats | dict | None``: the forward solve of the last
+      ``model(x)`` [model.solve_stats]. Either a :class:`deqbench.solvers.base.SolverStats`
+      (e.g. from :func:`deqbench.solvers.base.make_stats`, with ``tol`` and ``stop_mode`` set)
+      or a plain dict, so the plugin need not import deqbench:
+
+      * ``nstep`` (required): iterations (f-evaluations) the loop made;
+      * ``tol`` (required): the tolerance its stopping test used;
+      * ``rel_residual`` and/or ``abs_residual`` (at least one): the residual of the iterate the
+        loop returned, a float (batch max) or a (B,) tensor; deqbench's residual is
+        ``||f(z) - z||`` (rel: divided by ``||f(z)||``), else say what the loop measures in
+        your docs;
+      * optional: ``stop_mode`` ("rel" or "abs": which residual its test used; default rel if
+        given), ``converged`` (default: that residual is below ``tol``), ``status``
+        (converged, max_iter, diverged, stagnated), ``max_iter`` (its own cap), ``rel_trace``
+        / ``abs_trace`` (the residual after each iteration, (T,) or (T, B)), ``njvp``,
+        ``extra``.
+
+      Unknown keys, a missing required key or a bad value are an error naming the model and
+      the hook. The claimed ``converged`` is checked against the reported residual and
+      ``tol``. None means no solve ran.
+    * ``last_backward_solve_stats() -> SolverStats | dict | None`` (optional): the backward
+      (adjoint) solve the model ran itself in the last backward pass, the same way; reset it
+      to None at each forward, so that a forward without gradient reports none.
+    * ``solver_name`` (optional class attribute): the cells' ``solver`` column says
+      ``own:<solver_name>`` (``own`` without it); ``backward_name``: the ``backward`` column
+      says ``own:<backward_name>`` (``own`` without it). Declare the same names on the factory
+      (``declare_defaults(own_solver=..., own_backward=...)``) so that cells are named before
+      the model is built.
+
+    Each solve is read after every forward (and own backward) and counts like a DEQ layer's:
+    training, evaluation and the analyses' passes report its f-evaluations and residuals
+    (``solver_stats``), and a cell whose solves miss their tolerance is flagged. A model with
+    DEQ layers reports through them; the hook is not read.
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     solver_name = "picard"
+        ...     def __init__(self, width=8, max_iter=100, tol=1e-4):
+        ...         super().__init__()
+        ...         self.W, self.max_iter, self.tol = torch.nn.Linear(width, width), max_iter, tol
+        ...         self.stats = None
+        ...     def forward(self, x):
+        ...         z, trace = torch.zeros_like(x), []
+        ...         with torch.no_grad():
+        ...             for k in range(1, self.max_iter + 1):
+        ...                 fz = torch.tanh(self.W(z) + x)
+        ...                 trace.append(float((fz - z).norm() / fz.norm()))  # z's residual
+        ...                 if trace[-1] < self.tol:
+        ...                     break
+        ...                 z = fz
+        ...         self.stats = {"nstep": k, "rel_residual": trace[-1], "tol": self.tol,
+        ...                       "max_iter": self.max_iter, "rel_trace": trace}
+        ...         return torch.tanh(self.W(z) + x)   # one step with gradient
+        ...     def last_solve_stats(self):
+        ...         return self.stats
+    """
+
+    def last_solve_stats(self) -> SolverStats | dict[str, Any] | None:
+        """The last forward solve: a SolverStats, a dict (nstep, tol, rel_residual and/or
+        abs_residual; optional keys above) or None when none ran."""
+        ...
 
 
 @runtime_checkable
@@ -420,6 +497,7 @@ CONTRACTS: tuple[type, ...] = (
     ModelFactory,
     EquilibriumModel,
     Cell,
+    OwnSolverModel,
     SpectralQuantities,
     Wrapper,
     Solver,

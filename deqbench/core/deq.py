@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ..solvers.base import SolverStats
 from . import backward as bw
+from . import own_solves, verdict
 from .backward import DirectSolver
 
 BACKWARD_MODES = ("ift", "unrolled", "jfb", "phantom")
@@ -330,6 +331,11 @@ class DEQLayer(nn.Module):
         # enclosing autocast; the cell map turns ``runtime.amp`` on for each f-evaluation.
         with torch.no_grad(), torch.autocast(device_type=u.device.type, enabled=False):
             z, stats = self._solve(fn, cfg, u, z0)
+            # convergence is verified, not believed (deqbench.core.verdict)
+            verdict.check_claim(stats, cfg.tol, cfg.stop_mode, cfg.name)
+            if verdict.verifying():
+                verdict.recheck(stats, self.f(z, u), z)
+        verdict.record("forward", stats, cfg.max_iter)
         self.__dict__["last_forward_stats"] = (
             stats  # a plain attribute (Module.__setattr__ is slow)
         )
@@ -436,8 +442,13 @@ class DEQLayer(nn.Module):
             u.requires_grad or any(p.requires_grad for p in self.cell.parameters())
         )
         if not needs_grad:
-            z, _ = self.solve(u, z0)
             self.last_backward_stats = None
+            if self.backward_cfg.name == "unrolled":
+                # an unrolled layer is the K-step network it was trained as, also at evaluation
+                # (its fixed point is another model; analyses that need z* call solve())
+                with torch.no_grad():
+                    return bw.apply(self, u, z0)
+            z, _ = self.solve(u, z0)
             return z
         return bw.apply(self, u, z0)
 
@@ -494,15 +505,67 @@ def configure(
         layer.configure(solver, backward)
 
 
+def own_solver(model: nn.Module) -> str | None:
+    """The ``solver`` column of a model that runs its own fixed-point loop and reports it
+    (``last_solve_stats()``, :class:`deqbench.contracts.OwnSolverModel`): ``own:<solver_name>``
+    (``own`` when unnamed); None for a model that does not report its own solves or has DEQ
+    layers (those report through their layers)."""
+    if not own_solves.has_hook(model) or is_deq(model):
+        return None
+    return own_solves.labels(model)[0]
+
+
+def own_backward(model: nn.Module) -> str | None:
+    """The ``backward`` column of such a model: ``own:<backward_name>`` (``own`` unnamed), or
+    None as for :func:`own_solver`."""
+    if not own_solves.has_hook(model) or is_deq(model):
+        return None
+    return own_solves.labels(model)[1]
+
+
+def own_solve_stats(model: nn.Module) -> tuple[SolverStats | None, SolverStats | None]:
+    """(forward, backward) :class:`SolverStats` of the last solves a model without DEQ layers
+    ran itself and reported (``last_solve_stats()`` / ``last_backward_solve_stats()``,
+    validated; each None when not reported). A hook that returns something else than None, a
+    ``SolverStats`` or a dict with ``nstep``, ``tol`` and a residual raises a PluginError
+    naming the model and the hook."""
+    if own_solver(model) is None:
+        return None, None
+    return own_solves.read(model, *own_solves.labels(model))
+
+
+def reports_solves(model: nn.Module) -> bool:
+    """Whether :func:`last_stats` can report solves of ``model``: it has DEQ layers or reports
+    its own solves (:func:`own_solver`)."""
+    return is_deq(model) or own_solves.has_hook(model)
+
+
+def watch_own_solves(model: nn.Module) -> bool:
+    """Record every solve of a model that reports its own solves (:func:`own_solver`) in the
+    open solve ledger (:mod:`deqbench.core.verdict`), as DEQ layers record theirs: a forward
+    hook reads ``last_solve_stats()`` after each forward and, when the output needs a gradient,
+    ``last_backward_solve_stats()`` after the backward pass. :func:`deqbench.models.create`
+    calls it. Returns whether the model is watched."""
+    if not isinstance(model, nn.Module) or own_solver(model) is None:
+        return False
+    return own_solves.watch(model)
+
+
 def last_stats(model: nn.Module) -> dict[str, float]:
     """Forward/backward f-evaluations and residuals of the last pass, summed over DEQ layers
-    (counts) and maxed (residuals). Empty dict for models without DEQ layers."""
+    (counts) and maxed (residuals); for a model without DEQ layers that runs its own solver,
+    what it reports (:func:`own_solve_stats`), under the same keys. Empty dict for other models
+    (and before any solve)."""
     out: dict[str, float] = {}
     layers = list(deq_layers(model))
-    if not layers:
+    if layers:
+        fw = [ly.last_forward_stats for ly in layers if ly.last_forward_stats is not None]
+        bw = [ly.last_backward_stats for ly in layers if ly.last_backward_stats is not None]
+    elif own_solves.has_hook(model):
+        f, b = own_solves.read(model, *own_solves.labels(model))
+        fw, bw = [f] if f is not None else [], [b] if b is not None else []
+    else:
         return out
-    fw = [layer.last_forward_stats for layer in layers if layer.last_forward_stats is not None]
-    bw = [layer.last_backward_stats for layer in layers if layer.last_backward_stats is not None]
     if fw:
         out["forward_nstep"] = float(sum(s.nstep for s in fw))
         out["forward_rel_residual"] = max(s.rel_max for s in fw)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.registry import models
+from . import explicit_network
 from .conv import ConvDEQ
 from .fc import FCDEQ
 
@@ -36,6 +37,7 @@ class TiedRepeat(nn.Module):
 
 
 @models.register("tied_repeat")
+@explicit_network
 def tied_repeat(
     in_shape=(1, 8, 8),
     num_outputs: int = 10,
@@ -61,6 +63,7 @@ def tied_repeat(
 
 
 @models.register("tied_repeat_tiny")
+@explicit_network
 def tied_repeat_tiny(
     in_shape=(1, 8, 8), num_outputs: int = 10, repeats: int = 6, cell: str = "conv"
 ) -> TiedRepeat:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from ..analyses.base import Analysis, CellContext
-from ..core.deq import Runtime, deq_layers
+from ..core.deq import Runtime, deq_layers, own_solve_stats, own_solver
 from ..core.runtime import autocast, for_loss, model_runtime
 
 Phase = Literal["init", "trained"]
@@ -138,13 +138,16 @@ class PerfAnalysis(Analysis):
 
 
 def _nstep(model: nn.Module, stats: str) -> int:
-    return sum(
-        int(s.nstep) for layer in deq_layers(model) if (s := getattr(layer, stats)) is not None
-    )
+    layers = list(deq_layers(model))
+    if not layers and own_solver(model) is not None:  # a model that runs its own solver
+        own = own_solve_stats(model)[0 if stats == "last_forward_stats" else 1]
+        return int(own.nstep) if own is not None else 0
+    return sum(int(s.nstep) for layer in layers if (s := getattr(layer, stats)) is not None)
 
 
 def forward_nstep(model: nn.Module) -> int:
-    """Forward f-evaluations of the last pass, summed over DEQ layers (host ints: no sync)."""
+    """Forward f-evaluations of the last pass, summed over DEQ layers (host ints: no sync), or
+    those a model that runs its own solver reports (``last_solve_stats()``)."""
     return _nstep(model, "last_forward_stats")
 
 

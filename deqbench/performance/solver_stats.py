@@ -20,7 +20,11 @@ The passes this analysis makes itself run under the cell's runtime too.
 
 Series: ``solver_steps`` (one line per training batch) and ``solver_trace`` (the residual after
 each forward iteration on ``trace_samples`` test inputs, at init and after training).
-A model without DEQ layers (``tied_repeat``) gets one ``skipped`` row.
+A model without DEQ layers that runs its own solver and reports it (``last_solve_stats()``,
+:class:`deqbench.contracts.OwnSolverModel`) gets the same forward rows (backward rows where it
+reports its own backward solve) and, where it gives a trace, the ``solver_trace`` series. A
+model that solves its own equilibrium and reports nothing, and a model without DEQ layers
+(``tied_repeat``), get one ``skipped`` row with a note saying which.
 
 Example (the plain functions, without the runner):
     >>> import deqbench, torch
@@ -40,7 +44,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..analyses.base import Analysis, CellContext, EpochInfo, Row, StepInfo
-from ..core.deq import Runtime, deq_layers, is_deq, last_stats
+from ..core.deq import Runtime, deq_layers, last_stats, own_solve_stats, reports_solves
 from ..core.registry import analyses
 from ..core.runtime import autocast, for_loss, forward_paths, model_runtime, runtime_note
 
@@ -60,7 +64,8 @@ def residual_trace(model: torch.nn.Module, x: torch.Tensor, runtime: Runtime | N
     ``runtime``'s autocast; default: the model's DEQ layers' runtime).
 
     Returns a DataFrame with columns layer, iteration (1-based f-evaluation), rel_max, rel_mean,
-    abs_max, abs_mean (over the batch). Empty for a model without DEQ layers.
+    abs_max, abs_mean (over the batch). A model that runs its own solver gives layer 0 from the
+    trace it reports. Empty for a model without DEQ layers or trace.
     """
     import pandas as pd
 
@@ -71,8 +76,10 @@ def residual_trace(model: torch.nn.Module, x: torch.Tensor, runtime: Runtime | N
         model(x)
     model.train(was)
     frames = []
-    for i, layer in enumerate(deq_layers(model)):
-        st = layer.last_forward_stats
+    stats = [layer.last_forward_stats for layer in deq_layers(model)]
+    if not stats:
+        stats = [own_solve_stats(model)[0]]
+    for i, st in enumerate(stats):
         if st is None or st.rel_trace.numel() == 0:
             continue
         rel, ab = st.rel_trace.double().cpu(), st.abs_trace.double().cpu()
@@ -170,6 +177,8 @@ class SolverStatsAnalysis(Analysis):
 
     def _trace(self, ctx: CellContext, phase: str) -> None:
         df = residual_trace(ctx.model, ctx.data.test[0][: self.params.trace_samples], ctx.runtime)
+        if df.empty:  # a model that runs its own solver and reports no trace
+            return
         df.insert(0, "phase", phase)
         self.traces.append(df)
         import pandas as pd
@@ -177,14 +186,19 @@ class SolverStatsAnalysis(Analysis):
         ctx.write_series("solver_trace", pd.concat(self.traces, ignore_index=True))
 
     def before_training(self, ctx: CellContext):
-        if not is_deq(ctx.model):
-            yield Row(
-                "forward_nstep",
-                math.nan,
-                status="skipped",
-                note=f"model '{ctx.cell.get('model', {}).get('name', '?')}' is not a DEQ "
-                "(no DEQ layer): no solver statistics",
-            )
+        if not reports_solves(ctx.model):
+            from ..core.own_solves import NOT_MEASURED
+            from ..models import solver_columns
+
+            name = ctx.cell.get("model", {}).get("name", "?")
+            if solver_columns(name, ctx.model) == (NOT_MEASURED, NOT_MEASURED):
+                note = (
+                    f"model '{name}' solves its own equilibrium and reports no statistics (add "
+                    "last_solve_stats() to the model: deqbench.contracts.OwnSolverModel)"
+                )
+            else:
+                note = f"model '{name}' is not a DEQ (no DEQ layer): no solver statistics"
+            yield Row("forward_nstep", math.nan, status="skipped", note=note)
             return
         self._trace(ctx, "init")
 
@@ -197,7 +211,7 @@ class SolverStatsAnalysis(Analysis):
         return ()
 
     def on_epoch(self, ctx: CellContext, info: EpochInfo):
-        if not is_deq(ctx.model):
+        if not reports_solves(ctx.model):
             return
         rt = ctx.runtime
         test_path = forward_paths(ctx.model)  # the test pass just ran
@@ -218,7 +232,7 @@ class SolverStatsAnalysis(Analysis):
             ctx.write_series("solver_steps", pd.DataFrame(self.steps))
 
     def after_training(self, ctx: CellContext):
-        if not is_deq(ctx.model):
+        if not reports_solves(ctx.model):
             return
         from ..run.train import loss_function
 

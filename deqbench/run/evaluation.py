@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..core.deq import Runtime, last_stats
 from ..core.runtime import autocast, for_loss, model_runtime
+from ..core.verdict import solve_ledger, verify_solves
 
 
 def loss_function(task: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -26,9 +29,11 @@ def evaluate(
     batch_size: int = 512,
     runtime: Runtime | None = None,
 ) -> dict[str, float]:
-    """Loss, accuracy (classification) or MSE (regression), and mean DEQ forward stats.
-    ``runtime`` (default: the model's DEQ layers'): the forward runs under its autocast, the
-    loss in float32."""
+    """Loss, accuracy (classification) or MSE (regression), and mean DEQ forward stats, under
+    ``no_grad`` in eval mode. ``runtime`` (default: the model's DEQ layers'): the forward runs
+    under its autocast, the loss in float32. Every batch solve is verified (its residual
+    recomputed with one more f-evaluation); ``forward_converged`` is the share of them the
+    runner accepted, absent where nothing was solved (an unrolled K-step forward)."""
     if runtime is None:
         runtime = model_runtime(model)
     was = model.training
@@ -37,22 +42,21 @@ def evaluate(
     tot_loss, tot_correct, n = 0.0, 0.0, 0
     nsteps: list[float] = []
     resid: list[float] = []
-    conv: list[float] = []
-    for i in range(0, X.shape[0], batch_size):
-        xb, yb = X[i : i + batch_size], y[i : i + batch_size]
-        with autocast(runtime, xb.device):
-            out = model(xb)
-            loss = loss_fn(for_loss(out, runtime), yb)
-        b = xb.shape[0]
-        tot_loss += float(loss) * b
-        if task == "classification":
-            tot_correct += float((out.argmax(1) == yb).sum())
-        n += b
-        st = last_stats(model)
-        if st:
-            nsteps.append(st["forward_nstep"])
-            resid.append(st["forward_rel_residual"])
-            conv.append(st["forward_converged"])
+    with solve_ledger() as ledger, verify_solves():
+        for i in range(0, X.shape[0], batch_size):
+            xb, yb = X[i : i + batch_size], y[i : i + batch_size]
+            with torch.no_grad(), autocast(runtime, xb.device):  # an evaluation needs no graph
+                out = model(xb)
+                loss = loss_fn(for_loss(out, runtime), yb)
+            b = xb.shape[0]
+            tot_loss += float(loss) * b
+            if task == "classification":
+                tot_correct += float((out.argmax(1) == yb).sum())
+            n += b
+            st = last_stats(model)
+            if st:
+                nsteps.append(st["forward_nstep"])
+                resid.append(st["forward_rel_residual"])
     model.train(was)
     res = {"loss": tot_loss / max(n, 1)}
     if task == "classification":
@@ -62,5 +66,16 @@ def evaluate(
     if nsteps:
         res["forward_nstep"] = sum(nsteps) / len(nsteps)
         res["forward_rel_residual"] = max(resid)
-        res["forward_converged"] = min(conv)
+    res.update(converged_share(ledger.records))
     return res
+
+
+def converged_share(records: list[Any]) -> dict[str, float]:
+    """``forward_converged`` / ``backward_converged``: the share of ``records`` (batch solves,
+    :class:`deqbench.core.verdict.SolveRecord`) the runner accepted."""
+    out: dict[str, float] = {}
+    for kind, key in (("forward", "forward_converged"), ("adjoint", "backward_converged")):
+        rs = [r for r in records if r.kind == kind]
+        if rs:
+            out[key] = sum(r.converged for r in rs) / len(rs)
+    return out

@@ -255,6 +255,7 @@ def expand(
     default_names: dict[str, str] | None = None,
     declared: Callable[[str], dict[str, dict[str, Any]]] | None = None,
     suffix_defaults: dict[str, dict[str, Any]] | None = None,
+    id_head: Callable[[list[str], dict[str, Any]], list[str]] | None = None,
 ) -> list[Draft]:
     """Cartesian product of the matrix axes over ``base`` (section -> dict).
 
@@ -269,6 +270,8 @@ def expand(
             before ``default_names``.
         suffix_defaults: section -> key -> default of the :data:`ID_SUFFIX` sections
             (``runtime``): the keys a cell sets to another value end its id.
+        id_head: (``[model, solver, backward]``, the cell's sections) -> the id's first parts
+            (:func:`deqbench.run.labels.id_head`: names what ran); default: unchanged.
 
     Returns:
         One :class:`Draft` per cell, in product order (first axis slowest).
@@ -351,6 +354,8 @@ def expand(
             _clean(fmt_value(sections.get(s, {}).get("name", default_names.get(s, "none"))))
             for s in ID_BASE
         ]
+        if id_head is not None:
+            head = [_clean(h) for h in id_head(head, sections)]
         cid = "-".join(head + id_parts + id_suffix(sections, suffix_defaults))
         n = seen.get(cid, 0) + 1
         seen[cid] = n

@@ -6,7 +6,8 @@ once per distinct model spec and solver of the suite(s), built-ins and plugins a
 * every model factory is called with ``in_shape``/``num_outputs`` (from the dataset's shape,
   without loading it) and the suite's params, each init of the suite is applied to it, and it
   runs a forward pass on a batch of 2 with each forward solver the suite gives it (at most
-  :data:`FORWARD_STEPS` f-evaluations: a contract check, not a convergence test);
+  :data:`FORWARD_STEPS` f-evaluations: a contract check, not a convergence test); a model that
+  runs its own solver (``last_solve_stats()``) reports that forward's solve;
 * every solver (forward, and as adjoint solver for ``ift``) runs on a small contraction, with
   the suite's options and with none, and its return value is checked: ``(z, SolverStats)``,
   nstep, residual and trace shapes, status, progress towards the fixed point; a solver that ``needs_structure``
@@ -620,6 +621,10 @@ class _Checks:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 out = model(x)
         except Exception as exc:
+            if isinstance(exc, PluginError) and deq.own_solver(model) is not None:
+                # raised by the hook reading the model's own solve after its forward
+                self.add("model", name, "model.solve_stats", str(exc))
+                return
             with_solver = f" with solver '{c.solver['name']}'" if is_deq else ""
             self.add(
                 "model",
@@ -643,6 +648,52 @@ class _Checks:
                 "model.forward",
                 f"model(x) for x of shape {(2, *in_shape)} returned shape {tuple(out.shape)}; "
                 f"expected 2 rows of num_outputs={num_outputs} values",
+            )
+        if deq.own_solver(model) is not None:
+            try:
+                if deq.own_solve_stats(model)[0] is None:
+                    self.add(
+                        "model",
+                        name,
+                        "model.solve_stats",
+                        f"{type(model).__name__}.last_solve_stats() returned None after a "
+                        "forward pass: return the statistics of the solve the forward ran",
+                    )
+            except PluginError as exc:
+                self.add("model", name, "model.solve_stats", str(exc))
+        self._own_names(name, model)
+
+    def _own_names(self, name: str, model: Any) -> None:
+        """A model's declaration (what cell ids say before it is built) and the built model
+        agree on whether and under which names it reports its own solves."""
+        from .. import models
+
+        declared = models.own_solver_label(name)
+        try:
+            built = models.solver_columns(name, model)
+        except ConfigError as exc:
+            self.add("model", name, "model.solve_stats", str(exc))
+            return
+        if declared == built:
+            return
+        if built is not None and built[0].startswith("own"):
+            want = f"declare_defaults(own_solver='{built[0].partition(':')[2] or '...'}')"
+            self.add(
+                "model",
+                name,
+                "model.solve_stats",
+                f"{type(model).__name__} reports its own solves ({built[0]}) but its factory "
+                f"declares {declared[0] if declared else 'nothing'}: {want}, so that cell ids "
+                "name it before the model is built",
+            )
+        else:
+            self.add(
+                "model",
+                name,
+                "model.solve_stats",
+                f"its factory declares {declared[0] if declared else 'nothing'} but "
+                f"{type(model).__name__} has no last_solve_stats(): add it "
+                "(deqbench.contracts.OwnSolverModel) or declare solvers=() only",
             )
 
 

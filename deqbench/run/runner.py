@@ -171,6 +171,15 @@ def _prepare(
                 f"!= {suite.hash}); resume with the suite that made it: "
                 f"deqbench run {run_dir / 'suite.yaml'} --resume {run_dir}"
             )
+        made = {c.id for c in suite.cells}
+        stale = [c for c in meta.get("cells", []) if c not in made]
+        if stale:  # ids of an older deqbench (e.g. before unrolled cells were named by K)
+            raise ConfigError(
+                f"--resume {resume}: its cell ids are not those this deqbench makes from the same "
+                f"suite ({len(stale)} differ, e.g. '{stale[0]}'); rows would not line up: start a "
+                f"new run (deqbench run {run_dir / 'suite.yaml'}) and compare the two with "
+                "deqbench compare"
+            )
         done = res.drop_unfinished(run_dir)
         meta.setdefault("resumed", []).append(
             {

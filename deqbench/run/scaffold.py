@@ -272,6 +272,9 @@ deqbench validate tests/suite.yaml       # the contract checks
 ```
 
 Replace the cell in `src/{pkg}/models.py` by yours and keep the factory's signature.
+Wrapping a network whose forward runs its own fixed-point loop instead? Register the network
+itself (`declare_defaults(own_solver="...")`) and give it `last_solve_stats()`
+(`deqbench.contracts.OwnSolverModel`), so that its solves are measured and checked.
 """
 
 FILES = {

@@ -456,6 +456,7 @@ def _from_raw(
 
     analyses, errors = check_analyses(top.analyses, loc)
     from .. import models
+    from .labels import id_head
 
     drafts = expand(
         base,
@@ -464,6 +465,7 @@ def _from_raw(
         generic_fields(),
         default_names(),
         declared=models.defaults,
+        id_head=id_head,
         suffix_defaults={"runtime": runtime_defaults()},
     )
     cells: list[Cell] = []
@@ -509,9 +511,16 @@ def _line_of(err: str) -> tuple[int, int]:
 
 
 def format_cells(suite: Suite) -> list[str]:
-    """One line per cell: ``id  model  solver  backward  init`` (``deqbench validate``)."""
-    return [
-        f"{c.id}\tmodel={c.model['name']} solver={c.solver['name']} backward={c.backward['name']} "
-        f"init={c.init['name']} data={c.data['name']}"
-        for c in suite.cells
-    ]
+    """One line per cell: ``id  model  solver  backward  init`` (``deqbench validate``); the
+    solver and backward that compute the cell (:func:`deqbench.run.matrix.cell_labels`), and
+    the suite's solver as ``reference=`` where it only serves analyses (an unrolled cell)."""
+    from .labels import cell_labels
+
+    out = []
+    for c in suite.cells:
+        solver, backward = cell_labels(c.as_dict())
+        ref = (f" reference={c.solver['name']}"
+               if backward == "unrolled" and solver != c.solver["name"] else "")  # fmt: skip
+        out.append(f"{c.id}\tmodel={c.model['name']} solver={solver} backward={backward}{ref} "
+                   f"init={c.init['name']} data={c.data['name']}")  # fmt: skip
+    return out

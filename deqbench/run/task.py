@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analyses.base import CellContext, Row
+from ..core.verdict import solve_ledger
 from .results import CONVERGENCE, FLAGGED, RUNNER
+from .solves import Tallies
 
 if TYPE_CHECKING:  # pragma: no cover
     from .suite import Cell, Suite
@@ -44,13 +46,16 @@ class Task:
 
     def row_base(self) -> dict[str, Any]:
         """The columns that say which run, cell and seed a result row belongs to."""
+        from .labels import cell_labels
+
         cell = self.cell
+        solver, backward = cell_labels(cell.as_dict())
         return {
             "run_id": self.run_id,
             "cell_id": cell.id,
             "model": cell.model["name"],
-            "solver": cell.solver["name"],
-            "backward": cell.backward.get("name", ""),
+            "solver": solver,
+            "backward": backward,
             "init": cell.init["name"],
             "seed": self.seed,
         }
@@ -221,6 +226,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     status, note, tb = "ok", "", None
     ctx: CellContext | None = None
     flags: list[str] = []  # why the measurement is not trustworthy (status "flagged")
+    tallies = Tallies()  # every DEQ solve of the task, by kind and phase
     names: dict[int, str] = {}
     base = task.row_base()
 
@@ -267,15 +273,17 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
             deq.configure(model, cell.solver_config(), cell.backward_config())
         runtime = cell.runtime_config()
         deq.set_runtime(model, runtime)  # every DEQ layer: compile, autocast, CUDA graphs
-        from ..models import computes_own_equilibrium
+        from ..models import solver_columns
 
-        if computes_own_equilibrium(mname):
-            # a wrapped model that computes its own equilibrium (declared solvers=()): the
-            # suite's solver and backward mode do not reach it and the columns say so; the cell
-            # id stays as it is (--resume, compare)
-            base.update(solver=NOT_APPLICABLE, backward=NOT_APPLICABLE)
+        deq.watch_own_solves(model)  # a model that reports its own solves: each one is recorded
+        own = solver_columns(mname, model)
+        if own is not None:
+            # a model that computes its own equilibrium: the suite's solver and backward mode do
+            # not reach it; the columns say what solved it (own:<name>, from its
+            # last_solve_stats() hook) or that nothing was measured ("not measured")
+            base.update(solver=own[0], backward=own[1])
             for r in rows:
-                r.update(solver=NOT_APPLICABLE, backward=NOT_APPLICABLE)
+                r.update(solver=own[0], backward=own[1])
         instances = []
         for name, params in suite.analyses:
             instances.append(analysis_registry.get(name)(params))
@@ -290,8 +298,19 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
             cell.as_dict(),
             Path(task.run_dir) if task.run_dir else None,
         )
+        tallies.amp = runtime.amp
+        tallies.batchnorm = not cell.train_config().precise_bn and any(
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()
+        )
+
+        def probe(phase: str, a: Any, hook: Any) -> None:
+            """Run an analysis hook outside training; its solves count as ``phase``."""
+            with solve_ledger() as led:
+                emit(a, hook(ctx))
+            tallies.add(phase, led.records)
+
         for a in instances:
-            emit(a, a.before_training(ctx))
+            probe("init", a, a.before_training)
         cfg = cell.train_config()
         if cfg.epochs > 0 or any(getattr(a, "needs_training", True) for a in instances):
 
@@ -309,17 +328,20 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
                 seed=task.seed,
                 progress=progress,
                 runtime=runtime,
+                tallies=tallies,
             )
             status, note = res.status, res.note
-            for tally in (res.forward, res.adjoint):
-                if tally.batches:  # share of training batches whose solve missed tolerance
-                    add(CONVERGENCE, Row(f"{tally.kind}_unconverged_batches",
-                                    tally.missed / tally.batches, variant="train",
-                                    unit="fraction", status=FLAGGED if tally.flagged else "ok",
-                                    note=tally.note() if tally.missed else ""))  # fmt: skip
         if status == "ok":
             for a in instances:
-                emit(a, a.after_training(ctx))
+                probe("probe", a, a.after_training)
+        # the share of each phase's solves that missed tolerance (train, eval and probes flag
+        # the cell above 1%; init is reported only)
+        for tally in tallies:
+            if tally.batches:
+                add(CONVERGENCE, Row(f"{tally.kind}_unconverged_batches", tally.share,
+                                     variant=tally.phase, unit="fraction",
+                                     status=FLAGGED if tally.flagged else "ok",
+                                     note=tally.note() if tally.missed else ""))  # fmt: skip
     except KeyboardInterrupt:
         raise
     except torch.cuda.OutOfMemoryError as exc:
@@ -333,6 +355,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
             for r in rows
             if r["status"] == FLAGGED
         ]
+        flags += tallies.hints()
         # an analysis measurement that failed outright (error, oom, nan) leaves the cell's
         # training intact but the measurement missing: never "ok"
         flags += [

@@ -21,10 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from ..analyses.base import CellContext, EpochInfo, Row, StepInfo
-from ..core.deq import Runtime, deq_layers, last_stats
+from ..core.deq import Runtime, deq_layers, last_stats, own_solver
 from ..core.runtime import autocast, for_loss, model_runtime
+from ..core.verdict import solve_ledger, verify_solves
 from .data import DataBundle
 from .evaluation import evaluate, loss_function  # noqa: F401 - part of train's API
+from .solves import BF16_TOL, MISSED_SHARE, SolveTally, Tallies  # noqa: F401 - train's API
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = (None, "none", "step", "multistep", "cosine")
@@ -50,61 +52,12 @@ class TrainConfig:
     eval_before: bool = True  # evaluate at epoch 0, before training
     full_batch: bool = False  # one step per epoch over the whole train set (gradient descent)
     max_steps: int | None = None  # stop after this many optimiser steps
-
-
-#: share of training batches allowed to miss the solver tolerance before a cell is flagged
-MISSED_SHARE = 0.01
-#: the tightest tolerance advised under bf16 autocast (its relative residual floor is ~4e-3)
-BF16_TOL = 1e-2
-
-
-@dataclass
-class SolveTally:
-    """Training batches whose forward solve / IFT adjoint solve missed its tolerance.
-
-    The forward is counted only where it is a solve (not an ``unrolled`` K-step forward), the
-    adjoint only where one ran (``ift``). ``worst`` is the largest batch-max relative residual
-    among the batches that missed."""
-
-    kind: str  # forward | adjoint
-    batches: int = 0
-    missed: int = 0
-    worst: float = 0.0
-    tol: float = float("nan")
-    solver: str = ""  # the solver that ran (for the fix hint)
-    amp: str = "none"  # the runtime's autocast (bf16: the fix is a looser tolerance)
-
-    def add(self, converged: float, residual: float, tol: float, solver: str = "") -> None:
-        self.batches += 1
-        self.tol = tol
-        self.solver = solver
-        if not converged >= 1.0:
-            self.missed += 1
-            if self.worst == self.worst and not residual <= self.worst:  # NaN stays worst
-                self.worst = residual
-
-    @property
-    def flagged(self) -> bool:
-        return self.batches > 0 and self.missed > MISSED_SHARE * self.batches
-
-    def note(self) -> str:
-        """One line: what missed, by how much, and (when flagged) the fix."""
-        share = f"{self.missed} of {self.batches} training batches ({100 * self.missed / self.batches:.1f}%"
-        if not self.flagged:
-            return (f"{self.kind} solve missed tol {self.tol:g} in {share} <= "
-                    f"{100 * MISSED_SHARE:g}%, not flagged; worst rel {self.worst:.3g})")  # fmt: skip
-        others = [x for x in ("broyden", "anderson", "newton_krylov") if x != self.solver]
-        key = "solver.tol" if self.kind == "forward" else "backward.tol"
-        if self.amp == "bf16" and self.tol < BF16_TOL:
-            fix = (f"bf16's relative residual floor is about 4e-3: set {key} >= {BF16_TOL:g} "
-                   "or runtime.amp: none")  # fmt: skip
-        elif self.kind == "forward":
-            fix = f"raise solver.max_iter (--max-iter) or try another solver (e.g. {others[0]})"
-        else:
-            fix = (f"raise backward.max_iter or try another adjoint solver (backward.solver: "
-                   f"{' or '.join(others)})")  # fmt: skip
-        return (f"{self.kind} solve missed tol {self.tol:g} in {share} > "
-                f"{100 * MISSED_SHARE:g}%; worst rel {self.worst:.3g}): {fix}")  # fmt: skip
+    #: recompute BatchNorm running statistics over the training set (no_grad, train mode,
+    #: cumulative average as torch.optim.swa_utils.update_bn) after each epoch, before the
+    #: evaluation: with few steps, momentum-0.1 running statistics still weigh the initial
+    #: ones, so eval mode normalises differently from training (conv_deq_tiny after 4 steps:
+    #: every evaluation solve at max_iter, accuracy 0.39; with this: converged, 0.73)
+    precise_bn: bool = False
 
 
 @dataclass
@@ -113,12 +66,22 @@ class TrainResult:
     note: str = ""
     history: list[dict[str, float]] = field(default_factory=list)
     steps: int = 0
-    forward: SolveTally = field(default_factory=lambda: SolveTally("forward"))
-    adjoint: SolveTally = field(default_factory=lambda: SolveTally("adjoint"))
+    #: every DEQ solve of training, evaluation and the analyses' hooks, by (kind, phase)
+    tallies: Tallies = field(default_factory=Tallies)
+
+    @property
+    def forward(self) -> SolveTally:
+        """The training batches' forward solves."""
+        return self.tallies.get("forward", "train")
+
+    @property
+    def adjoint(self) -> SolveTally:
+        """The training batches' IFT adjoint solves."""
+        return self.tallies.get("adjoint", "train")
 
     def flags(self) -> list[str]:
-        """Notes of the solves that missed tolerance in more than MISSED_SHARE of the batches."""
-        return [t.note() for t in (self.forward, self.adjoint) if t.flagged]
+        """Notes of the phases whose solves missed tolerance in more than MISSED_SHARE."""
+        return self.tallies.flags()
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -167,6 +130,35 @@ def post_step(model: nn.Module) -> None:
 
 
 @torch.no_grad()
+def recompute_batchnorm(
+    model: nn.Module, X: Tensor, batch_size: int, runtime: Runtime | None = None
+) -> int:
+    """Reset every BatchNorm's running statistics and recompute them as the cumulative average
+    over ``X`` in batches (train mode, no gradients; momentum restored afterwards), as
+    ``torch.optim.swa_utils.update_bn`` does. Returns the number of BatchNorm modules."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return 0
+    momenta = [m.momentum for m in bns]
+    was = model.training
+    rt = runtime if runtime is not None else model_runtime(model)
+    try:
+        for m in bns:
+            m.reset_running_stats()
+            m.momentum = None
+        model.train()
+        for i in range(0, X.shape[0], batch_size):
+            xb = X[i : i + batch_size]
+            with autocast(rt, xb.device):
+                model(xb)
+    finally:
+        for m, mom in zip(bns, momenta):
+            m.momentum = mom
+        model.train(was)
+    return len(bns)
+
+
+@torch.no_grad()
 def _batches(n: int, bs: int, gen: torch.Generator, device) -> Iterable[Tensor]:
     perm = torch.randperm(n, generator=gen).to(device)
     for i in range(0, n, bs):
@@ -178,6 +170,9 @@ def _emit(
 ) -> None:
     if emit is not None and rows is not None:
         emit(analysis, rows)
+    elif rows is not None:
+        for _ in rows:  # a generator hook runs (and solves) only when consumed
+            pass
 
 
 def train(
@@ -191,6 +186,7 @@ def train(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     runtime: Runtime | None = None,
+    tallies: Tallies | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``data`` (tensors already on the target device/dtype).
 
@@ -199,7 +195,10 @@ def train(
     (``diverged`` if the forward solver diverged on that batch); nothing is raised.
     ``runtime`` (default: the model's DEQ layers'; see :mod:`deqbench.core.runtime`): the forward and
     the loss run under its autocast (bf16), the loss in float32; parameters, gradients and the
-    optimiser stay in the model's dtype.
+    optimiser stay in the model's dtype. ``tallies`` (default: new) receives every DEQ solve of
+    the training batches, the evaluation passes and the analyses' hooks, by phase
+    (:mod:`deqbench.run.solves`); the evaluation passes and the last training batch of each
+    epoch verify their forward solves (one more f-evaluation each).
     """
     if runtime is None:
         runtime = model_runtime(model)
@@ -218,8 +217,21 @@ def train(
     gen = torch.Generator().manual_seed(seed)
     result = TrainResult()
 
+    if tallies is not None:
+        result.tallies = tallies
+    result.tallies.amp = runtime.amp
+
+    def hook(phase: str, cb: Any, method: str, info: Any) -> None:
+        """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
+        with solve_ledger() as led:
+            _emit(emit, cb, getattr(cb, method)(ctx, info))
+        result.tallies.add(phase, led.records)
+
     def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
-        test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime)
+        phase = "init" if epoch == 0 else "eval"
+        with solve_ledger() as led:  # evaluate verifies its solves
+            test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime)
+        result.tallies.add(phase, led.records)
         rec = {
             "epoch": float(epoch),
             **{f"train_{k}": v for k, v in train_stats.items()},
@@ -228,51 +240,62 @@ def train(
         result.history.append(rec)
         info = EpochInfo(epoch, train_stats, test)
         for cb in callbacks:
-            _emit(emit, cb, cb.on_epoch(ctx, info))
+            hook(phase if epoch == 0 else "probe", cb, "on_epoch", info)
 
-    result.forward.amp = result.adjoint.amp = runtime.amp
     if cfg.eval_before:
-        ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime)
+        with solve_ledger() as led:
+            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime)
+        result.tallies.add("init", led.records)
         epoch_end(0, ev)
 
     step = 0
-    layers = list(deq_layers(model))
-    has_deq = bool(layers)
-    # an unrolled K-step forward is not a solve: its tolerance is not a target
-    forward_is_solve = has_deq and all(ly.backward_cfg.name != "unrolled" for ly in layers)
+    own = own_solver(model) is not None  # a model that reports its own solves
+    has_deq = own or any(True for _ in deq_layers(model))
     for epoch in range(1, cfg.epochs + 1):
         model.train()
         sums: dict[str, float] = {}
         count = 0
-        for idx in _batches(n, bs, gen, Xtr.device):
+        for i, idx in enumerate(_batches(n, bs, gen, Xtr.device)):
             xb, yb = Xtr[idx], ytr[idx]
             opt.zero_grad(set_to_none=True)
-            with autocast(runtime, xb.device):
-                out = model(xb)
-                loss = loss_fn(for_loss(out, runtime), yb)
-            lv = float(loss.detach())
-            # The solvers' status strings are already on the host: no device sync per step here;
-            # the residual summaries (which sync) are read once per step, after backward.
-            diverged = has_deq and any(
-                layer.last_forward_stats is not None
-                and layer.last_forward_stats.status == "diverged"
-                for layer in deq_layers(model)
+            # the last batch of an epoch (or of training) is verified: its forward solves'
+            # residuals are recomputed with one more f-evaluation
+            last = i == steps_per_epoch - 1 or (
+                cfg.max_steps is not None and step + 1 >= cfg.max_steps
             )
-            if not math.isfinite(lv) or diverged:
-                # A diverged forward solve stops the cell even if the loss is still finite
-                # (the solver returns its lowest-residual iterate, which can hide a blow-up).
-                fwd = last_stats(model) if has_deq else {}
-                res = fwd.get("forward_rel_residual", math.nan)
-                if fwd.get("forward_diverged") and math.isfinite(res):
-                    result.status = "diverged"
-                    result.note = f"forward solver diverged at epoch {epoch} step {step + 1}"
-                else:
-                    result.status = "nan"
-                    result.note = f"non-finite loss {lv} at epoch {epoch} step {step + 1}"
-                if fwd:
-                    result.note += f" (forward rel residual {res:.3g}, {fwd.get('forward_nstep', 0):.0f} f-evals)"
-                return result
-            loss.backward()
+            with solve_ledger() as led:
+                with verify_solves(last), autocast(runtime, xb.device):
+                    out = model(xb)
+                    loss = loss_fn(for_loss(out, runtime), yb)
+                lv = float(loss.detach())
+                # The solvers' status strings are already on the host: no device sync per step
+                # here; the residual summaries (which sync) are read once per step, after
+                # backward.
+                diverged = (
+                    has_deq
+                    and any(
+                        layer.last_forward_stats is not None
+                        and layer.last_forward_stats.status == "diverged"
+                        for layer in deq_layers(model)
+                    )
+                    or (own and bool(last_stats(model).get("forward_diverged")))
+                )
+                if not math.isfinite(lv) or diverged:
+                    # A diverged forward solve stops the cell even if the loss is still finite
+                    # (the solver returns its lowest-residual iterate, which can hide a blow-up).
+                    fwd = last_stats(model) if has_deq else {}
+                    res = fwd.get("forward_rel_residual", math.nan)
+                    if fwd.get("forward_diverged") and math.isfinite(res):
+                        result.status = "diverged"
+                        result.note = f"forward solver diverged at epoch {epoch} step {step + 1}"
+                    else:
+                        result.status = "nan"
+                        result.note = f"non-finite loss {lv} at epoch {epoch} step {step + 1}"
+                    if fwd:
+                        result.note += f" (forward rel residual {res:.3g}, {fwd.get('forward_nstep', 0):.0f} f-evals)"
+                    return result
+                loss.backward()
+            result.tallies.add("train", led.records)
             if cfg.grad_clip:
                 nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -281,20 +304,6 @@ def train(
                 sched.step()
             step += 1
             st = last_stats(model) if has_deq else {}
-            if forward_is_solve and "forward_converged" in st:
-                result.forward.add(
-                    st["forward_converged"],
-                    st["forward_rel_residual"],
-                    max(ly.solver_cfg.tol for ly in layers),
-                    layers[0].solver_cfg.name,
-                )
-            if "backward_converged" in st:
-                result.adjoint.add(
-                    st["backward_converged"],
-                    st["backward_rel_residual"],
-                    max(ly.backward_cfg.tol for ly in layers),
-                    layers[0].backward_cfg.solver,
-                )
             rec = {"loss": lv, **st}
             if data.task == "classification":
                 rec["accuracy"] = float((out.detach().argmax(1) == yb).float().mean())
@@ -305,13 +314,17 @@ def train(
             count += 1
             info = StepInfo(epoch, step, lv, st, (xb, yb))
             for cb in callbacks:
-                _emit(emit, cb, cb.on_step(ctx, info))
+                hook("probe", cb, "on_step", info)
             if progress is not None:
                 progress(epoch, step)
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 break
         if sched is not None and not per_batch:
             sched.step()
+        if cfg.precise_bn:
+            with solve_ledger() as led:
+                recompute_batchnorm(model, Xtr, bs, runtime)
+            result.tallies.add("train", led.records)
         epoch_end(epoch, {k: v / max(count, 1) for k, v in sums.items()})
         result.steps = step
         if cfg.max_steps is not None and step >= cfg.max_steps:

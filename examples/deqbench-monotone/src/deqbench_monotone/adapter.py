@@ -1,7 +1,7 @@
 """Registers the standalone monotone_net (unchanged) with deqbench through the documented
 hooks only (deqbench.contracts): a Cell that is also a MonotoneCell, a DEQModel, the model's
 spectral quantities and declared defaults; and the upstream network as it is, a wrapped model
-that computes its own equilibrium (declared ``solvers=()``)."""
+that computes its own equilibrium and reports its solves (OwnSolverModel, ``own_solver``)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,22 @@ def monotone_fc(in_shape=(784,), num_outputs=10, width=87, m=1.0):
     return MonotoneDEQ(MonotoneFcNet(math.prod(in_shape), width, num_outputs, m))
 
 
-@declare_defaults(solvers=(), backward_modes=())
+class MonotoneFcNative(MonotoneFcNet):
+    """upstream's network as it is, reporting its own solves (deqbench.contracts.OwnSolverModel)."""
+
+    solver_name, backward_name = "peaceman_rachford", "ift"
+
+    def last_solve_stats(self, kind="forward"):  # upstream's iterations and relative change of z
+        s, pr = self.solver.stats, self.solver
+        if f"{kind}_iters" in s:
+            return {"nstep": s[f"{kind}_iters"], "rel_residual": s[f"{kind}_err"],
+                    "tol": pr.tol, "max_iter": pr.max_iter}  # fmt: skip
+
+    def last_backward_solve_stats(self):
+        return self.last_solve_stats("backward")
+
+
+@declare_defaults(own_solver="peaceman_rachford", own_backward="ift")
 def monotone_fc_native(in_shape=(784,), num_outputs=10, width=87, m=1.0, tol=1e-4):
     """upstream's MonotoneFcNet as it is: its own Peaceman-Rachford forward and backward."""
-    return MonotoneFcNet(math.prod(in_shape), width, num_outputs, m, tol=tol)
+    return MonotoneFcNative(math.prod(in_shape), width, num_outputs, m, tol=tol)

@@ -1,0 +1,197 @@
+"""Convergence is verified, not believed: the runner's check of every DEQ solve.
+
+A solver returns ``SolverStats.converged``; deqbench does not take it on trust. After every
+solve of a DEQ layer (forward and IFT adjoint), :func:`check_claim` tests the solver's reported
+residual, in the stop mode it was asked for, against the tolerance; inside
+:func:`verify_solves` the layer also re-evaluates f once at the returned iterate and tests the
+recomputed residual (:func:`recheck`). A solve whose claim fails either test gets
+``converged = False`` (``extra["solver_converged"]`` keeps what the solver said) and a note
+(``extra["claim"]``) such as ``solver 'x' reported converged, rel residual 0.0126 > tol 1e-06``.
+
+Inside :func:`solve_ledger`, every checked solve is also appended to the ledger as a
+:class:`SolveRecord`: the runner opens one per phase (training batches, evaluation passes,
+analyses' probes) and turns the records into converged fractions, status and notes.
+
+Example:
+    >>> import torch
+    >>> from deqbench.core.verdict import solve_ledger
+    >>> from deqbench.deq import DEQLayer, SolverConfig
+    >>> layer = DEQLayer(torch.nn.Linear(4, 4), SolverConfig("anderson", tol=1e-5))  # doctest: +SKIP
+    >>> with solve_ledger() as ledger:                                # doctest: +SKIP
+    ...     layer.solve(torch.randn(2, 4), torch.zeros(2, 4))
+    >>> ledger.records[0].converged                                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+    from ..solvers.base import SolverStats
+
+#: a recomputed residual up to this multiple of the tolerance agrees with a solver's claim: one
+#: re-evaluation of f at the same iterate moves a residual near tol by rounding only (fused vs
+#: torch kernels, bf16 autocast: well under 2x); a solver that stopped early or misreports is
+#: off by orders of magnitude
+VERIFY_SLACK = 2.0
+
+
+@dataclass
+class SolveRecord:
+    """One batch solve as the runner judged it."""
+
+    kind: str  # forward | adjoint
+    converged: bool  # the runner's verdict (claim checked, residual verified where recomputed)
+    solver_converged: bool  # what the solver said
+    residual: float  # batch max, in stop_mode: the recomputed one where verified, else reported
+    stop_mode: str
+    tol: float
+    status: str  # the solver's own status: converged | max_iter | diverged | stagnated
+    solver: str
+    nstep: int
+    max_iter: int | None = None
+    verified: bool = False  # residual recomputed by one f-evaluation
+    claim: str = ""  # why the solver's claim was not accepted
+
+
+@dataclass
+class SolveLedger:
+    """The :class:`SolveRecord` of every checked solve made while the ledger is open."""
+
+    records: list[SolveRecord] = field(default_factory=list)
+
+    def of(self, kind: str) -> list[SolveRecord]:
+        return [r for r in self.records if r.kind == kind]
+
+
+_LEDGER: contextvars.ContextVar[SolveLedger | None] = contextvars.ContextVar(
+    "deqbench_solve_ledger", default=None
+)
+_VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("deqbench_verify", default=False)
+
+
+@contextlib.contextmanager
+def solve_ledger() -> Iterator[SolveLedger]:
+    """Record every DEQ solve made inside the block (a nested ledger's records reach the
+    enclosing one too when it closes)."""
+    parent = _LEDGER.get()
+    ledger = SolveLedger()
+    token = _LEDGER.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _LEDGER.reset(token)
+        if parent is not None:
+            parent.records.extend(ledger.records)
+
+
+@contextlib.contextmanager
+def paused_ledger() -> Iterator[None]:
+    """Solves inside the block are not recorded (a probe that judges its own solves)."""
+    token = _LEDGER.set(None)
+    try:
+        yield
+    finally:
+        _LEDGER.reset(token)
+
+
+@contextlib.contextmanager
+def verify_solves(on: bool = True) -> Iterator[None]:
+    """Inside the block, every forward solve of a DEQ layer recomputes the residual of its
+    returned iterate with one more f-evaluation (not counted in ``nstep``)."""
+    token = _VERIFY.set(on)
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def verifying() -> bool:
+    return _VERIFY.get()
+
+
+def stop_residual(stats: SolverStats) -> float:
+    """The batch max of the returned iterate's residual in the stop mode the solve used."""
+    r = stats.residual
+    return float(r.max()) if r.numel() else math.nan
+
+
+def _reject(stats: SolverStats, what: str, value: float) -> None:
+    stats.extra["solver_converged"] = True
+    name = stats.extra.get("registered") or stats.solver or "?"
+    stats.extra["claim"] = (
+        f"solver '{name}' reported converged, {what} {stats.stop_mode} residual "
+        f"{value:.3g} > tol {stats.tol:g}"
+    )
+    stats.converged = False
+
+
+def check_claim(stats: SolverStats, tol: float, stop_mode: str, name: str = "") -> None:
+    """Test a solve's claimed convergence against its own reported residual (in place).
+    ``name``: the solver's registered name (for notes; default ``stats.solver``)."""
+    stats.tol, stats.stop_mode = float(tol), stop_mode
+    if name:
+        stats.extra["registered"] = name
+    if stats.converged:
+        res = stop_residual(stats)
+        if not res <= tol:  # NaN fails too
+            _reject(stats, "its own", res)
+
+
+def recheck(stats: SolverStats, fz: Tensor, z: Tensor) -> float:
+    """Test a solve against the residual recomputed from ``fz = f(z)`` at its returned iterate
+    (in place). Returns the recomputed batch-max residual in the stop mode."""
+    from ..solvers.base import residuals
+
+    a, r = residuals(fz.to(z.dtype), z)
+    res_t = r if stats.stop_mode == "rel" else a
+    res = float(res_t.max()) if res_t.numel() else math.nan
+    stats.extra["verified_residual"] = res
+    if stats.converged and not res <= VERIFY_SLACK * stats.tol:
+        _reject(stats, "recomputed", res)
+    return res
+
+
+def current() -> SolveLedger | None:
+    """The open ledger (None outside :func:`solve_ledger`). A solve that may finish in another
+    thread (an IFT adjoint solve runs in autograd's device threads on CUDA, where the caller's
+    context variables are not set) takes the ledger at forward time and passes it to
+    :func:`record`."""
+    return _LEDGER.get()
+
+
+def record(
+    kind: str,
+    stats: SolverStats,
+    max_iter: int | None = None,
+    ledger: SolveLedger | None = None,
+) -> None:
+    """Append a checked solve to ``ledger`` (default: the open one; no-op without one)."""
+    ledger = ledger if ledger is not None else _LEDGER.get()
+    if ledger is None:
+        return
+    verified = "verified_residual" in stats.extra
+    res = stats.extra["verified_residual"] if verified else stop_residual(stats)
+    ledger.records.append(
+        SolveRecord(
+            kind=kind,
+            converged=bool(stats.converged),
+            solver_converged=bool(stats.extra.get("solver_converged", stats.converged)),
+            residual=float(res),
+            stop_mode=stats.stop_mode,
+            tol=float(stats.tol),
+            status=str(stats.status),
+            solver=str(stats.extra.get("registered") or stats.solver),
+            nstep=int(stats.nstep),
+            max_iter=max_iter,
+            verified=verified,
+            claim=str(stats.extra.get("claim", "")),
+        )
+    )
