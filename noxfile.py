@@ -72,6 +72,14 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def figures(session: nox.Session) -> None:
+    """Regenerate the committed CPU runs and README figures under plots/ from the current code
+    (a clean tree: their run.json records the commit). ``nox -s figures -- smoke`` for one."""
+    _install(session)
+    session.run("python", "plots/regenerate.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def smoke(session: nox.Session) -> None:
     """The smoke suite through the installed console script."""
     _install(session)

@@ -170,10 +170,12 @@ def test_run_plot_compare(tmp_path, tiny_suite):
     df.to_csv(run_b / "results.csv", index=False)
     r = invoke("compare", run_a, run_b, "--csv", tmp_path / "cmp.csv")
     assert r.exit_code == 0
-    changed = [ln for ln in r.output.splitlines() if "CHANGED" in ln]
+    changed = [ln for ln in r.output.splitlines() if "CHANGED" in ln and "(rtol" in ln]
     assert len(changed) == 3 and all("forward_nstep " in ln and " 2 " in ln for ln in changed), (
         r.output
     )
+    per_cell = [ln for ln in r.output.splitlines() if ln.startswith("│ CHANGED")]
+    assert len(per_cell) == 3 and all("forward_nstep" in ln for ln in per_cell), r.output
     cmp = pd.read_csv(tmp_path / "cmp.csv", keep_default_na=False)
     fw = cmp[cmp.metric == "forward_nstep"]
     assert (
@@ -181,9 +183,13 @@ def test_run_plot_compare(tmp_path, tiny_suite):
         and fw.changed.all()
         and not cmp[cmp.metric == "loss"].changed.any()
     )
+    cells = pd.read_csv(tmp_path / "cmp-cells.csv", keep_default_na=False)
+    assert set(cells.metric) == {"forward_nstep"} and (cells.ratio == 2.0).all()
     assert invoke("compare", run_a, run_b, "--fail-on-change").exit_code == 1
     assert not (run_b / f"compare-{run_a.name}.csv").exists()  # a CSV only with --csv
-    assert invoke("compare", run_a, run_b, "--factor", "3", "--fail-on-change").exit_code == 0
+    # the factor is for timings; a deterministic change passes only a loose enough --rtol
+    assert invoke("compare", run_a, run_b, "--factor", "3", "--fail-on-change").exit_code == 1
+    assert invoke("compare", run_a, run_b, "--rtol", "0.5", "--fail-on-change").exit_code == 0
 
 
 def test_failed_cell_exits_1_and_interrupt_exits_130(tmp_path, monkeypatch):

@@ -96,8 +96,14 @@ def test_compare_median_ratio_and_flags():
     summary, joined = compare(a, b, factor=1.1)
     s = summary.set_index("metric")
     assert s.loc["nstep", "ratio"] == pytest.approx(1.25) and s.loc["nstep", "changed"]
-    assert s.loc["acc", "ratio"] == pytest.approx(1.02) and not s.loc["acc", "changed"]
-    assert s.loc["z", "ratio"] == 1.0 and s.loc["z", "n"] == 2
+    # a deterministic metric is changed where any row differs beyond rtol, whatever the median
+    assert s.loc["acc", "ratio"] == pytest.approx(1.02) and s.loc["acc", "changed"]
+    assert (
+        s.loc["acc", "cells_changed"] == 1 and s.loc["acc", "check"] == "in 1/1 cells (rtol 1e-06)"
+    )
+    assert s.loc["z", "ratio"] == 1.0 and s.loc["z", "n"] == 2 and not s.loc["z", "changed"]
     assert len(joined) == 6
-    summary, _ = compare(a, b, factor=1.5)
+    summary, _ = compare(a, b, factor=1.5)  # the factor is for timings only
+    assert summary.changed.sum() == 2
+    summary, _ = compare(a, b, rtol=0.25)  # 12 and 13 vs 10: within 25% of the larger
     assert not summary.changed.any()

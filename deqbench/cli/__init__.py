@@ -419,7 +419,9 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) -> N
 
 
 @app.command(
-    epilog="Example: deqbench compare results/smoke/RUN_A results/smoke/RUN_B --factor 1.2"
+    epilog="Example: deqbench compare results/smoke/RUN_A results/smoke/RUN_B --fail-on-change "
+    "--rtol 1e-4; CI against a committed run: deqbench compare plots/smoke "
+    "results/smoke/RUN --reference"
 )
 def compare(
     run_a: Annotated[Path, typer.Argument(help="Baseline run directory.")],
@@ -429,23 +431,50 @@ def compare(
         typer.Option(
             "--factor",
             min=1.0,
-            help="Mark a metric CHANGED when its ratio B/A (median over the matched rows of "
-            "the paired ratios) is beyond this factor either way.",
+            help="Timing metrics (with --timing): a cell is CHANGED where the ratio of the "
+            "medians B/A is beyond this factor either way and the Mann-Whitney U test on its "
+            "samples (seeds x repeats) gives p < 0.01.",
         ),
     ] = 1.1,
+    rtol: Annotated[
+        float | None,
+        typer.Option(
+            "--rtol",
+            min=0.0,
+            help="Deterministic metrics (every unit but s, ms, per second): a cell is CHANGED "
+            "where some row has |B-A| > rtol * max(|A|, |B|) + 1e-12 (NaN vs NaN equal). "
+            "Default 1e-6 (a rerun on the same machine); loosen it for runs of other machines, "
+            "e.g. 1e-3.",
+        ),
+    ] = None,
     csv: Annotated[
         Path | None,
-        typer.Option("--csv", help="Also write the comparison table to this CSV file."),
+        typer.Option(
+            "--csv",
+            help="Also write the per-metric table to this CSV file, and the CHANGED list to "
+            "its -cells.csv sibling.",
+        ),
     ] = None,
     fail_on_change: Annotated[
-        bool, typer.Option("--fail-on-change", help="Exit 1 when a metric is CHANGED.")
+        bool,
+        typer.Option("--fail-on-change", help="Exit 1 when something is CHANGED (in any cell)."),
     ] = False,
     timing: Annotated[
         bool,
         typer.Option(
             "--timing",
-            help="Also judge timing metrics (unit s, ms or per second): CHANGED only where "
-            "the two runs' IQRs over seeds and repeats lie apart (at least 3 samples a side).",
+            help="Also judge timing metrics, per cell (see --factor); a cell with too few "
+            "samples to reach p < 0.01 (5 a side) is reported as not judged, never CHANGED.",
+        ),
+    ] = False,
+    reference: Annotated[
+        bool,
+        typer.Option(
+            "--reference",
+            help="CI check of RUN_B against the reference run RUN_A with tolerances for "
+            "another CPU (deqbench.run.reference): same tasks, same statuses, iteration "
+            "counts, converged shares, accuracies, losses and residuals within tolerance, no "
+            "timings. Prints each mismatch on one line; exit 1 on any.",
         ),
     ] = False,
     force: Annotated[
@@ -455,18 +484,40 @@ def compare(
         ),
     ] = False,
 ) -> None:
-    """Compare two runs of one suite: per metric, the median over matched rows of the ratio
-    B/A, rows joined on (cell_id, seed, analysis, variant, metric, step, repeat); rows without a
-    partner are counted, timing metrics left unjudged unless --timing."""
+    """Compare two runs of one suite, cell by cell: rows are joined on (cell_id, seed,
+    analysis, variant, metric, step, repeat).
+
+    CHANGED, per cell and metric: a deterministic metric (iteration counts, converged shares,
+    accuracies, losses, residuals) whose value differs beyond --rtol in any row; with --timing,
+    a timing whose cell's samples moved beyond --factor with p < 0.01; a (cell, seed) whose
+    status differs (ok -> flagged); rows only one run has in a task both ran. The header names
+    what differs between the runs (commit, dirty tree, torch, device, dtype, threads, suite
+    settings); cells only one run has (renamed ids) are listed, not compared. The table per
+    metric shows the median of the paired ratios B/A, for reading only.
+
+    --reference checks RUN_B against a committed reference run RUN_A instead (for CI)."""
     with handle_errors():
         from ..core.errors import ConfigError
-        from ..run.console import compare_table, err_console, out_console
-        from ..run.results import check_comparable, load_results, match_counts
-        from ..run.results import compare as compare_runs
+        from ..run.console import cell_lines, compare_header, err_console, out_console
+        from ..run.results import RTOL, _run_meta, check_comparable, load_results
 
+        if reference:
+            unused = [o for o, v in (("--csv", csv), ("--timing", timing), ("--rtol", rtol),
+                                     ("--fail-on-change", fail_on_change)) if v]  # fmt: skip
+            if unused:
+                raise ConfigError(
+                    f"--reference has its own tolerances and always fails on a mismatch: "
+                    f"{', '.join(unused)} do not apply"
+                )
+            code = _reference_check(run_a, run_b)
+            raise typer.Exit(code)
+        from ..run.console import changes_table, compare_table
+        from ..run.results import compare_cells, match_counts, task_differences
+
+        tol = RTOL if rtol is None else rtol
         a, b = load_results(run_a), load_results(run_b)
         warnings = check_comparable(run_a, run_b, a, b, force)
-        summary, joined = compare_runs(a, b, factor, timing=timing)
+        summary, joined, changes = compare_cells(a, b, factor, timing=timing, rtol=tol)
         counts = match_counts(a, b, joined)
         if not counts["a"]["matched"]:
             raise ConfigError(
@@ -475,13 +526,21 @@ def compare(
             )
         for w in warnings:
             err_console().print(f"warning: {w}", markup=False)
-        out_console().print(
+        (meta_a, _), (meta_b, _) = _run_meta(run_a), _run_meta(run_b)
+        for line in compare_header(run_a, run_b, meta_a, meta_b, [f"suite: {w}" for w in warnings]):
+            print(line)
+        for line in cell_lines(task_differences(a, b)):
+            print(line)
+        con = out_console()
+        con.print(
             compare_table(
                 summary,
-                f"B: {run_b} vs A: {run_a} (changed: B/A beyond x{factor:g}"
-                + (")" if timing else "; timing metrics judged only with --timing)"),
+                f"B: {run_b} vs A: {run_a} (per metric; changes judged per cell: "
+                f"rtol {tol:g}"
+                + (f", timing x{factor:g} and p < 0.01)" if timing
+                   else "; timing metrics judged only with --timing)"),
             )
-        )
+        )  # fmt: skip
         ca, cb = counts["a"], counts["b"]
         print(
             f"rows: {ca['matched']} matched pairs; unmatched, left out of the ratios: "
@@ -491,11 +550,47 @@ def compare(
             + (f"; skipped (analysis does not apply): A {ca['skipped']}, B {cb['skipped']}"
                if ca["skipped"] or cb["skipped"] else "")
         )  # fmt: skip
+        n_cells = changes["cell_id"].nunique()
+        if len(changes):
+            con.print(
+                changes_table(
+                    changes,
+                    f"CHANGED: {len(changes)} item{'s' * (len(changes) != 1)} in {n_cells} "
+                    f"cell{'s' * (n_cells != 1)} (A, B: the most changed row; rows: changed "
+                    "of compared)",
+                )
+            )
+        else:
+            print(
+                f"no change: every deterministic row within rtol {tol:g}, the same statuses"
+                + (", no timing beyond the rule" if timing else "")
+            )
         if csv is not None:
             summary.to_csv(csv, index=False)
+            cells_csv = csv.with_name(f"{csv.stem}-cells{csv.suffix or '.csv'}")
+            changes.to_csv(cells_csv, index=False)
             print(f"wrote {csv}")
-        changed = int(summary["changed"].sum())
-    raise typer.Exit(1 if (fail_on_change and changed) else 0)
+            print(f"wrote {cells_csv}")
+    raise typer.Exit(1 if (fail_on_change and len(changes)) else 0)
+
+
+def _reference_check(reference: Path, fresh: Path) -> int:
+    """``compare --reference``: header, one line per mismatch, a verdict; the exit code."""
+    from ..run.console import compare_header
+    from ..run.reference import check_against_reference, tolerances_text
+    from ..run.results import _run_meta
+
+    (meta_r, _), (meta_f, _) = _run_meta(reference), _run_meta(fresh)
+    for line in compare_header(reference, fresh, meta_r, meta_f):
+        print(line)
+    mismatches = check_against_reference(reference, fresh)
+    for m in mismatches:
+        print(f"mismatch: {m}")
+    if mismatches:
+        print(f"{fresh} does not match the reference {reference}: {len(mismatches)} mismatches")
+        return 1
+    print(f"{fresh} matches the reference {reference} ({tolerances_text()})")
+    return 0
 
 
 def _register_subcommands() -> None:

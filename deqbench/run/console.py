@@ -51,7 +51,7 @@ def print_summary(df: Any) -> None:
     cols = ["cell", "status"]
     cols += ["test acc"] if has["accuracy"] else []
     cols += ["test MSE"] if has["mse"] else []
-    cols += ["fwd f-evals/batch", "bwd f-evals/batch", "converged fwd/bwd", "wall s"]
+    cols += ["fwd f-evals/batch", "bwd f-evals/batch", "converged train fwd/bwd, eval", "wall s"]
     for col in cols:
         t.add_column(col, overflow="fold")
 
@@ -62,8 +62,9 @@ def print_summary(df: Any) -> None:
             return ""
         return f"{d[d.step == d.step.max()].value.median():.4g}"
 
-    def converged(g: Any, kind: str) -> str:
+    def converged(g: Any, kind: str, variant: str = "train") -> str:
         d = g[(g.analysis == CONVERGENCE) & (g.metric == f"{kind}_unconverged_batches")]
+        d = d[d.variant.fillna("train") == variant]
         if d.empty:
             return "-"
         share = 1 - d.value.max()  # worst seed; rounded down, so 100% means every batch
@@ -83,11 +84,10 @@ def print_summary(df: Any) -> None:
         metrics = [last(g, "metrics", m, "test") for m in ("accuracy", "mse") if has[m]]
         fwd = last(g, "solver_stats", "forward_nstep", "train")
         bwd = last(g, "solver_stats", "backward_nstep", "train")
+        # training batches fwd/bwd, then the evaluation passes after training started
         conv = f"{converged(g, 'forward')}/{converged(g, 'adjoint')}"
-        ev = g[(g.analysis == "solver_stats") & (g.metric == "forward_converged")
-               & (g.variant == "test") & (g.step.fillna(0) >= 1)]  # fmt: skip
-        if not ev.empty and ev.value.mean() < 1:  # evaluation passes (not flagged: data)
-            conv += f" [dim](test {100 * ev.value.mean():.0f}%)[/dim]"
+        ev = converged(g, "forward", "eval")
+        conv += f" eval {ev}" if ev != "-" else ""
         t.add_row(esc(cell), ok, *metrics, fwd, bwd, conv, f"{r.value.median():.2f}")
     out_console().print(t)
     total = sum(counts.values())
@@ -121,8 +121,9 @@ def print_headlines(df: Any, analyses: Any) -> None:
 
 def compare_table(summary: Any, title: str) -> Any:
     """A rich Table of :func:`deqbench.run.results.compare`'s summary: matched pairs and rows only
-    one run has, medians, the median of the paired ratios B/A, and a status (CHANGED, flagged
-    pairs, the timing check)."""
+    one run has, medians, the median of the paired ratios B/A (for reading), and a status:
+    CHANGED where the per-cell rule found a change in some cell (how many, in ``check``),
+    flagged pairs, the timing verdict."""
     from rich.table import Table
 
     t = Table(title=esc(title))
@@ -144,6 +145,79 @@ def compare_table(summary: Any, title: str) -> Any:
             " ".join(x for x in status if x),
         )  # fmt: skip
     return t
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return "" if f != f else f"{f:.4g}"  # NaN: empty
+
+
+def changes_table(changes: Any, title: str) -> Any:
+    """A rich Table of :func:`deqbench.run.results.compare_cells`'s ``changes``: one line per
+    CHANGED (cell, metric) -- the most changed row's A, B and B/A (``location``: its seed and
+    step; ``rows``: changed of compared) -- per timing series, per task status."""
+    from rich.table import Table
+
+    t = Table(title=esc(title))
+    for col in ("", "cell", "seed, step", "analysis", "metric", "variant", "A", "B", "B/A",
+                "rows", "detail"):  # fmt: skip
+        t.add_column(col, overflow="fold")
+    for r in changes.itertuples():
+        t.add_row(
+            "[red]CHANGED[/red]", esc(r.cell_id), esc(r.location), esc(r.analysis),
+            esc(r.metric), esc(r.variant), esc(_num(r.a)), esc(_num(r.b)),
+            esc(_num(r.ratio)), esc(r.rows), esc(r.detail),
+        )  # fmt: skip
+    return t
+
+
+def compare_header(run_a: Any, run_b: Any, meta_a: dict[str, Any], meta_b: dict[str, Any],
+                   suite_lines: list[str] | None = None) -> list[str]:  # fmt: skip
+    """The lines above ``deqbench compare``'s tables: each run's commit, torch, device, dtype
+    and threads (``run.json``), then ``differ: ...`` naming what differs between the two runs
+    (commit and dirty tree, versions, device and GPU names, dtype, threads; the suite settings
+    from ``suite_lines``, when given), or that none of these does."""
+    from .results import environment_differences, run_environment
+
+    lines = [f"A: {run_a}: {run_environment(meta_a)}", f"B: {run_b}: {run_environment(meta_b)}"]
+    diffs = environment_differences(meta_a, meta_b) + (suite_lines or [])
+    if diffs:
+        lines += [f"differ: {d}" for d in diffs]
+    else:
+        same = "same commit, versions, device, dtype, threads"
+        lines.append(same + (" and suite settings" if suite_lines is not None else ""))
+    return lines
+
+
+def cell_lines(diff: dict[str, Any], limit: int = 40) -> list[str]:
+    """Cells (and tasks of common cells) only one run has, one id a line, sorted, so that a
+    renamed cell shows as a pair; at most ``limit`` ids a side."""
+    lines = []
+    total = diff["cells"]
+    for side, other in (("a", "B"), ("b", "A")):
+        ids = diff[f"cells_{side}"]
+        if ids:
+            lines.append(
+                f"cells only in {side.upper()} ({len(ids)}; {total} in both), not compared "
+                f"(renamed, added or dropped; not in {other}):"
+            )
+            lines += [f"  {c}" for c in ids[:limit]]
+            if len(ids) > limit:
+                lines.append(f"  ... +{len(ids) - limit} more")
+    for side in ("a", "b"):
+        tasks = diff[f"tasks_{side}"]
+        if tasks:
+            by: dict[str, list[int]] = {}
+            for c, seed in tasks:
+                by.setdefault(c, []).append(seed)
+            text = "; ".join(f"{c} seed {','.join(map(str, s))}" for c, s in sorted(by.items()))
+            lines.append(f"tasks only in {side.upper()} ({len(tasks)}): {text}")
+    return lines
 
 
 def print_collection(summaries: list[Any], total: int) -> None:

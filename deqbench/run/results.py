@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -266,9 +267,19 @@ def task_status(df: Any) -> Any:
     return r[["cell_id", "seed", "status", "value", "note"]].rename(columns={"value": "wall_time"})
 
 
-#: units of timing metrics: noisy, so ``compare`` checks them only with ``timing=True`` and then
-#: only where the two runs' IQRs over repeats/seeds do not overlap
+#: units of timing metrics: noisy, so ``compare`` judges them only with ``timing=True`` and then
+#: per cell by :func:`timing_change` (enough samples, a significant shift, beyond the factor)
 TIMING_UNITS = ("s", "ms")
+#: ``compare``'s default tolerance for deterministic metrics: a row is changed where
+#: ``|b - a| > ATOL + RTOL * max(|a|, |b|)``. Values are written at full precision (``repr``), so
+#: a rerun of the same code on the same machine gives the same numbers; 1e-6 (about 8 float32
+#: ulps) only absorbs a reordered float32 sum. ``--rtol`` loosens it (runs of other machines).
+RTOL = 1e-6
+#: absolute slack beside :data:`RTOL`, for values near 0 (a residual of 0 vs 1e-15)
+ATOL = 1e-12
+#: significance level of the per-cell timing test (two-sided Mann-Whitney U); a cell is judged
+#: only where its sample counts can reach it at all (5 vs 5 samples or more: 2/C(10, 5) < 0.01)
+ALPHA = 0.01
 
 
 def is_timing(unit: Any) -> bool:
@@ -277,28 +288,172 @@ def is_timing(unit: Any) -> bool:
     return u in TIMING_UNITS or u.endswith("/s")
 
 
+def values_differ(a: Any, b: Any, rtol: float = RTOL, atol: float = ATOL) -> Any:
+    """Elementwise: ``|b - a| > atol + rtol * max(|a|, |b|)`` (symmetric in a and b); NaN vs NaN
+    and inf vs the same inf are equal, NaN vs a number differs. Returns a bool array."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    na, nb = np.isnan(a), np.isnan(b)
+    with np.errstate(invalid="ignore", over="ignore"):
+        same = (a == b) | (np.abs(b - a) <= atol + rtol * np.maximum(np.abs(a), np.abs(b)))
+    return np.where(na | nb, na != nb, ~same)
+
+
+def _rel_diff(a: Any, b: Any) -> Any:
+    """``|b - a| / max(|a|, |b|)`` (0 where equal, inf where one side is NaN): ranks rows."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = np.abs(b - a) / np.maximum(np.abs(a), np.abs(b))
+    r = np.where((a == b) | (np.isnan(a) & np.isnan(b)), 0.0, r)
+    return np.where(np.isnan(r), np.inf, r)
+
+
+@functools.lru_cache(maxsize=256)
+def _u_counts(m: int, n: int) -> tuple[int, ...]:
+    """How many of the C(m+n, m) orderings of m + n distinct values give the Mann-Whitney
+    statistic U = 0, 1, ..., m*n: the coefficients of the Gaussian binomial coefficient
+    [m+n choose m]_q = prod_{i=1..m} (1 - q^(n+i)) / (1 - q^i), in exact integers."""
+    p = [1]
+    for i in range(1, m + 1):
+        up = n + i
+        q = p + [0] * up
+        for k in range(len(q) - 1, up - 1, -1):  # times (1 - q^up)
+            q[k] -= p[k - up]
+        for k in range(i, len(q)):  # divided by (1 - q^i): exact, the top i terms end at 0
+            q[k] += q[k - i]
+        p = q[: len(q) - i]
+    return tuple(p)
+
+
+def min_p_value(m: int, n: int) -> float:
+    """The smallest two-sided p the exact Mann-Whitney U test can give for m vs n samples."""
+    return min(1.0, 2.0 / math.comb(m + n, m)) if m and n else 1.0
+
+
+def mann_whitney_p(x: Any, y: Any) -> float:
+    """Two-sided p-value of the Mann-Whitney U test (do x and y come from one distribution?):
+    exact for up to 60 samples in all without ties; else the normal approximation with the tie
+    and continuity corrections. NaN is dropped; 1.0 when a side is empty or all values equal."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    x, y = x[~np.isnan(x)], y[~np.isnan(y)]
+    m, n = len(x), len(y)
+    if not m or not n:
+        return 1.0
+    u = float((x[:, None] > y[None, :]).sum() + 0.5 * (x[:, None] == y[None, :]).sum())
+    pooled = np.concatenate([x, y])
+    _, ties = np.unique(pooled, return_counts=True)
+    if m + n <= 60 and (ties == 1).all():
+        counts = _u_counts(min(m, n), max(m, n))
+        k = int(round(u))
+        low, high = sum(counts[: k + 1]), sum(counts[k:])
+        return min(1.0, 2.0 * min(low, high) / math.comb(m + n, m))
+    big = m + n
+    var = m * n / 12.0 * ((big + 1) - float((ties**3 - ties).sum()) / (big * (big - 1)))
+    if var <= 0:
+        return 1.0
+    z = max(0.0, abs(u - m * n / 2.0) - 0.5) / math.sqrt(var)
+    return math.erfc(z / math.sqrt(2.0))
+
+
+def timing_change(
+    xa: Any, xb: Any, factor: float, *, alpha: float = ALPHA, min_samples: int = 3
+) -> tuple[bool | None, float, float]:
+    """Per-cell timing rule: (changed, ratio of medians B/A, p). ``changed`` is None where the
+    samples cannot decide: fewer than ``min_samples`` a side, or too few for the exact test to
+    reach ``alpha`` (:func:`min_p_value`; 5 vs 5 for 0.01). Else True where the ratio of the
+    medians is beyond ``factor`` either way *and* the Mann-Whitney U test rejects one
+    distribution at ``alpha``: noise between repeats is neither a shift nor beyond the factor."""
+    import numpy as np
+
+    xa = np.asarray(xa, dtype=float)
+    xb = np.asarray(xb, dtype=float)
+    xa, xb = xa[~np.isnan(xa)], xb[~np.isnan(xb)]
+    ma = float(np.median(xa)) if len(xa) else math.nan
+    mb = float(np.median(xb)) if len(xb) else math.nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = 1.0 if ma == mb else float(np.float64(mb) / np.float64(ma))
+    if min(len(xa), len(xb)) < min_samples or min_p_value(len(xa), len(xb)) > alpha:
+        return None, ratio, math.nan
+    p = mann_whitney_p(xa, xb)
+    beyond = ratio > factor or ratio < 1.0 / factor
+    return bool(beyond and p < alpha), ratio, p
+
+
+def min_samples_for(alpha: float, min_samples: int = 3) -> int:
+    """The fewest samples a side (equal sides) that can show a change at ``alpha``."""
+    n = max(1, min_samples)
+    while min_p_value(n, n) > alpha:
+        n += 1
+    return n
+
+
+CHANGE_COLUMNS = ["kind", "cell_id", "analysis", "metric", "variant", "location", "a", "b", "ratio",
+                  "rows", "detail"]  # fmt: skip
+
+
 def compare(
-    a: Any, b: Any, factor: float = 1.1, *, timing: bool = False, min_samples: int = 3
+    a: Any,
+    b: Any,
+    factor: float = 1.1,
+    *,
+    timing: bool = False,
+    min_samples: int = 3,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    alpha: float = ALPHA,
 ) -> tuple[Any, Any]:
-    """Join two runs on :data:`JOIN_KEYS`; per (analysis, metric, variant) the median over the
-    matched pairs of the ratio b/a.
+    """:func:`compare_cells` without the per-cell list: ``(summary, joined)``."""
+    summary, joined, _ = compare_cells(
+        a, b, factor, timing=timing, min_samples=min_samples, rtol=rtol, atol=atol, alpha=alpha
+    )
+    return summary, joined
 
-    Rows that are ``ok`` or ``flagged`` take part (a flagged measurement is still a number, shown
-    as such); failed rows (error, nan, ...) do not. Rows without a partner in the other run (a
-    step, cell, seed or repeat only one run has) are counted per metric, never silently dropped.
 
-    A metric is ``changed`` when its ratio is beyond ``factor`` either way, except timing metrics
-    (:func:`is_timing`): never ``changed`` unless ``timing``, and then only where, in more than
-    half of the (cell, step) series measured at least ``min_samples`` times (seeds x repeats) in
-    each run, the two runs' interquartile ranges do not overlap, in the ratio's direction.
+def compare_cells(
+    a: Any,
+    b: Any,
+    factor: float = 1.1,
+    *,
+    timing: bool = False,
+    min_samples: int = 3,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    alpha: float = ALPHA,
+) -> tuple[Any, Any, Any]:
+    """Join two runs on :data:`JOIN_KEYS` and find what changed, per cell and metric.
+
+    Rows that are ``ok`` or ``flagged`` take part (a flagged measurement is still a number);
+    failed rows (error, nan, ...) do not. The change rule (``changes``, one row per item):
+
+    * ``value``: a deterministic metric (every unit that is not a timing, :func:`is_timing`:
+      iteration counts, converged shares, accuracies, losses, residuals) whose matched rows
+      differ beyond ``|b - a| > atol + rtol * max(|a|, |b|)`` in any row of the cell (NaN vs
+      NaN equal, NaN vs a number changed); one item per (cell, analysis, metric, variant) with
+      the most changed row (``location``: its seed and step), its A, B, B/A and ``rows`` changed.
+    * ``timing``: only with ``timing``; per (cell, analysis, metric, variant, step), seeds x
+      repeats of each run pooled: :func:`timing_change` (ratio of the medians beyond ``factor``
+      and a two-sided Mann-Whitney U test at ``alpha``); series with too few samples are
+      counted in the summary's ``check``, never changed.
+    * ``status``: a (cell, seed) task in both runs whose runner status differs (ok -> flagged).
+    * ``rows``: deterministic rows that only one run has, in a task both ran with the same
+      status (another number of epochs, a metric no longer written).
+
+    Cells or tasks only one run has are not changes: see :func:`task_differences`.
 
     Returns:
-        (summary, joined): ``summary`` has columns analysis, metric, variant, unit, n (matched
-        pairs), only_a, only_b (rows without a partner), median_a, median_b (over the matched
-        pairs), ratio (median of the paired ratios b/a; not median_b / median_a), changed,
-        flagged (matched pairs flagged in A or B), timing, check (why a timing metric is or is
-        not ``changed``); ``joined`` is the row-level outer join with ``value_a``, ``value_b``,
-        ``status_a``, ``status_b``, ``ratio`` and ``side`` (``both``, ``a`` or ``b``).
+        (summary, joined, changes): ``summary`` per (analysis, metric, variant): unit, n
+        (matched pairs), only_a, only_b, median_a, median_b (over the matched pairs), ratio
+        (median of the paired ratios b/a, for reading; not the change rule), cells (cells
+        compared), cells_changed, changed (any cell changed), flagged (matched pairs flagged in
+        A or B), timing, check (the rule's verdict in words); ``joined`` the row-level outer
+        join with ``value_a``, ``value_b``, ``status_a``, ``status_b``, ``ratio``, ``differs``
+        and ``side`` (``both``, ``a`` or ``b``); ``changes`` with :data:`CHANGE_COLUMNS`.
     """
     import numpy as np
     import pandas as pd
@@ -319,26 +474,39 @@ def compare(
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where((va == 0) & (vb == 0), 1.0, vb / va)
     joined["ratio"] = ratio
+    timed = joined["unit"].map(is_timing).astype(bool).to_numpy()
+    both = (joined["side"] == "both").to_numpy()
+    joined["differs"] = both & ~timed & values_differ(va, vb, rtol, atol)
+
+    changes: list[dict[str, Any]] = _status_changes(a, b)
+    same_status = _tasks_with_same_status(a, b)
     rows = []
     groups = joined.groupby(["analysis", "metric", "variant"], sort=True, dropna=False)
     for (an, metric, variant), g in groups:
         m = g[g["side"] == "both"]
         r = m["ratio"].replace([np.inf, -np.inf], np.nan).dropna()
         med = float(r.median()) if len(r) else math.nan
-        beyond = bool(len(r)) and (med > factor or med < 1.0 / factor)
         unit = next((u for u in g["unit"] if u), "")
-        check = ""
-        changed = beyond
+        key = {"analysis": an, "metric": metric, "variant": variant}
         if is_timing(unit):
-            check, apart = _timing_check(g, med, min_samples)
-            changed = timing and beyond and apart
-            if not timing:
-                check = "timing: not judged (--timing)"
+            found, check = _timing_cells(g, key, factor, timing, alpha, min_samples)
+            cells = len({c for c, _ in found}) if timing else 0
+            cells_changed = len({c["cell_id"] for _, c in found if c is not None})
+            changes += [c for _, c in found if c is not None]
+        else:
+            found_v = _value_cells(g, key)
+            found_r = _row_cells(g, key, same_status)
+            changes += found_v + found_r
+            cells = int(m["cell_id"].nunique())
+            cells_changed = len({c["cell_id"] for c in found_v + found_r})
+            check = (
+                f"in {cells_changed}/{max(cells, cells_changed)} cells (rtol {rtol:g})"
+                if cells_changed
+                else ""
+            )
         rows.append(
             {
-                "analysis": an,
-                "metric": metric,
-                "variant": variant,
+                **key,
                 "unit": unit,
                 "n": len(m),
                 "only_a": int((g["side"] == "a").sum()),
@@ -346,38 +514,295 @@ def compare(
                 "median_a": float(m["value_a"].median()) if len(m) else math.nan,
                 "median_b": float(m["value_b"].median()) if len(m) else math.nan,
                 "ratio": med,
-                "changed": changed,
+                "cells": cells,
+                "cells_changed": cells_changed,
+                "changed": bool(cells_changed),
                 "flagged": int(((m["status_a"] == FLAGGED) | (m["status_b"] == FLAGGED)).sum()),
                 "timing": is_timing(unit),
                 "check": check,
             }
         )
     columns = ["analysis", "metric", "variant", "unit", "n", "only_a", "only_b", "median_a"]
-    columns += ["median_b", "ratio", "changed", "flagged", "timing", "check"]
-    return pd.DataFrame(rows, columns=columns), joined
+    columns += ["median_b", "ratio", "cells", "cells_changed", "changed", "flagged", "timing"]
+    columns += ["check"]
+    kinds = {"status": 0, "value": 1, "rows": 2, "timing": 3}
+    out = pd.DataFrame(changes, columns=CHANGE_COLUMNS)
+    if len(out):
+        order = out["kind"].map(kinds)
+        out = (
+            out.assign(_k=order)
+            .sort_values(
+                ["cell_id", "_k", "analysis", "metric", "variant", "location"], kind="stable"
+            )
+            .drop(columns="_k")
+            .reset_index(drop=True)
+        )
+    return pd.DataFrame(rows, columns=columns), joined, out
 
 
-def _timing_check(g: Any, ratio: float, min_samples: int) -> tuple[str, bool]:
-    """Per (cell, step) series of one timing metric: do the IQRs over seeds x repeats of A and B
-    lie apart, in the direction of ``ratio``? True where more than half of the judged series do."""
-    import numpy as np
+def _where(seed: Any, step: Any) -> str:
+    """``seed=0 step=2`` (the parts that are set) of a joined row."""
+    import pandas as pd
 
-    judged = apart = 0
-    up = ratio > 1
-    for _, s in g.groupby(["cell_id", "step"], sort=False, dropna=False):
-        xa, xb = s["value_a"].dropna().to_numpy(float), s["value_b"].dropna().to_numpy(float)
-        if len(xa) < min_samples or len(xb) < min_samples:
+    parts = []
+    if seed is not None and not pd.isna(seed):
+        parts.append(f"seed={int(seed)}")
+    if step is not None and str(step) not in ("", "<NA>", "nan"):
+        parts.append(f"step={step}")
+    return " ".join(parts)
+
+
+def _value_cells(g: Any, key: dict[str, Any]) -> list[dict[str, Any]]:
+    """One ``value`` change per cell of a deterministic metric whose matched rows differ."""
+    out = []
+    m = g[g["side"] == "both"]
+    for cell, c in m.groupby("cell_id", sort=True):
+        bad = c[c["differs"]]
+        if bad.empty:
             continue
-        judged += 1
-        a25, a75 = np.percentile(xa, [25, 75])
-        b25, b75 = np.percentile(xb, [25, 75])
-        apart += bool(b25 > a75) if up else bool(b75 < a25)
-    if not judged:
-        return f"timing: < {min_samples} samples a side", False
-    if math.isnan(ratio):
-        return "timing: no ratio", False
-    word = "apart" if 2 * apart > judged else "overlap"
-    return f"timing: IQRs {word} in {apart}/{judged} series", 2 * apart > judged
+        worst = bad.iloc[int(_rel_diff(bad["value_a"], bad["value_b"]).argmax())]
+        va, vb = float(worst["value_a"]), float(worst["value_b"])
+        diff = vb - va
+        out.append(
+            {
+                "kind": "value",
+                "cell_id": cell,
+                **key,
+                "location": _where(worst["seed"], worst["step"]),
+                "a": va,
+                "b": vb,
+                "ratio": float(worst["ratio"]),
+                "rows": f"{len(bad)}/{len(c)}",
+                "detail": f"B-A {diff:+.4g}" if math.isfinite(diff) else "",
+            }
+        )
+    return out
+
+
+def _row_cells(
+    g: Any, key: dict[str, Any], same_status: set[tuple[str, int]]
+) -> list[dict[str, Any]]:
+    """One ``rows`` change per (cell, seed) where deterministic rows are in only one run, in a
+    task both runs finished with one status (else the status change says it)."""
+    out: list[dict[str, Any]] = []
+    lone = g[g["side"] != "both"]
+    if lone.empty:
+        return out
+    for (cell, seed), c in lone.groupby(["cell_id", "seed"], sort=True, dropna=False):
+        if (str(cell), _int(seed)) not in same_status:
+            continue
+        parts = []
+        for side, name in (("a", "A"), ("b", "B")):
+            s = c[c["side"] == side]
+            if len(s):
+                steps = sorted({str(x) for x in s["step"] if str(x) not in ("<NA>", "")})
+                at = f" (step {', '.join(steps[:6])}{', ...' if len(steps) > 6 else ''})"
+                parts.append(f"{len(s)} row{'s' * (len(s) != 1)} only in {name}"
+                             + (at if steps else ""))  # fmt: skip
+        out.append(
+            {
+                "kind": "rows",
+                "cell_id": cell,
+                **key,
+                "location": f"seed={seed}",
+                "a": math.nan,
+                "b": math.nan,
+                "ratio": math.nan,
+                "rows": f"{len(c)}",
+                "detail": "; ".join(parts),
+            }
+        )
+    return out
+
+
+def _timing_cells(
+    g: Any, key: dict[str, Any], factor: float, timing: bool, alpha: float, min_samples: int
+) -> tuple[list[tuple[str, dict[str, Any] | None]], str]:
+    """Per (cell, step) series of one timing metric, seeds x repeats of each run pooled:
+    :func:`timing_change`. Returns ([(cell, change or None) per judged series], check)."""
+    if not timing:
+        return [], "timing: not judged (--timing)"
+    judged: list[tuple[str, dict[str, Any] | None]] = []
+    few = few_beyond = 0
+    for (cell, step), s in g.groupby(["cell_id", "step"], sort=True, dropna=False):
+        xa, xb = s["value_a"].dropna().to_numpy(float), s["value_b"].dropna().to_numpy(float)
+        if not len(xa) or not len(xb):
+            continue
+        changed, ratio, p = timing_change(xa, xb, factor, alpha=alpha, min_samples=min_samples)
+        if changed is None:
+            few += 1
+            few_beyond += ratio > factor or ratio < 1.0 / factor
+            continue
+        item = None
+        if changed:
+            import numpy as np
+
+            item = {
+                "kind": "timing",
+                "cell_id": cell,
+                **key,
+                "location": _where(None, step),
+                "a": float(np.median(xa)),
+                "b": float(np.median(xb)),
+                "ratio": ratio,
+                "rows": f"{len(xa)} vs {len(xb)}",
+                "detail": f"ratio of medians, Mann-Whitney p={p:.2g}",
+            }
+        judged.append((str(cell), item))
+    need = min_samples_for(alpha, min_samples)
+    n_changed = sum(c is not None for _, c in judged)
+    parts = []
+    if judged:
+        parts.append(f"changed in {n_changed}/{len(judged)} series")
+    if few:
+        parts.append(
+            f"{few} series with too few samples (< {need} a side), not judged"
+            + (f", {few_beyond} of them beyond x{factor:g}" if few_beyond else "")
+        )
+    return judged, "timing: " + "; ".join(parts or ["nothing to judge"])
+
+
+def _int(v: Any) -> int:
+    """A seed as int (-1 where missing)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+def _runner_rows(df: Any) -> Any:
+    return df[(df["analysis"] == RUNNER) & (df["metric"] == "wall_time")]
+
+
+def _tasks_with_same_status(a: Any, b: Any) -> set[tuple[str, int]]:
+    ra, rb = _runner_rows(a), _runner_rows(b)
+    sa = {(str(c), int(s)): st for c, s, st in zip(ra["cell_id"], ra["seed"], ra["status"])}
+    sb = {(str(c), int(s)): st for c, s, st in zip(rb["cell_id"], rb["seed"], rb["status"])}
+    return {k for k in sa.keys() & sb.keys() if sa[k] == sb[k]}
+
+
+def _status_changes(a: Any, b: Any) -> list[dict[str, Any]]:
+    """A ``status`` change per (cell, seed) task in both runs whose runner status differs."""
+    ra, rb = _runner_rows(a), _runner_rows(b)
+    sa = {(str(c), int(s)): (st, n) for c, s, st, n in
+          zip(ra["cell_id"], ra["seed"], ra["status"], ra["note"])}  # fmt: skip
+    sb = {(str(c), int(s)): (st, n) for c, s, st, n in
+          zip(rb["cell_id"], rb["seed"], rb["status"], rb["note"])}  # fmt: skip
+    out = []
+    for k in sorted(sa.keys() & sb.keys()):
+        (st_a, note_a), (st_b, note_b) = sa[k], sb[k]
+        if st_a == st_b:
+            continue
+        note = note_b if st_b != "ok" else note_a
+        out.append(
+            {
+                "kind": "status",
+                "cell_id": k[0],
+                "analysis": RUNNER,
+                "metric": "status",
+                "variant": "",
+                "location": f"seed={k[1]}",
+                "a": st_a,
+                "b": st_b,
+                "ratio": math.nan,
+                "rows": "",
+                "detail": (note or "")[:160],
+            }
+        )
+    return out
+
+
+def task_differences(a: Any, b: Any) -> dict[str, Any]:
+    """What only one run has: ``cells_a`` / ``cells_b`` (cell ids only in A / only in B, sorted;
+    a renamed cell shows on both sides, no mapping is guessed), ``tasks_a`` / ``tasks_b``
+    ((cell, seed) finished in one run only, of cells both have) and ``cells`` (the number of
+    cells in both)."""
+    ca, cb = set(map(str, a["cell_id"])), set(map(str, b["cell_id"]))
+    common = ca & cb
+    ta = {t for t in finished_tasks(a) if t[0] in common}
+    tb = {t for t in finished_tasks(b) if t[0] in common}
+    return {
+        "cells_a": sorted(ca - cb),
+        "cells_b": sorted(cb - ca),
+        "tasks_a": sorted(ta - tb),
+        "tasks_b": sorted(tb - ta),
+        "cells": len(common),
+    }
+
+
+#: ``run.json`` fields the compare header names where the two runs differ: (label, dotted key)
+ENV_FIELDS = (
+    ("deqbench", "versions.deqbench"),
+    ("torch", "versions.torch"),
+    ("CUDA", "versions.cuda"),
+    ("device", "device"),
+    ("device name", "device_name"),
+    ("GPUs", "gpus"),
+    ("dtype", "dtype"),
+    ("threads", "flags.threads"),
+    ("TF32 matmul", "flags.tf32_matmul"),
+)
+
+
+def _get(meta: dict[str, Any], dotted: str) -> Any:
+    node: Any = meta
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return None
+        node = node[k]
+    return node
+
+
+def _commit_text(meta: dict[str, Any]) -> str:
+    git = meta.get("git") or {}
+    commit = git.get("commit")
+    if not commit:
+        return "unknown"
+    return str(commit)[:10] + (" (dirty)" if git.get("dirty") else "")
+
+
+def run_environment(meta: dict[str, Any]) -> str:
+    """One line about a run from its ``run.json``: commit (dirty), torch, device, dtype, threads
+    (the parts it records)."""
+    parts = []
+    if _get(meta, "git.commit"):
+        parts.append(f"commit {_commit_text(meta)}")
+    if _get(meta, "versions.torch"):
+        parts.append(f"torch {_get(meta, 'versions.torch')}")
+    if meta.get("device"):
+        name = meta.get("device_name")
+        parts.append(f"{meta['device']} ({name})" if name else str(meta["device"]))
+    if meta.get("dtype"):
+        parts.append(str(meta["dtype"]))
+    threads = _get(meta, "flags.threads")
+    if threads is not None:
+        parts.append(f"{threads} thread{'s' * (threads != 1)}")
+    if not meta:
+        return "no run.json"
+    return ", ".join(parts) or "no environment in run.json"
+
+
+def environment_differences(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[str]:
+    """What differs between two runs' ``run.json``: the commit (and dirty tree), versions,
+    device, GPU names, dtype, threads; each as ``torch 2.3.0 vs 2.4.0``. A run without
+    ``run.json`` gives one line saying so; the same commit with edits on both sides says that
+    the edits may differ."""
+    if not meta_a or not meta_b:
+        missing = " and ".join(s for s, m in (("A", meta_a), ("B", meta_b)) if not m)
+        return [f"{missing}: no run.json, environment unknown"]
+    out = []
+    ga, gb = meta_a.get("git") or {}, meta_b.get("git") or {}
+    if ga.get("commit") != gb.get("commit") or ga.get("dirty") != gb.get("dirty"):
+        out.append(f"commit {_commit_text(meta_a)} vs {_commit_text(meta_b)}")
+    elif ga.get("dirty") and gb.get("dirty"):
+        out.append(f"commit {_commit_text(meta_a)} on both sides: uncommitted edits may differ")
+    for label, key in ENV_FIELDS:
+        va, vb = _get(meta_a, key), _get(meta_b, key)
+        if va != vb:
+            sa = ", ".join(map(str, va)) if isinstance(va, list) else str(va)
+            sb = ", ".join(map(str, vb)) if isinstance(vb, list) else str(vb)
+            out.append(f"{label} {sa or '-'} vs {sb or '-'}")
+    return out
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:

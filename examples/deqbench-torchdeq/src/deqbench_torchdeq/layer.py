@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from deqbench.core import verdict
 from deqbench.deq import BackwardConfig, DEQLayer, SolverConfig, deq_layers
 from deqbench.errors import ConfigError
 
@@ -229,8 +230,21 @@ class TorchDEQLayer(DEQLayer):
                 stop_mode=cfg.stop_mode,
                 **opts,
             )
+        self._checked("forward", stats, z, u, cfg)
         self.last_forward_stats = stats
         return z, stats
+
+    def _checked(self, kind: str, stats: Any, z: Tensor | None, u: Tensor | None, cfg: Any,
+                 ledger: Any = None) -> None:  # fmt: skip
+        """deqbench's own check of a TorchDEQ solve (``deqbench.core.verdict``): the claim
+        against the reported residual, the residual recomputed where the runner verifies, and
+        the solve recorded in the runner's ledger."""
+        name = cfg.name if kind == "forward" else cfg.solver
+        verdict.check_claim(stats, cfg.tol, cfg.stop_mode, f"torchdeq:{name}")
+        if kind == "forward" and z is not None and u is not None and verdict.verifying():
+            with torch.no_grad():
+                verdict.recheck(stats, self.cell(z, u), z)
+        verdict.record(kind, stats, cfg.max_iter, ledger)
 
     def forward(self, u: Tensor, z0: Tensor | None = None) -> Tensor:
         if z0 is None:
@@ -266,6 +280,8 @@ class TorchDEQLayer(DEQLayer):
             s.max_iter,
             extra={"returned": RETURNED[self._f_key]},
         )
+        self._checked("forward", self.last_forward_stats, z_out[-1].detach(), u.detach(), s)
+        self._ledger = verdict.current()  # the backward may run in another thread (CUDA)
         self.last_backward_stats = None
         self.f_evals_grad = counts["grad"]
         self._counts = counts
@@ -286,6 +302,8 @@ class TorchDEQLayer(DEQLayer):
             b.max_iter,
         )
         self.vjp_bwd = nvjp + 1  # the adjoint solve's VJPs and the final one through f
+        self._checked("adjoint", self.last_backward_stats, None, None, b,
+                      getattr(self, "_ledger", None))  # fmt: skip
 
     def extra_repr(self) -> str:
         return "torchdeq " + super().extra_repr() + f", core={self.core}"

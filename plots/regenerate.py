@@ -1,0 +1,97 @@
+"""Regenerate the committed CPU runs and README figures under plots/ from the current code.
+
+    nox -s figures                      # every committed CPU run (smoke, trajectory, ntk)
+    nox -s figures -- smoke             # one of them
+    python plots/regenerate.py smoke    # the same, in an environment with deqbench installed
+
+Refuses a dirty tree (``--allow-dirty`` to try things out): a committed run's ``run.json``
+records the commit it was made from, and that commit must be what made it. After a rebase or a
+change of behaviour, run it and commit the result with the code; CI re-runs the smoke suite
+and compares it with ``plots/smoke`` (tests/test_reference_run.py), so a change that moves its
+statuses or numbers fails until the figure is regenerated. GPU runs (plots/gpu, plots/h100) come
+from the benchmark scripts on the device and name their commit and card in their own README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: name -> (suite, what to keep under plots/, how): "run" keeps the whole run directory
+#: (results.csv, run.json, suite.yaml, series, plots), "png" copies one figure of the run
+TARGETS = {
+    "smoke": ("suites/smoke.yaml", "plots/smoke", "run", None),
+    "trajectory": ("suites/trajectory.yaml", "plots/trajectory_cpu", "run-noseries", None),
+    "ntk": ("suites/ntk.yaml", "plots/ntk_cpu.png", "png", "ntk.png"),
+}
+
+
+def _dirty() -> bool:
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.returncode != 0 or bool(out.stdout.strip())
+
+
+def regenerate(name: str) -> int:
+    suite, target, how, png = TARGETS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = ["deqbench", "run", str(ROOT / suite), "--out", tmp, "--no-progress"]
+        print("+", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
+        runs = sorted(Path(tmp).glob("*/*/run.json"))
+        if not runs:
+            print(f"{name}: no run directory made (exit {rc})", file=sys.stderr)
+            return rc or 1
+        run = runs[-1].parent
+        dest = ROOT / target
+        if how == "png":
+            shutil.copy2(run / "plots" / str(png), dest)
+        else:
+            keep = {}
+            if dest.is_dir():  # hand-written notes beside the run stay
+                keep = {p.name: p.read_bytes() for p in dest.glob("README.md")}
+                shutil.rmtree(dest)
+            shutil.copytree(run, dest)
+            if how == "run-noseries":
+                shutil.rmtree(dest / "series", ignore_errors=True)
+            for fname, data in keep.items():
+                (dest / fname).write_bytes(data)
+        print(f"{name}: {target} regenerated (deqbench run exit {rc})")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help=f"of {', '.join(TARGETS)} (default: all)")
+    ap.add_argument("--allow-dirty", action="store_true", help="run on uncommitted changes")
+    args = ap.parse_args(argv)
+    if _dirty() and not args.allow_dirty:
+        print(
+            "error: the tree has uncommitted changes; commit first (a committed run records "
+            "its commit), or pass --allow-dirty to try it out",
+            file=sys.stderr,
+        )
+        return 2
+    unknown = [n for n in args.names if n not in TARGETS]
+    if unknown:
+        print(f"error: unknown {unknown}; choose from {', '.join(TARGETS)}", file=sys.stderr)
+        return 2
+    rc = 0
+    for name in args.names or list(TARGETS):
+        rc = regenerate(name) or rc
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
