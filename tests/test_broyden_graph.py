@@ -81,7 +81,9 @@ def test_supports_cuda_graph():
 
 @pytest.mark.parametrize("linear", [False, True])
 @pytest.mark.parametrize("opts", OPTS)
-@pytest.mark.parametrize("tol,max_iter", [(1e-10, 100), (1e-30, 25)])  # converged, max_iter
+# converged; max_iter (tol 0: no residual is below it, while 1e-30 was met by a residual that
+# rounds to exactly 0 on some CPUs)
+@pytest.mark.parametrize("tol,max_iter", [(1e-10, 100), (0.0, 25)])
 def test_static_path_makes_the_eager_iterates(linear, opts, tol, max_iter):
     cell = Cell(linear=linear)
     kw = dict(max_iter=max_iter, tol=tol, **opts)

@@ -63,3 +63,45 @@ def test_every_smoke_cell_is_ok_converged_and_learns(fresh_smoke):
     acc = df[(df.analysis == "metrics") & (df.metric == "accuracy") & (df.variant == "test")]
     final = acc[acc.step == acc.groupby(["cell_id", "seed"]).step.transform("max")]
     assert (final.value >= 0.2).all(), final[final.value < 0.2][["cell_id", "seed", "value"]]
+
+
+def test_smoke_suite_writes_every_declared_row(fresh_smoke):
+    """The whole smoke suite (about a minute on 2 cores): every (cell, seed) ok, and every cell has
+    the rows its analyses declare for every seed."""
+    df = deqbench.load_results(fresh_smoke)
+    assert (df[df.analysis == "runner"].status == "ok").sum() == 40
+    metrics = {("metrics", v, m) for v in ("train", "test") for m in ("loss", "accuracy")}
+    solver = {
+        ("solver_stats", v, m)
+        for v in ("train", "test")
+        for m in (
+            "forward_nstep",
+            "forward_rel_residual",
+            "forward_converged",
+        )
+    }
+    final = {
+        ("solver_stats", "final_test", m)
+        for m in ("forward_nstep", "forward_nstep_max", "forward_rel_residual")
+    }
+    cells = {c.id: c for c in deqbench.load_suite(ROOT / "suites" / "smoke.yaml").cells}
+    for (cell, seed), g in df.groupby(["cell_id", "seed"]):
+        got = set(zip(g.analysis, g.variant, g.metric, g.step.fillna(-1)))
+        epochs = range(1, int(cells[cell].train["epochs"]) + 1)
+        per_epoch = metrics | solver
+        if cells[cell].data["name"] == "denoise":  # regression (kglm_conv_deq_tiny): mse
+            per_epoch = {("metrics", v, m) for v in ("train", "test") for m in ("loss", "mse")}
+            per_epoch |= solver
+        if cell.startswith("tied_repeat"):  # explicit network: metrics only, solver_stats skipped
+            for epoch in (0, *epochs):
+                assert {(*k, epoch) for k in per_epoch if k[0] == "metrics"} <= got
+            assert (g[g.analysis == "solver_stats"].status == "skipped").all()
+            continue
+        if "unrolled" in cell:  # K plain steps: no solve to converge, no adjoint
+            per_epoch = {k for k in per_epoch if k[2] != "forward_converged"}
+        for epoch in (0, *epochs):
+            assert {(*k, epoch) for k in per_epoch} <= got, (cell, seed, epoch)
+        assert {(*k, -1) for k in final} <= got, (cell, seed)
+        assert {("solver_stats", "train", "forward_abs_residual", e) for e in epochs} <= got
+        if "-ift" in cell:
+            assert {("solver_stats", "train", "backward_nstep", e) for e in epochs} <= got

@@ -60,14 +60,16 @@ def test_backward_column_after_solver_and_schema_in_run_json(run):
     assert header == COLUMNS and header[header.index("solver") + 1] == "backward"
     df = load_results(run)
     by_cell = df.groupby("cell_id").backward.unique()
+    # an unrolled cell is named by its K (its forward is K plain steps, not the solver)
     assert {c: list(v) for c, v in by_cell.items()} == {
-        f"fc_deq_tiny-fixed_point-{m}": [m] for m in MODES
+        (f"fc_deq_tiny-fixed_point-{m}" if m != "unrolled" else "fc_deq_tiny-unrolled5"): [m]
+        for m in MODES
     }
     meta = json.loads((run / "run.json").read_text())
     assert meta["results_schema"] == RESULTS_SCHEMA == 2
 
 
-def test_model_without_deq_layers_keeps_the_cells_backward(tmp_path):
+def test_an_explicit_network_names_no_solver_and_no_backward(tmp_path):
     p = write_suite(
         tmp_path,
         TINY_SUITE,
@@ -79,7 +81,8 @@ def test_model_without_deq_layers_keeps_the_cells_backward(tmp_path):
     )
     suite = load_suite(p)
     df = load_results(run_suite(suite, progress=False, plots=False).run_dir)
-    assert set(df.backward) == {suite.cells[0].backward["name"]} == {"ift"}
+    assert suite.cells[0].id == "tied_repeat_tiny"
+    assert set(df.backward) == set(df.solver) == {"none"}
 
 
 def test_failed_worker_row_has_backward(tmp_path):

@@ -135,6 +135,12 @@ class Analysis:
     version: ClassVar[str] = "1"
     #: set False for analyses that only measure after training and want no training epochs
     needs_training: ClassVar[bool] = True
+    #: the runner counts every DEQ solve an analysis hook makes as a probe solve and flags the
+    #: cell when more than 1% miss tolerance (deqbench.run.solves). Set True where the analysis
+    #: makes solves that are not meant to converge (fixed budgets timed, traces run to
+    #: max_iter, sweeps into divergence) and judges the ones its numbers rest on itself,
+    #: flagging its own rows (landscape grid points, Hessian gates, NTK and gradient references)
+    judges_own_solves: ClassVar[bool] = False
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -115,6 +115,7 @@ def _rel(a: float, b: float) -> float:
 class Hessian(Analysis):
     """Top eigenvalues, trace and density of the loss Hessian at the trained parameters."""
 
+    judges_own_solves = True  # see Analysis.judges_own_solves
     name = "hessian"
     version = "1"
 

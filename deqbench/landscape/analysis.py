@@ -145,6 +145,7 @@ class _Bar:
 class Landscape(Analysis):
     """Loss-landscape slice (Li et al. 2018) around the trained parameters."""
 
+    judges_own_solves = True  # see Analysis.judges_own_solves
     name = "landscape"
     version = "1"
 

@@ -112,6 +112,7 @@ class NTK(Analysis):
     """Empirical NTK spectrum (lambda_min, lambda_max, condition, trace, noise floor) on a fixed
     probe set, before and during training, beside the training loss."""
 
+    judges_own_solves = True  # see Analysis.judges_own_solves
     name = "ntk"
     version = "1"
 

@@ -423,6 +423,7 @@ def memory_vs_iterations(
 class Backward(PerfAnalysis):
     """Backward modes on one batch: time, memory, gradient accuracy (see module docstring)."""
 
+    judges_own_solves = True  # see Analysis.judges_own_solves
     name = "backward"
     version = "1"
     needs_training = False

@@ -160,6 +160,7 @@ def solver_overhead_table(
 class SolverOverhead(PerfAnalysis):
     """Time to tolerance and overhead of each solver on the cell's DEQ (see module docstring)."""
 
+    judges_own_solves = True  # see Analysis.judges_own_solves
     name = "solver_overhead"
     version = "1"
     needs_training = False

@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -197,7 +198,10 @@ def _backward_from_id(cell_id: str) -> str:
     from ..core.deq import BACKWARD_MODES
 
     parts = str(cell_id).split("-")
-    return parts[2] if len(parts) > 2 and parts[2] in BACKWARD_MODES else ""
+    if len(parts) > 2 and parts[2] in BACKWARD_MODES:
+        return parts[2]
+    # ids that name what ran: model-unrolled<K>-..., model-sam-unrolled<K>-...
+    return "unrolled" if any(re.fullmatch(r"unrolled\d+", p) for p in parts[1:3]) else ""
 
 
 def _backward_by_cell(suite_yaml: Path) -> dict[str, str]:
@@ -226,16 +230,22 @@ def _backward_by_cell(suite_yaml: Path) -> dict[str, str]:
             except Exception:
                 return {}
 
-        drafts = expand(
-            base,
-            raw.get("matrix"),
-            {},
-            generic_fields(),
-            default_names(),
-            declared=declared,
-            suffix_defaults={"runtime": runtime_defaults()},
-        )
-        return {d.id: str(d.sections.get("backward", {}).get("name", "")) for d in drafts}
+        from .labels import id_head
+
+        out: dict[str, str] = {}
+        for head in (None, id_head):  # the ids before and since they name what ran
+            drafts = expand(
+                base,
+                raw.get("matrix"),
+                {},
+                generic_fields(),
+                default_names(),
+                declared=declared,
+                suffix_defaults={"runtime": runtime_defaults()},
+                id_head=head,
+            )
+            out.update({d.id: str(d.sections.get("backward", {}).get("name", "")) for d in drafts})
+        return out
     except Exception:
         return {}
 

@@ -229,10 +229,12 @@ class Suite:
 
 
 def _hashed(cell: Cell) -> dict[str, Any]:
-    """A cell as :attr:`Suite.hash` sees it: the runtime only where it is not the default (so
-    that runs made before the ``runtime`` section keep their hash)."""
+    """A cell as :attr:`Suite.hash` sees it: the runtime and ``train.precise_bn`` only where
+    they are not the default (so that runs made before them keep their hash)."""
     d = {"id": cell.id, **cell.as_dict()}
     del d["runtime"]
+    if not d["train"].get("precise_bn", False):  # a later field: only where set
+        d["train"].pop("precise_bn", None)
     if changes := cell.runtime_changes():
         d["runtime"] = changes
     return d

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analyses.base import CellContext, Row
-from ..core.verdict import solve_ledger
+from ..core.verdict import paused_ledger, solve_ledger
 from .results import CONVERGENCE, FLAGGED, RUNNER
 from .solves import Tallies
 
@@ -305,6 +305,10 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
 
         def probe(phase: str, a: Any, hook: Any) -> None:
             """Run an analysis hook outside training; its solves count as ``phase``."""
+            if getattr(a, "judges_own_solves", False):
+                with paused_ledger():
+                    emit(a, hook(ctx))
+                return
             with solve_ledger() as led:
                 emit(a, hook(ctx))
             tallies.add(phase, led.records)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..analyses.base import CellContext, EpochInfo, Row, StepInfo
 from ..core.deq import Runtime, deq_layers, last_stats, own_solver
 from ..core.runtime import autocast, for_loss, model_runtime
-from ..core.verdict import solve_ledger, verify_solves
+from ..core.verdict import paused_ledger, solve_ledger, verify_solves
 from .data import DataBundle
 from .evaluation import evaluate, loss_function  # noqa: F401 - part of train's API
 from .solves import BF16_TOL, MISSED_SHARE, SolveTally, Tallies  # noqa: F401 - train's API
@@ -223,6 +223,10 @@ def train(
 
     def hook(phase: str, cb: Any, method: str, info: Any) -> None:
         """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
+        if getattr(cb, "judges_own_solves", False):  # its own rules (Analysis docstring)
+            with paused_ledger():
+                _emit(emit, cb, getattr(cb, method)(ctx, info))
+            return
         with solve_ledger() as led:
             _emit(emit, cb, getattr(cb, method)(ctx, info))
         result.tallies.add(phase, led.records)

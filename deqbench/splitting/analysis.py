@@ -118,6 +118,7 @@ def splitting_sweep(
 class SplittingSweep(Analysis):
     """FB vs PR forward iterations over the step alpha after training (monDEQ)."""
 
+    judges_own_solves = True  # see Analysis.judges_own_solves
     name = "splitting_sweep"
     version = "1"
     needs_training = False

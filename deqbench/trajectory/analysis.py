@@ -383,6 +383,7 @@ class Trajectory(Analysis):
     """Forward iterates of a fixed probe set at chosen epochs: per-iteration residuals, PCA
     trajectories and class separation of the fixed points (papers/004 section 4.1)."""
 
+    judges_own_solves = True  # see Analysis.judges_own_solves
     name = "trajectory"
     version = "1"
 
