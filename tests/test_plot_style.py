@@ -140,25 +140,28 @@ def test_cell_styles_unique_up_to_80_cells():
     assert len({(s["color"], str(s["linestyle"])) for s in st.values()}) == 80
 
 
-def test_unrolled_epoch0_solver_pass_is_not_joined_to_its_training_steps():
+def test_unrolled_cells_epoch0_is_joined_to_their_k_steps():
+    """An unrolled cell trains and evaluates with its K plain steps (issue 25): its epoch-0 pass
+    is the same computation as the training points and sits on their line, hollow."""
     df = _results()
     fig = plots.iterations_per_epoch(df)
     cell = f"fc-anderson-unrolled-{LONG}"
     forward = _ax(fig, "fc: forward solve")
     (line,) = [ln for ln in _cell_lines(forward) if ln.get_gid() == cell]
-    assert list(line.get_xdata()) == [1.0, 2.0] and list(line.get_ydata()) == [5.0, 5.0]
+    assert list(line.get_xdata()) == [0.0, 1.0, 2.0]
     (pt,) = [
         ln for ln in forward.get_lines() if ln.get_gid() == cell and ln.get_label() == "_hollow"
     ]
     assert list(pt.get_xdata()) == [0.0] and pt.get_linestyle() == "None"
     assert pt.get_markerfacecolor() in ("white", (1.0, 1.0, 1.0, 1.0))
-    # a solve cell's epoch 0 stays on its line
     ift = f"fc-anderson-ift-{LONG}"
     (line,) = [ln for ln in _cell_lines(forward) if ln.get_gid() == ift]
     assert list(line.get_xdata()) == [0.0, 1.0, 2.0]
-    # K plain steps are not solves: no unconverged mark on the unrolled training points
+    # K plain steps are not solves: no unconverged mark on the unrolled points
     marks = [ln for ln in forward.get_lines() if ln.get_label() == "_unconverged"]
     assert not [m for m in marks if m.get_gid() == cell]
+    texts = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert any("K plain steps they train and evaluate with" in t for t in texts)
 
 
 def test_solves_that_missed_tolerance_are_marked():

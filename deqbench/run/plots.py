@@ -566,8 +566,8 @@ def _min_by(d: Any, metric: str) -> dict[tuple[str, int], float]:
 def iterations_per_epoch(df: Any) -> Any | None:
     """Forward and backward (adjoint) f-evaluations per training batch and epoch (mean over
     the epoch's batches; median over seeds), one row of panels per group of cells
-    (:func:`cell_groups`). Epoch 0 (an evaluation pass before training) is hollow, and not
-    joined to the K-step training points of ``unrolled`` cells; x: a solve in that epoch
+    (:func:`cell_groups`). Epoch 0 (an evaluation pass before training) is hollow; an
+    ``unrolled`` cell's points are its K plain steps (no solve, no x); x: a solve in that epoch
     missed tolerance; flagged cells are marked in the legend."""
     d = _epoch_rows(df, "solver_stats")
     d = d[d["variant"] == "train"]
@@ -606,12 +606,11 @@ def iterations_per_epoch(df: Any) -> Any | None:
                     cell,
                     g["seed"].nunique() > 1,
                     hollow=[0],
-                    join_hollow=not unrolled,
                 )
                 bad = [
                     e
                     for e in agg.index
-                    if conv[kind].get((cell, int(e)), 1.0) < 1.0 and not (unrolled and e >= 1)
+                    if conv[kind].get((cell, int(e)), 1.0) < 1.0 and not unrolled
                 ]
                 if bad:
                     seen["bad"] = True
@@ -645,12 +644,12 @@ def iterations_per_epoch(df: Any) -> Any | None:
         notes.append(
             (
                 None,
-                "unrolled cells: epochs >= 1 count the K plain steps of training (not a solve); "
-                "their epoch-0 point (full solver) is not joined to them",
+                "unrolled cells: the K plain steps they train and evaluate with (not a solve)",
             )
         )
     if seen["bad"]:
-        notes.append((UNCONVERGED, "solves of that epoch missed tolerance (converged share < 1)"))
+        notes.append((UNCONVERGED, "solves of that epoch missed tolerance (converged share < 1; "
+                      "epoch 0, before training, is reported only and flags no cell)"))  # fmt: skip
     if seen["dup"]:
         notes.append((None, "identical lines: the one underneath is drawn wider"))
     notes_legend(fig, notes + tag_notes(tags, all_cells))
