@@ -485,12 +485,12 @@ def test_reference_check_catches_missing_task_status_and_behaviour(tmp_path):
         "status: c1 seed=0: ok in the reference, flagged in the fresh run "
         "(forward solve missed rel tol)"
     ], got
-    # a 20% change in an iteration count (30 -> 36: beyond 2 evaluations and 10%)
-    rows = _edit(_ref_rows(), "c2", 0, "forward_nstep", 36.0)
+    # a 30% change in an iteration count (30 -> 39: beyond 2 evaluations and 20%)
+    rows = _edit(_ref_rows(), "c2", 0, "forward_nstep", 39.0)
     got = check_against_reference(ref, _run(tmp_path / "nstep", rows))
     assert len(got) == 1 and got[0].startswith("value: c2 solver_stats forward_nstep (test): "
                                                "1/4 rows"), got  # fmt: skip
-    assert "seed=0 step=1: 30 in the reference, 36 in the fresh run" in got[0]
+    assert "seed=0 step=1: 30 in the reference, 39 in the fresh run" in got[0]
     # the smoke run's change: residual x57, converged 1 -> 0, everything else equal
     rows = _edit(_ref_rows(), "c1", 1, "forward_rel_residual", 57e-4)
     _edit(rows, "c1", 1, "forward_converged", 0.0)

@@ -59,6 +59,7 @@ class SolveRecord:
     max_iter: int | None = None
     verified: bool = False  # residual recomputed by one f-evaluation
     claim: str = ""  # why the solver's claim was not accepted
+    plateau: bool = False  # unconverged, and the last quarter of the steps gained < 2x
 
 
 @dataclass
@@ -193,5 +194,19 @@ def record(
             max_iter=max_iter,
             verified=verified,
             claim=str(stats.extra.get("claim", "")),
+            plateau=not stats.converged and plateaued(stats),
         )
     )
+
+
+def plateaued(stats: SolverStats) -> bool:
+    """Whether the batch-max residual (stop mode) gained less than 2x over the last quarter of
+    a solve's recorded steps (at least 8): more steps will not reach the tolerance (a precision
+    floor, a cycle). Read only for solves that missed (one host read)."""
+    tr = stats.rel_trace if stats.stop_mode == "rel" else stats.abs_trace
+    if tr.dim() == 0 or tr.numel() == 0 or tr.shape[0] < 8:
+        return False
+    t = tr.reshape(tr.shape[0], -1).amax(dim=1).double()
+    k = (3 * t.shape[0]) // 4
+    early, late = float(t[:k].min()), float(t[k:].min())
+    return math.isfinite(early) and math.isfinite(late) and late > 0.5 * early

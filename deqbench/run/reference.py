@@ -44,11 +44,14 @@ ANALYSES = ("metrics", "solver_stats")
 # accuracies by up to 0.10, counts by up to 23% (100 -> 77), residuals by up to a factor 970 and
 # converged shares 0 -> 1, in 14 of the 18 cells it reached. Each bound sits above the first set
 # and below most of the second; the checks together caught the change in most affected cells.
+# A second machine (Intel Xeon, torch 2.11.0 vs the reference's AMD EPYC, torch 2.14.1; the
+# 20-cell smoke suite of issue 25) moved one count by 17% (conv Broyden cell, final-test
+# adjoint, 24 -> 28 f-evals) and nothing else beyond these bounds: counts get 20%.
 
 #: f-evaluation counts (``*_nstep``, ``*_nstep_max``, unit f-evals): within ``ATOL_COUNTS``
 #: evaluations or ``RTOL_COUNTS`` of the larger count, whichever is looser (a changed
 #: ``max_iter`` or a solve that now fails to converge moves them by far more)
-RTOL_COUNTS = 0.1
+RTOL_COUNTS = 0.2
 ATOL_COUNTS = 2.0
 #: accuracies (fractions): within 0.05, about 5 of the smoke suite's 96 test samples
 ATOL_ACCURACY = 0.05
@@ -170,7 +173,7 @@ def check_against_reference(
       metric, variant) naming the worst row:
 
       - f-evaluation counts (``*_nstep``, ``*_nstep_max``): ``|b - a| <= max(atol_counts,
-        rtol_counts * max(a, b))``, default 2 evaluations or 10%;
+        rtol_counts * max(a, b))``, default 2 evaluations or 20%;
       - accuracies: ``|b - a| <= atol_accuracy``, default 0.05 (5 of 96 test samples);
       - converged shares (``*_converged``, ``*_unconverged_batches``): ``|b - a| <=
         atol_converged``, default 0.5 (one batch of 2; 1 vs 0 fails);

@@ -65,6 +65,7 @@ class SolveTally:
     steps: list[int] = field(default_factory=list)  # nstep of the missed solves
     claims: list[str] = field(default_factory=list)
     verified: int = 0  # solves whose residual was recomputed
+    plateau: int = 0  # missed solves at the cap whose residual had stopped falling
 
     def add_record(self, rec: SolveRecord) -> None:
         self.batches += 1
@@ -82,6 +83,7 @@ class SolveTally:
             self.claims.append(rec.claim)
         elif rec.max_iter is not None and rec.nstep >= rec.max_iter or rec.status == "max_iter":
             self.at_cap += 1
+            self.plateau += rec.plateau
         else:
             self.own_stop[rec.status] += 1
 
@@ -115,7 +117,15 @@ class SolveTally:
             return (f"the model's own solver missed ({self.missed} solves, "
                     f"{min(self.steps, default=0)}-{max(self.steps, default=0)} steps): raise "
                     "its own iteration cap or tolerance in the model's parameters")  # fmt: skip
-        if self.at_cap:
+        if self.at_cap and self.plateau == self.at_cap:
+            why = (("a precision floor near the tolerance (on CUDA, TF32 convolutions and "
+                    f"matmuls: set tf32: false) or a tol below what the model reaches: loosen "
+                    f"{key}.tol or {alt}") if self.worst < 1e-2 else
+                   (f"the iteration does not approach a fixed point (a cycle, or no "
+                    f"contraction): {alt} or constrain the model"))  # fmt: skip
+            fixes.append(f"the residual stopped falling well before max_iter ({self.max_iter}) "
+                         f"in all {self.at_cap}, so more steps will not help: {why}")  # fmt: skip
+        elif self.at_cap:
             fixes.append(f"raise {key}.max_iter (the solver used all {self.max_iter} steps in "
                          f"{self.at_cap} of them)")  # fmt: skip
         if self.own_stop:
