@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -790,7 +791,9 @@ def forbid_sync() -> Iterator[None]:
     fails halfway, which leaves the CUDA generator in capture state (later random ops raise
     "Offset increment outside graph capture")."""
     prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # "a prototype feature" on every run (issue 25: no warnings)
+        warnings.filterwarnings("ignore", message="Synchronization debug mode")
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
