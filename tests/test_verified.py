@@ -269,3 +269,19 @@ def test_a_plateau_at_the_cap_is_not_told_to_raise_max_iter():
     tally.add_record(rec)
     assert "max_iter" in tally.note() and "raise solver.max_iter" not in tally.note()
     assert "more steps will not help" in tally.note() and "tf32: false" in tally.note()  # 2e-3
+
+
+def test_resume_refuses_a_run_whose_ids_this_code_would_not_make(tmp_path):
+    import json
+
+    from deqbench.errors import ConfigError
+    from deqbench.run.runner import run_suite
+
+    p = write_suite(tmp_path, SUITE, replace={"MODEL": "fc_deq_tiny", "SOLVER": "fixed_point"})
+    suite = deqbench.load_suite(p)
+    run = run_suite(suite, progress=False, plots=False).run_dir
+    meta = json.loads((run / "run.json").read_text())
+    meta["cells"] = ["fc_deq_tiny-fixed_point-unrolled"]  # an id before issue 25's names
+    (run / "run.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="cell ids are not those this deqbench makes"):
+        run_suite(suite, resume=run, progress=False, plots=False)

