@@ -46,7 +46,16 @@ def _dirty() -> bool:
 def regenerate(name: str) -> int:
     suite, target, how, png = TARGETS[name]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "deqbench", "run", str(ROOT / suite), "--out", tmp, "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deqbench",
+            "run",
+            str(ROOT / suite),
+            "--out",
+            tmp,
+            "--no-progress",
+        ]
         print("+", " ".join(cmd), flush=True)
         rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
         runs = sorted(Path(tmp).glob("*/*/run.json"))

@@ -3,7 +3,9 @@ codes; no logic of its own. Nothing heavy is imported at module level: ``deqbenc
 not import torch.
 
 Exit codes: 0 ok; 1 finished but some cell failed; 2 usage, config or unknown-name error (one
-red line per problem on stderr, no traceback); 130 interrupted (finished cells are on disk).
+red line per problem on stderr, no traceback; also a run directory locked by another run, or a
+run stopped by an error writing it, e.g. disk full); 130 interrupted by SIGINT, 143 by SIGTERM
+(finished cells are on disk).
 
 This package holds the app and the generic verbs (``run``, ``ls``, ``plot``, ``compare``, ...).
 A command that measures something (``landscape``, ``hessian``, ``ntk``) lives in its family's
@@ -96,16 +98,17 @@ def fail(message: str, code: int = 2) -> None:
 
 @contextmanager
 def handle_errors() -> Iterator[None]:
-    """DeqbenchError -> exit 2 with its lines; KeyboardInterrupt -> exit 130."""
+    """DeqbenchError -> exit 2 with its lines; KeyboardInterrupt -> exit 130 (143 for the
+    runner's SIGTERM)."""
     from ..core.errors import DeqbenchError
 
     try:
         yield
     except DeqbenchError as exc:
         fail(str(exc), 2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         err_console().print("[yellow]interrupted[/yellow]", markup=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(getattr(exc, "exit_code", 130)) from None
 
 
 def parse_seeds(text: str | None) -> list[int] | None:
@@ -139,8 +142,12 @@ def execute(
     """Run ``suite`` through the runner, print the summary; return the exit code (the
     :class:`~deqbench.run.runner.RunSummary` is appended to ``summaries`` when given)."""
     from ..run.console import print_headlines, print_summary
-    from ..run.runner import run_suite
+    from ..run.runner import run_suite, signals_held
 
+    if resume is None:  # an unwritable results folder: one line, before the run directory
+        from ..run.suite import make_output_root
+
+        make_output_root(out if out is not None else suite.output, suite.name)
     summary = run_suite(
         suite,
         out,
@@ -154,19 +161,26 @@ def execute(
         summaries.append(summary)
     from ..run.results import load_results
 
-    df = load_results(summary.run_dir)
-    print_summary(df)
-    print_headlines(df, suite.analyses)
-    con = err_console()
-    for cell, seed, status, note in summary.failed:
-        con.print(f"[red]{status}[/red] {esc(f'{cell} seed={seed}: {note}')}", markup=True)
-    if summary.interrupted:
-        con.print(
-            "[yellow]interrupted[/yellow]; resume with: "
-            + esc(f"deqbench run {summary.run_dir / 'suite.yaml'} --resume {summary.run_dir}"),
-            markup=True,
-        )
-    print(f"run directory: {summary.run_dir}")
+    with signals_held():  # the run has ended: its status and exit code stand
+        df = load_results(summary.run_dir)
+        print_summary(df)
+        print_headlines(df, suite.analyses)
+        con = err_console()
+        for cell, seed, status, note in summary.failed:
+            con.print(f"[red]{status}[/red] {esc(f'{cell} seed={seed}: {note}')}", markup=True)
+        again = f"deqbench run {summary.run_dir / 'suite.yaml'} --resume {summary.run_dir}"
+        if summary.cause:
+            con.print(
+                f"[red]error:[/red] {esc(f'stopped: {summary.cause}; finished cells are on disk')}"
+                f"; resume with: {esc(again)}",
+                markup=True,
+            )
+        elif summary.interrupted:
+            import signal
+
+            how = f" ({signal.Signals(summary.signal).name})" if summary.signal else ""
+            con.print(f"[yellow]interrupted{how}[/yellow]; resume with: {esc(again)}", markup=True)
+        print(f"run directory: {summary.run_dir}")
     return summary.exit_code
 
 
@@ -281,7 +295,8 @@ def run(
 
     A collection file (one with a list under suites:) runs its suites one after another, each
     into its own run directory; the exit code is the worst of theirs. Exit codes: 0 every cell
-    ok, 1 some cell failed or flagged, 2 bad input, 130 interrupted."""
+    ok, 1 some cell failed or flagged, 2 bad input (or the run directory is locked by another
+    run, or writing it failed, e.g. disk full), 130 interrupted (SIGINT), 143 (SIGTERM)."""
     with handle_errors(), ExitStack() as stack:
         from ..core.errors import ConfigError
         from ..run.executors import prestart
@@ -327,7 +342,7 @@ def run(
                     summaries=summaries,
                 )
             code = max(code, c)
-            if c == 130:  # interrupted: the later parts do not start
+            if summaries and summaries[-1].interrupted:  # the later parts do not start
                 break
         if len(suites) > 1:
             from ..run.console import print_collection
@@ -378,13 +393,43 @@ def ls(
             "--verbose", "-v", help="Models: also their declared solver, backward and init."
         ),
     ] = False,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Import every plugin listed and mark the ones that fail (BROKEN: why); exit 1 "
+            "if any does.",
+        ),
+    ] = False,
 ) -> None:
     """List registered names and where they come from (built-in or plugin distribution)."""
+    broken: dict[tuple[str, str], str] = {}
     with handle_errors():
         from ..run.console import list_names
 
-        for line in list_names(kind, pattern, verbose):
-            print(line.rstrip())
+        lines = list_names(kind, pattern, verbose)
+        if check:
+            broken = _broken_plugins({ln.split()[0] for ln in lines if ln.strip()}, pattern)
+        for line in lines:
+            parts = line.split()
+            why = broken.get((parts[0], parts[1])) if len(parts) > 1 else None
+            print(line.rstrip() + (f"  BROKEN: {why}" if why else ""))
+    if broken:
+        raise typer.Exit(1)
+
+
+def _broken_plugins(kinds: set[str], pattern: str | None) -> dict[tuple[str, str], str]:
+    """(kind, name) -> import error of every plugin of ``kinds`` that fails to import."""
+    from ..core.registry import REGISTRIES
+
+    out: dict[tuple[str, str], str] = {}
+    for k in sorted(kinds):
+        reg = REGISTRIES.get(k)
+        if k == "kernels":
+            from ..kglm.kernels import kernels as reg
+        if reg is not None:
+            out.update({(k, n): why for n, why in reg.broken(pattern).items()})
+    return out
 
 
 @app.command(epilog="Example: deqbench info --device cuda")
@@ -405,9 +450,8 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) -> N
     """Regenerate the plots of a run into RUN_DIR/plots/."""
     with handle_errors():
         from ..run.plots import write_plots
-        from ..run.results import load_results
 
-        paths, errors = write_plots(run_dir, load_results(run_dir))
+        paths, errors = write_plots(run_dir, _load_run(run_dir))
         for p in paths:
             print(p)
         for e in errors:
@@ -499,8 +543,10 @@ def compare(
     with handle_errors():
         from ..core.errors import ConfigError
         from ..run.console import cell_lines, compare_header, err_console, out_console
-        from ..run.results import RTOL, _run_meta, check_comparable, load_results
+        from ..run.results import RTOL, _run_meta, check_comparable
 
+        for run in (run_a, run_b):
+            check_run_files(run)
         if reference:
             unused = [o for o, v in (("--csv", csv), ("--timing", timing), ("--rtol", rtol),
                                      ("--fail-on-change", fail_on_change)) if v]  # fmt: skip
@@ -515,7 +561,7 @@ def compare(
         from ..run.results import compare_cells, match_counts, task_differences
 
         tol = RTOL if rtol is None else rtol
-        a, b = load_results(run_a), load_results(run_b)
+        a, b = _load_run(run_a), _load_run(run_b)
         warnings = check_comparable(run_a, run_b, a, b, force)
         summary, joined, changes = compare_cells(a, b, factor, timing=timing, rtol=tol)
         counts = match_counts(a, b, joined)
@@ -572,6 +618,80 @@ def compare(
             print(f"wrote {csv}")
             print(f"wrote {cells_csv}")
     raise typer.Exit(1 if (fail_on_change and len(changes)) else 0)
+
+
+def check_run_files(run: Path) -> None:
+    """Refuse, with one line (:class:`ConfigError`), a run directory (or ``results.csv``) whose
+    files deqbench did not write: ``results.csv`` not UTF-8, without its header or with rows of
+    another width; ``run.json`` not a JSON object; ``suite.yaml`` not a safe YAML mapping
+    within the YAML limits. Reads only; a missing file is left to the loaders."""
+    import csv
+    import json
+
+    from ..core.errors import ConfigError
+    from ..run.results import COLUMNS
+    from ..run.yamlio import read_yaml
+
+    p = Path(run)
+    path = p if p.suffix == ".csv" else p / "results.csv"
+    if not p.exists():
+        raise ConfigError(f"{run}: no such run directory")
+    if path.is_file():
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path}: not a deqbench results file: not UTF-8 text (byte "
+                f"0x{data[exc.start]:02x} at offset {exc.start})"
+            ) from None
+        if text and not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]  # a partial last line (crash mid-write)
+        rows = csv.reader(text.splitlines())
+        header = next(rows, None)
+        need = {"cell_id", "seed", "analysis", "metric", "value"}
+        if text.strip() and (header is None or not need <= set(header)):
+            first = ",".join(header or [])[:60]
+            raise ConfigError(
+                f"{path}: not a deqbench results file: no header line with "
+                f"{', '.join(c for c in COLUMNS if c in need)} (first line: {first!r})"
+            )
+        for i, row in enumerate(rows, start=2):
+            if header is not None and len(row) != len(header):
+                raise ConfigError(
+                    f"{path}:{i}: {len(row)} fields where the header has {len(header)}: "
+                    "a corrupt results file"
+                )
+    meta = (p if p.suffix != ".csv" else p.parent) / "run.json"
+    if meta.is_file():
+        try:
+            obj = json.loads(meta.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            why = " ".join(str(exc).split())[:80] or "empty"
+            raise ConfigError(f"{meta}: corrupt run.json: not valid JSON ({why})") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{meta}: corrupt run.json: expected a JSON object")
+    suite = meta.with_name("suite.yaml")
+    if suite.is_file():
+        raw, _ = read_yaml(suite)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{suite}: corrupt suite.yaml: expected a mapping")
+
+
+def _load_run(run: Path) -> Any:
+    """:func:`~deqbench.run.results.load_results` after :func:`check_run_files`; a file it still
+    cannot read is one line (ConfigError), not a traceback."""
+    import yaml
+
+    from ..core.errors import ConfigError
+    from ..run.results import load_results
+
+    check_run_files(run)
+    try:
+        return load_results(run)
+    except (OSError, ValueError, KeyError, yaml.YAMLError) as exc:
+        why = " ".join(str(exc).split())[:120]
+        raise ConfigError(f"{run}: cannot read the run: {type(exc).__name__}: {why}") from None
 
 
 def _reference_check(reference: Path, fresh: Path) -> int:

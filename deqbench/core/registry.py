@@ -192,7 +192,9 @@ class Registry(Generic[T]):
             if e.error is None:
                 try:
                     e.obj = e.entry_point.load()
-                except Exception as exc:
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - sys.exit() in a plugin too
                     e.error = f"{type(exc).__name__}: {exc}"
                     msg = f"plugin {e.origin} failed to import {self.singular} '{name}' ({e.entry_point.value}): {e.error}"
                     self.plugin_errors.append(msg)
@@ -201,6 +203,19 @@ class Registry(Generic[T]):
                     f"plugin {e.origin} failed to import {self.singular} '{name}': {e.error}"
                 )
         return e.obj  # type: ignore[return-value]
+
+    def broken(self, pattern: str | None = None) -> dict[str, str]:
+        """Import every plugin name (matching ``pattern``); return the ones that fail to import
+        (or are ambiguous), name -> error (``deqbench ls --check``)."""
+        out: dict[str, str] = {}
+        for name in self.names(pattern):
+            if self._entries[name].is_builtin:
+                continue
+            try:
+                self.get(name)
+            except PluginError as exc:
+                out[name] = str(exc)
+        return out
 
     def create(self, name: str, /, **params: Any) -> Any:
         """Call the factory registered as ``name`` with ``params``."""

@@ -50,17 +50,11 @@ NOT_MEASURED = (
 def load_checkpoint(model: Any, path: str | Path, device: Any = None) -> None:
     """Load a state dict (or ``{"state_dict"|"model": state_dict}``) with
     ``torch.load(weights_only=True)`` into ``model`` (strict)."""
-    import torch
-
     from ..core.errors import ConfigError
+    from .directions import load_tensors
 
     p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(f"checkpoint: file not found: {p}")
-    try:
-        obj = torch.load(p, map_location=device or "cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a config problem
-        raise ConfigError(f"checkpoint: cannot read {p} with weights_only=True: {exc}") from exc
+    obj = load_tensors(p, "checkpoint", device or "cpu")
     if isinstance(obj, dict):
         for key in ("state_dict", "model", "model_state_dict"):
             if isinstance(obj.get(key), dict):

@@ -32,6 +32,38 @@ NORMS = ("filter", "layer", "weight", "none")
 FORMAT = "deqbench.directions"
 
 
+def load_tensors(path: str | Path, label: str, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``: tensors, state dicts and plain containers only,
+    never pickled code. A missing, unreadable or refused file is a one-line
+    :class:`ConfigError` starting with ``label`` (``checkpoint``, ``landscape.directions``);
+    it does not pass on torch's advice to load with ``weights_only=False``.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"{label}: file not found: {p}")
+    if p.is_dir():
+        raise ConfigError(f"{label}: {p} is a directory, expected a file saved with torch.save")
+    try:
+        return torch.load(p, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a config problem
+        text = str(exc)
+        if "Weights only load failed" not in text and "WeightsUnpickler" not in text:
+            first = " ".join(text.split())[:200]
+            raise ConfigError(
+                f"{label}: cannot read {p} as a torch.save file ({type(exc).__name__}: {first})"
+            ) from None
+        import re
+
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        what = f"Python objects beyond tensors ({found.group(1)})" if found else (
+            "something other than tensors")  # fmt: skip
+        raise ConfigError(
+            f"{label}: refused {p}: it holds {what}; deqbench loads only tensors and state "
+            "dicts (torch.load with weights_only=True), never pickled code, for safety: save "
+            "the weights with torch.save(model.state_dict(), path)"
+        ) from None
+
+
 @dataclass
 class Directions:
     """Seeded directions keyed by parameter name.
@@ -176,12 +208,7 @@ def save_directions(dirs: Directions, path: str | Path) -> Path:
 def load_directions(path: str | Path) -> Directions:
     """Load directions saved by :func:`save_directions` (``torch.load(weights_only=True)``)."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"landscape.directions: file not found: {path}")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - report any unpickling failure as a config error
-        raise ConfigError(f"landscape.directions: cannot read {path}: {exc}") from exc
+    obj = load_tensors(path, "landscape.directions")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ConfigError(f"landscape.directions: {path} is not a deqbench directions file")
     return Directions(list(obj["raw"]), list(obj["normalized"]), dict(obj.get("meta", {})))

@@ -42,6 +42,13 @@ ID_SUFFIX = ("runtime",)
 BOOL_WORDS = {("runtime", "cuda_graph"): {False: "off", True: "auto"}}
 _MISSING = object()
 
+#: Caps checked before anything runs (a suite's ``caps: false``, or ``--set caps=false`` on any
+#: command, lifts the first two): training epochs of a cell, and tasks (cells x seeds) of a
+#: suite; seeds are integers in [0, MAX_SEED].
+MAX_EPOCHS = 100_000
+MAX_TASKS = 10_000
+MAX_SEED = 2**63 - 1
+
 
 @dataclass
 class Draft:
@@ -109,6 +116,33 @@ def check_matrix(matrix: dict[str, list[Any]] | None, loc: Any) -> list[str]:
                 if not isinstance(normalize_section(section, v), dict):
                     errors.append(loc.error(("matrix", key, i), f"expected {what}"))
     return errors
+
+
+def count_cells(matrix: dict[str, list[Any]] | None) -> int:
+    """Cells of the matrix (the product of its axes' lengths, ``case`` one axis), without
+    expanding it."""
+    n = 1
+    for values in (matrix or {}).values():
+        n *= len(values) if isinstance(values, list) else 1
+    return n
+
+
+def check_size(matrix: dict[str, list[Any]] | None, seeds: int, loc: Any, caps: bool) -> list[str]:
+    """An error line where cells x seeds exceeds :data:`MAX_TASKS` (unless ``caps`` is off)."""
+    if not caps:
+        return []
+    cells = count_cells(matrix)
+    if cells * seeds <= MAX_TASKS:
+        return []
+    what = f"{cells} cell{'s' * (cells != 1)} x {seeds} seed{'s' * (seeds != 1)} = {cells * seeds} tasks"
+    return [
+        loc.error(
+            ("matrix",) if matrix else ("seeds",),
+            f"{what}, over the cap of {MAX_TASKS} tasks (caps: false in the suite, or --set "
+            "caps=false, lifts it)",
+            True,
+        )
+    ]
 
 
 def _check_cases(values: Any, loc: Any) -> list[str]:

@@ -4,7 +4,10 @@
 Each finished (cell, seed) task is appended with a single ``write`` + ``fsync`` and ends with the
 runner's status row (analysis ``runner``, metric ``wall_time``), so a ``kill -9`` at any moment
 leaves a readable file that holds every finished task completely; :func:`finished_tasks` reads
-those markers for ``--resume``.
+those markers. Before a task's rows are appended, ``manifest.jsonl`` gets one line for it (its row
+count and the sha256 of its encoded rows, :data:`MANIFEST`); ``--resume`` checks every finished
+task against it (:func:`check_finished`) and re-runs a task whose rows are missing, duplicated or
+changed.
 
 Example:
     >>> import deqbench
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import hashlib
 import io
 import json
 import math
@@ -99,27 +103,89 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
+#: per-task manifest of ``results.csv``, one JSON line per finished task, appended (one
+#: ``write`` + ``fsync``) *before* the task's rows:
+#: ``{"cell_id": ..., "seed": 0, "rows": 40, "sha256": "<hex of the task's encoded CSV lines>"}``.
+#: A torn last line is ignored; a task recorded here but without its rows (the run stopped in
+#: between) is simply unfinished. Run directories without it (older deqbench) resume as before.
+MANIFEST = "manifest.jsonl"
+
+
+def _append_bytes(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` with ``os.write`` calls and one ``fsync``."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _seed_field(seed: str) -> int | str:
+    """A seed as the manifest records it: an int where the CSV text is one."""
+    try:
+        return int(seed)
+    except ValueError:
+        return seed
+
+
+def manifest_entry(cell_id: Any, seed: Any, data: bytes) -> dict[str, Any]:
+    """The manifest record of one task whose rows encode (:func:`encode_rows`) to ``data``."""
+    return {
+        "cell_id": _cell(cell_id),
+        "seed": _seed_field(_cell(seed)),
+        "rows": data.count(b"\n"),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def _encode_lines(rows: Iterable[dict[str, Any]]) -> list[tuple[tuple[str, str], bytes]]:
+    """((cell_id, seed) as written, encoded line) of each row."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    out = []
+    for r in rows:
+        buf.seek(0)
+        buf.truncate()
+        w.writerow([_cell(r.get(c)) for c in COLUMNS])
+        out.append(((_cell(r.get("cell_id")), _cell(r.get("seed"))), buf.getvalue().encode()))
+    return out
+
+
 class ResultsWriter:
-    """Appends rows to ``results.csv``; one ``os.write`` + ``fsync`` per call."""
+    """Appends rows to ``results.csv``; one ``os.write`` + ``fsync`` per call. A new
+    ``results.csv`` gets an empty :data:`MANIFEST` beside it; where the manifest exists, each
+    call first appends the record of every (cell_id, seed) task its rows belong to (their
+    count and checksum so far, when a task is appended in several calls)."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / "results.csv"
+        self.manifest = Path(run_dir) / MANIFEST
+        self._tasks: dict[tuple[str, str], tuple[int, Any]] = {}  # rows, sha256 so far
         if not self.path.exists():
             write_atomic(self.path, encode_rows([], header=True))
+            if not self.manifest.exists():
+                write_atomic(self.manifest, b"")
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
-        data = encode_rows(rows)
-        if not data:
+        lines = _encode_lines(rows)
+        if not lines:
             return
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self.manifest.exists():
+            for key, line in lines:
+                n, h = self._tasks.get(key) or (0, hashlib.sha256())
+                h.update(line)
+                self._tasks[key] = (n + 1, h)
+            records = []
+            for key in dict.fromkeys(k for k, _ in lines):
+                n, h = self._tasks[key]
+                rec = {"cell_id": key[0], "seed": _seed_field(key[1])}
+                records.append(json.dumps({**rec, "rows": n, "sha256": h.hexdigest()}) + "\n")
+            _append_bytes(self.manifest, "".join(records).encode("utf-8"))
+        _append_bytes(self.path, b"".join(line for _, line in lines))
 
 
 def new_run_dir(output: str | Path, suite: str) -> Path:
@@ -142,7 +208,7 @@ def _csv_path(run: str | Path) -> Path:
     return p if p.suffix == ".csv" else p / "results.csv"
 
 
-def load_results(run: str | Path) -> Any:
+def load_results(run: str | Path, *, check_keys: bool = True) -> Any:
     """The run's ``results.csv`` as a pandas DataFrame (``value`` float, ``step`` nullable int,
     text columns ``""`` where empty). A partial last line (crash mid-write) is ignored.
     A run of results schema 1 (no ``backward`` column) gets ``backward`` from the cells of the
@@ -150,6 +216,8 @@ def load_results(run: str | Path) -> Any:
 
     Args:
         run: a run directory or a ``results.csv`` path.
+        check_keys: refuse (DataError, one line) a file where two rows share their key
+            (:data:`JOIN_KEYS`): rows written twice, e.g. by two runs at once.
     """
     import pandas as pd
 
@@ -190,7 +258,32 @@ def load_results(run: str | Path) -> Any:
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     for c in ("step", "seed", "repeat"):
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("Int64")
+    if check_keys:
+        _refuse_duplicate_keys(path, df)
     return df[COLUMNS]
+
+
+def _refuse_duplicate_keys(path: Path, df: Any) -> None:
+    dup = df.duplicated(JOIN_KEYS, keep=False)
+    if not dup.any():
+        return
+    from ..core.errors import DataError
+
+    first = df[dup].iloc[0]
+    tasks = df[dup].drop_duplicates(["cell_id", "seed"])
+    run_dir = path.parent
+    hint = (
+        f"; resume the run to re-run those tasks: deqbench run {run_dir / 'suite.yaml'} "
+        f"--resume {run_dir}"
+        if (run_dir / "run.json").exists()
+        else ""
+    )
+    raise DataError(
+        f"{path}: {int(dup.sum())} rows of {len(tasks)} task(s) share their key "
+        f"({', '.join(JOIN_KEYS)}) with another row, e.g. {first['cell_id']} seed={first['seed']} "
+        f"{first['analysis']}/{first['metric']}: rows written twice (two runs writing at "
+        f"once?){hint}"
+    )
 
 
 def _backward_from_id(cell_id: str) -> str:
@@ -257,18 +350,149 @@ def finished_tasks(df: Any) -> set[tuple[str, int]]:
 
 
 def drop_unfinished(run_dir: str | Path) -> set[tuple[str, int]]:
-    """Rewrite ``results.csv`` without rows of unfinished tasks; return the finished tasks."""
+    """Rewrite ``results.csv`` without rows of unfinished tasks; return the finished tasks
+    (:func:`check_finished` without its messages)."""
+    return check_finished(run_dir)[0]
+
+
+def _task_lines(
+    path: Path,
+) -> tuple[bytes, list[tuple[tuple[str, str] | None, bytes, bool]], bool]:
+    """``results.csv`` as raw lines: (header line, [((cell_id, seed) or None where the line
+    does not parse, line with its newline, whether it is a runner row)], whether a partial last
+    line was cut off)."""
+    from ..core.errors import DataError
+
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    torn = lines[-1] != b""
+    lines = lines[:-1]
+    header = next(csv.reader([lines[0].decode("utf-8", "replace")]), []) if lines else []
+    if "cell_id" not in header or "seed" not in header:
+        raise DataError(
+            f"{path}: no results.csv header (cell_id, seed, ...) on its first line; this run "
+            "directory cannot be resumed: start a new run"
+        )
+    ic, iseed = header.index("cell_id"), header.index("seed")
+    ia = header.index("analysis") if "analysis" in header else -1
+    out: list[tuple[tuple[str, str] | None, bytes, bool]] = []
+    for ln in lines[1:]:
+        f = next(csv.reader([ln.decode("utf-8", "replace")]), []) if ln else []
+        if len(f) == len(header):
+            out.append(((f[ic], f[iseed]), ln + b"\n", ia >= 0 and f[ia] == RUNNER))
+        else:
+            out.append((None, ln + b"\n", False))
+    return lines[0] + b"\n", out, torn
+
+
+def _read_manifest(path: Path) -> dict[tuple[str, str], tuple[int, str]]:
+    """(cell_id, seed) -> (rows, sha256) of each readable manifest line (the last one wins)."""
+    out: dict[tuple[str, str], tuple[int, str]] = {}
+    for ln in path.read_bytes().split(b"\n"):
+        try:
+            e = json.loads(ln)
+            out[(str(e["cell_id"]), _cell(e["seed"]))] = (int(e["rows"]), str(e["sha256"]))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue  # a torn last line (the run stopped while appending it)
+    return out
+
+
+def _as_seed(s: str) -> int | None:
+    try:
+        return int(s)
+    except ValueError:
+        return None
+
+
+def check_finished(run_dir: str | Path) -> tuple[set[tuple[str, int]], list[str]]:
+    """Before a resume: the finished (cell_id, seed) tasks, and one line for each finished task
+    that will run again because its rows are not what :data:`MANIFEST` records (rows missing,
+    duplicated or changed, or rows the manifest does not know). ``results.csv`` is rewritten
+    (atomically) to the rows of the finished tasks, the manifest to their records. A run
+    directory without a manifest (older deqbench) is trusted as before, except that tasks with
+    rows of repeated keys run again; it gets a manifest of what it holds."""
+    run_dir = Path(run_dir)
     path = _csv_path(run_dir)
     if not path.exists():
-        return set()
-    df = load_results(run_dir)
+        return set(), []
+    man = run_dir / MANIFEST
+    if not man.exists():
+        return _check_legacy(run_dir, path, man)
+    header, lines, torn = _task_lines(path)
+    entries = _read_manifest(man)
+    got: dict[tuple[str, str], list[bytes]] = {}
+    runner: set[tuple[str, str]] = set()
+    for k, ln, is_runner in lines:
+        if k is not None:
+            got.setdefault(k, []).append(ln)
+            if is_runner:
+                runner.add(k)
+    done: set[tuple[str, int]] = set()
+    ok: set[tuple[str, str]] = set()
+    notes: list[str] = []
+    for k in list(got) + [k for k in entries if k not in got]:
+        rows = got.get(k, [])
+        label = f"{k[0]} seed={k[1]}"
+        if k not in entries:
+            if k in runner:
+                notes.append(f"{label}: its rows are not recorded in {MANIFEST}; re-running it")
+            continue
+        n, sha = entries[k]
+        seed = _as_seed(k[1])
+        if len(rows) == n and hashlib.sha256(b"".join(rows)).hexdigest() == sha:
+            if k in runner and seed is not None:  # else: a task that never finished
+                ok.add(k)
+                done.add((k[0], seed))
+        elif rows:
+            why = "missing" if len(rows) < n else "duplicated" if len(rows) > n else "changed"
+            notes.append(
+                f"{label}: {len(rows)} rows in results.csv where {MANIFEST} records {n} "
+                f"(rows {why}); dropped, re-running it"
+            )
+    bad = sum(k is None for k, _, _ in lines)
+    if bad:
+        notes.append(f"results.csv: {bad} unreadable line(s) dropped")
+    kept = [ln for k, ln, _ in lines if k in ok]
+    if torn or len(kept) != len(lines):
+        write_atomic(path, header + b"".join(kept))
+    records = [
+        json.dumps({"cell_id": k[0], "seed": _seed_field(k[1]), "rows": n, "sha256": sha})
+        for k, (n, sha) in entries.items()
+        if k in ok
+    ]
+    write_atomic(man, "".join(r + "\n" for r in records))
+    return done, notes
+
+
+def _check_legacy(run_dir: Path, path: Path, man: Path) -> tuple[set[tuple[str, int]], list[str]]:
+    """A run directory without a manifest: finished = has its runner row (as before); tasks
+    with rows of repeated keys run again. Then a manifest of the kept tasks is written."""
+    df = load_results(run_dir, check_keys=False)
     done = finished_tasks(df)
+    notes = []
+    dup = df[df.duplicated(JOIN_KEYS, keep=False)]
+    for c, s in sorted({(str(c), int(s)) for c, s in zip(dup["cell_id"], dup["seed"])}):
+        if (c, s) in done:
+            done.discard((c, s))
+            notes.append(f"{c} seed={s}: rows duplicated in results.csv; dropped, re-running it")
     keep = [(c, int(s)) in done for c, s in zip(df["cell_id"], df["seed"])]
     kept = df[keep]
-    if len(kept) != len(df) or not path.read_text().endswith("\n"):
+    if len(kept) != len(df) or not path.read_bytes().endswith(b"\n"):
         rows = kept.astype(object).where(kept.notna(), None).to_dict("records")
         write_atomic(path, encode_rows(rows, header=True))
-    return done
+    _, lines, _ = _task_lines(path)
+    got: dict[tuple[str, str], list[bytes]] = {}
+    for k, ln, _ in lines:
+        if k is not None:
+            got.setdefault(k, []).append(ln)
+    records = []
+    for k, rows in got.items():
+        seed = _as_seed(k[1])
+        if seed is not None and (k[0], seed) in done:
+            data = b"".join(rows)
+            records.append(json.dumps(manifest_entry(k[0], seed, data)))
+    write_atomic(man, "".join(r + "\n" for r in records))
+    return done, notes
 
 
 def task_status(df: Any) -> Any:

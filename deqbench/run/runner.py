@@ -1,8 +1,12 @@
 """The runner: cells x seeds -> tasks -> an executor -> rows -> the run directory.
 
 The coordinator (:func:`run_suite`) alone writes the run directory: ``run.json``, the resolved
-``suite.yaml``, ``results.csv`` (appended per finished task, crash-safe), ``series/``,
-``log.txt`` (tracebacks of failed tasks) and ``plots/``. Tasks (:class:`deqbench.run.task.Task`) are
+``suite.yaml``, ``results.csv`` (appended per finished task, crash-safe) with its
+``manifest.jsonl`` (row count and checksum per task, checked by ``--resume``), ``series/``,
+``log.txt`` (tracebacks of failed tasks) and ``plots/``. It holds ``run.lock``
+(:mod:`deqbench.run.lock`) while it lives, so a run directory has one writer. SIGINT and SIGTERM
+stop it cleanly (finished tasks on disk, ``run.json`` ``interrupted``, exit 130 / 143); a signal
+after the last task finished leaves it ``complete``. Tasks (:class:`deqbench.run.task.Task`) are
 picklable and independent; an :class:`Executor` runs them and yields their
 :class:`~deqbench.run.task.TaskResult` in any order. :class:`InlineExecutor` runs them one by one in
 this process; a distributed executor (Dask) implements the same ``run`` method.
@@ -16,15 +20,19 @@ Example:
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.errors import ConfigError
 from . import results as res
+from .lock import RunLock
 from .task import Listener, Task, TaskResult, apply_numeric_flags, run_task
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "Executor",
     "InlineExecutor",
+    "Interrupted",
     "RunSummary",
     "run_suite",
     "Task",
@@ -67,12 +76,113 @@ class RunSummary:
     failed: list[tuple[str, int, str, str]] = field(default_factory=list)
     interrupted: bool = False
     plots: list[Path] = field(default_factory=list)
+    #: the signal that interrupted the run (SIGINT, SIGTERM); None for a KeyboardInterrupt
+    #: raised otherwise, or no interruption
+    signal: int | None = None
+    #: why the run stopped early other than a signal (an OSError while writing, e.g. disk full)
+    cause: str | None = None
 
     @property
     def exit_code(self) -> int:
+        """0 every task ok; 1 some task failed or was flagged; 2 stopped by an error writing the
+        run directory (``cause``); 128 + the signal when interrupted (130 SIGINT, 143
+        SIGTERM); 130 for a KeyboardInterrupt raised otherwise."""
         if self.interrupted:
-            return 130
+            if self.cause:
+                return 2
+            return 128 + self.signal if self.signal else 130
         return 1 if self.failed else 0
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM while a run lives. A KeyboardInterrupt, so whatever handles Ctrl-C
+    (the executors, the CLI) handles SIGTERM alike."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class _Signals:
+    """SIGINT and SIGTERM handlers for the life of a run (main thread only; the previous
+    handlers come back on exit). Modes: ``defer`` (record the signal: while the run directory
+    is prepared), ``raise`` (raise :class:`Interrupted`, except inside :meth:`deferred`, which
+    raises at its end: a task's rows and manifest record are written whole) and ``finish``
+    (after the last task: record only, except inside :meth:`interruptible`)."""
+
+    def __init__(self, mode: str = "defer") -> None:
+        self.mode = mode
+        self.pending: int | None = None  # a signal not acted on yet
+        self.late: int | None = None  # a signal that came after the last task
+        self._depth = 0
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    self._old[s] = signal.signal(s, self._handle)
+                except (ValueError, OSError):  # pragma: no cover - e.g. an embedded interpreter
+                    pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.mode.startswith("finish"):
+            self.late = self.late or signum
+            if self.mode == "finish-raise":
+                self.mode = "finish"
+                raise Interrupted(signum)
+            return
+        self.pending = self.pending or signum
+        if self.mode == "raise" and not self._depth:
+            self.pending = None
+            raise Interrupted(signum)
+
+    def arm(self) -> None:
+        """From now on a signal interrupts; one that came while preparing does so now."""
+        self.mode = "raise"
+        if self.pending is not None and not self._depth:
+            signum, self.pending = self.pending, None
+            raise Interrupted(signum)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self.mode == "raise":
+            self.arm()
+
+    def finishing(self) -> None:
+        self.mode, self.pending = "finish", None
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """In ``finish`` mode: a signal raises :class:`Interrupted` inside this block."""
+        self.mode = "finish-raise"
+        try:
+            yield
+        finally:
+            self.mode = "finish"
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM are ignored inside (for what follows a finished run, e.g. the CLI's
+    summary: the run's status and exit code stand)."""
+    with _Signals("finish"):
+        yield
 
 
 class _Progress:
@@ -143,21 +253,47 @@ class _Progress:
 
 
 def _log(run_dir: Path, text: str) -> None:
-    with open(run_dir / "log.txt", "a", encoding="utf-8") as fh:
-        fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text.rstrip()}\n")
+    try:
+        with open(run_dir / "log.txt", "a", encoding="utf-8") as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text.rstrip()}\n")
+    except OSError:  # e.g. disk full: log.txt is informational
+        pass
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _prepare(
-    suite: Suite, out: str | Path | None, resume: str | Path | None, command: list[str] | None
-) -> tuple[Path, dict[str, Any], set[tuple[str, int]]]:
+    suite: Suite,
+    out: str | Path | None,
+    resume: str | Path | None,
+    command: list[str] | None,
+    stack: ExitStack,
+) -> tuple[Path, dict[str, Any], set[tuple[str, int]], list[str]]:
+    """The run directory (locked for this process: the lock is released by ``stack``), its
+    ``run.json`` contents, the finished tasks and the lines to log (lock take-over, tasks that
+    a resume runs again)."""
     from .env import collect
 
+    notes: list[str] = []
     if resume is not None:
         run_dir = Path(resume)
         meta_path = run_dir / "run.json"
         if not meta_path.exists():
             raise ConfigError(f"--resume {resume}: not a run directory (no run.json)")
-        meta = res.read_json(meta_path)
+        lock = stack.enter_context(RunLock(run_dir, command or list(sys.argv)))
+        notes += [lock.note] if lock.note else []
+        try:
+            meta = res.read_json(meta_path)
+        except (ValueError, OSError) as exc:  # JSONDecodeError, UnicodeDecodeError
+            why = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            raise ConfigError(
+                f"--resume {resume}: corrupt run.json: not valid JSON ({why}); start a new run: "
+                f"deqbench run {run_dir / 'suite.yaml'}"
+            ) from None
+        if not isinstance(meta, dict):
+            raise ConfigError(f"--resume {resume}: corrupt run.json: expected a JSON object")
         schema = meta.get("results_schema", 1)
         if schema != res.RESULTS_SCHEMA:
             raise ConfigError(
@@ -180,17 +316,21 @@ def _prepare(
                 f"new run (deqbench run {run_dir / 'suite.yaml'}) and compare the two with "
                 "deqbench compare"
             )
-        done = res.drop_unfinished(run_dir)
+        done, rerun = res.check_finished(run_dir)
+        notes += [f"resume: {line}" for line in rerun]
         meta.setdefault("resumed", []).append(
             {
                 "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "command": command or list(sys.argv),
                 "skipped_tasks": len(done),
+                **({"rerun": rerun} if rerun else {}),
             }
         )
         meta["status"] = "running"
-        return run_dir, meta, done
+        meta.pop("cause", None)
+        return run_dir, meta, done, notes
     run_dir = res.new_run_dir(out if out is not None else suite.output, suite.name)
+    stack.enter_context(RunLock(run_dir, command or list(sys.argv)))
     (run_dir / "suite.yaml").write_text(suite.to_yaml(), encoding="utf-8")
     meta = {
         "run_id": run_dir.name,
@@ -206,7 +346,7 @@ def _prepare(
         "status": "running",
         **collect(suite.device, command),
     }
-    return run_dir, meta, set()
+    return run_dir, meta, set(), notes
 
 
 def run_suite(
@@ -257,40 +397,92 @@ def _run_suite(
 
         torch.set_num_threads(suite.threads)  # before collect(): run.json records it
     apply_numeric_flags(suite)  # likewise (TF32, cudnn.benchmark)
-    run_dir, meta, done = _prepare(suite, out, resume, command)
-    describe = getattr(executor, "describe", None)
-    if callable(describe):  # e.g. the Dask cluster's layout
-        meta["executor"] = describe()
-    device = suite.resolved_device()
-    meta["tasks_total"] = len(suite.cells) * len(suite.seeds)  # planned (cells x seeds)
-    res.write_json(run_dir / "run.json", meta)
-    writer = res.ResultsWriter(run_dir)
-    tasks = [
-        Task(suite, c, s, device, meta["run_id"], str(run_dir))
-        for c in suite.cells
-        for s in suite.seeds
-        if (c.id, s) not in done
-    ]
-    summary = RunSummary(run_dir, meta["run_id"], len(tasks), len(done))
-    _log(
-        run_dir,
-        f"{'resume' if resume else 'start'}: {len(tasks)} tasks on {device} "
-        f"({len(done)} already finished)",
-    )
-    (run_dir / "series").mkdir(exist_ok=True)
-    try:
-        with _Progress(len(tasks), progress) as prog:
-            for r in (executor or InlineExecutor()).run(tasks, prog):
-                for fname, text in r.series.items():
-                    res.write_atomic(run_dir / "series" / fname, text)
-                writer.append(r.rows)
-                _log(run_dir, f"{r.cell_id} seed={r.seed}: {r.status} {r.wall_time:.3f} s {r.note}")
-                if r.traceback:
-                    _log(run_dir, f"{r.cell_id} seed={r.seed} traceback:\n{r.traceback}")
-                prog.finished(r)
-    except KeyboardInterrupt:
-        summary.interrupted = True
-        _log(run_dir, "interrupted (KeyboardInterrupt); finished tasks are in results.csv")
+    with _Signals() as sig, ExitStack() as stack:  # the stack holds run.lock
+        try:
+            run_dir, meta, done, notes = _prepare(suite, out, resume, command, stack)
+            describe = getattr(executor, "describe", None)
+            if callable(describe):  # e.g. the Dask cluster's layout
+                meta["executor"] = describe()
+            device = suite.resolved_device()
+            meta["tasks_total"] = len(suite.cells) * len(suite.seeds)  # planned (cells x seeds)
+            res.write_json(run_dir / "run.json", meta)
+            writer = res.ResultsWriter(run_dir)
+            (run_dir / "series").mkdir(exist_ok=True)
+        except OSError as exc:  # e.g. an unwritable or full file system
+            raise ConfigError(
+                f"cannot write the run directory: {type(exc).__name__}: {exc}"
+            ) from None
+        for line in notes:
+            _say(f"note: {line}")
+            _log(run_dir, line)
+        tasks = [
+            Task(suite, c, s, device, meta["run_id"], str(run_dir))
+            for c in suite.cells
+            for s in suite.seeds
+            if (c.id, s) not in done
+        ]
+        summary = RunSummary(run_dir, meta["run_id"], len(tasks), len(done))
+        _log(
+            run_dir,
+            f"{'resume' if resume else 'start'}: {len(tasks)} tasks on {device} "
+            f"({len(done)} already finished)",
+        )
+        written = 0
+        results: Iterator[TaskResult] | None = None
+        try:
+            with _Progress(len(tasks), progress) as prog:
+                sig.arm()
+                results = iter((executor or InlineExecutor()).run(tasks, prog))
+                for r in results:
+                    try:
+                        with sig.deferred():  # a task's files are written whole
+                            _record(run_dir, writer, r)
+                            written += 1
+                    except OSError as exc:  # disk full, I/O error: stop, resumable
+                        summary.interrupted = True
+                        summary.cause = f"{type(exc).__name__}: {exc}"
+                        _log(run_dir, f"stopped: {summary.cause}")
+                        break
+                    prog.finished(r)
+        except KeyboardInterrupt as exc:
+            if written < len(tasks):
+                summary.interrupted = True
+                summary.signal = getattr(exc, "signum", None)
+                how = signal.Signals(summary.signal).name if summary.signal else "KeyboardInterrupt"
+                _log(run_dir, f"interrupted ({how}); finished tasks are in results.csv")
+        finally:
+            sig.finishing()  # from here on a signal no longer interrupts: the run ends as it is
+            close = getattr(results, "close", None)
+            if callable(close):
+                close()  # e.g. the Dask executor cancels what is in flight
+        _finish(run_dir, meta, summary, plots, sig, describe)
+        if sig.late is not None and not summary.interrupted:
+            name = signal.Signals(sig.late).name
+            _log(run_dir, f"{name} after the last task finished: the run is complete")
+            _say(f"note: {name} after the last task finished: the run is complete")
+        return summary
+
+
+def _record(run_dir: Path, writer: res.ResultsWriter, r: TaskResult) -> None:
+    """Write one finished task: its series files, its manifest record and rows, its log lines."""
+    for fname, text in r.series.items():
+        res.write_atomic(run_dir / "series" / fname, text)
+    writer.append(r.rows)  # its manifest record first, then the rows
+    _log(run_dir, f"{r.cell_id} seed={r.seed}: {r.status} {r.wall_time:.3f} s {r.note}")
+    if r.traceback:
+        _log(run_dir, f"{r.cell_id} seed={r.seed} traceback:\n{r.traceback}")
+
+
+def _finish(
+    run_dir: Path,
+    meta: dict[str, Any],
+    summary: RunSummary,
+    plots: bool,
+    sig: _Signals,
+    describe: Any,
+) -> None:
+    """Statuses, plots, outcome checks and the final ``run.json`` (signals do not stop it;
+    one during the plots skips the rest of them)."""
     df = res.load_results(run_dir)
     st = res.task_status(df)
     summary.failed = [
@@ -298,10 +490,14 @@ def _run_suite(
         for c, s, t, n in zip(st["cell_id"], st["seed"], st["status"], st["note"])
         if t != "ok"
     ]
-    if plots and not summary.interrupted:
-        summary.plots = _plots(run_dir, df)
     if not summary.interrupted:
-        _outcomes(run_dir)
+        try:
+            with sig.interruptible():
+                if plots:
+                    summary.plots = _plots(run_dir, df)
+                _outcomes(run_dir)
+        except KeyboardInterrupt as exc:
+            _log(run_dir, f"plots and outcome checks cut short by {exc}")
     if callable(describe):  # the cluster as it ended (workers joined, grouping)
         meta["executor"] = describe()
     meta.update(
@@ -313,8 +509,14 @@ def _run_suite(
         tasks_failed=int((~st["status"].isin(["ok", res.FLAGGED])).sum()),
         exit_code=summary.exit_code,
     )
-    res.write_json(run_dir / "run.json", meta)
-    return summary
+    if summary.signal:
+        meta["cause"] = signal.Signals(summary.signal).name
+    elif summary.cause:
+        meta["cause"] = summary.cause
+    try:
+        res.write_json(run_dir / "run.json", meta)
+    except OSError as exc:
+        _say(f"error: cannot update {run_dir / 'run.json'}: {type(exc).__name__}: {exc}")
 
 
 def _outcomes(run_dir: Path) -> None:

@@ -14,25 +14,53 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import sys
+import types
 from collections.abc import Callable, Iterable
 from functools import lru_cache
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
+    StrictBool,
+    StrictInt,
     ValidationError,
     create_model,
 )
 
-from ..core.errors import DeqbenchError
-from .matrix import SECTIONS, Draft
+from ..core.errors import ConfigError, DeqbenchError
+from .matrix import MAX_EPOCHS, MAX_SEED, SECTIONS, Draft
 from .yamlio import Locator, did_you_mean, pydantic_lines
 
 RESERVED_MODEL_KWARGS = ("in_shape", "num_outputs")
+
+
+#: a finite float that accepts an int, never a bool or a string
+StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+
+
+def strict_type(tp: Any) -> Any:
+    """``tp`` with its ``int``/``float``/``bool`` parts made strict (no ``true`` for 1, no
+    ``'0.02'`` for 0.02) and floats finite, through ``Annotated``, unions and lists."""
+    if tp is bool:
+        return StrictBool
+    if tp is int:
+        return StrictInt
+    if tp is float:
+        return StrictFloat
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        return Annotated[(strict_type(args[0]), *tp.__metadata__)]  # type: ignore[valid-type]
+    if origin in (Union, types.UnionType):
+        return Union[tuple(strict_type(a) for a in args)]  # noqa: UP007
+    if origin is list and len(args) == 1:
+        return list[strict_type(args[0])]  # type: ignore[misc]
+    return tp
 
 
 def _from_dataclass(
@@ -49,7 +77,7 @@ def _from_dataclass(
             default = f.default_factory()
         else:
             default = ...
-        fields[f.name] = (override.get(f.name, hints[f.name]), default)
+        fields[f.name] = (strict_type(override.get(f.name, hints[f.name])), default)
     return create_model(name, __config__=ConfigDict(extra=extra), **fields)  # type: ignore[call-overload,no-any-return]
 
 
@@ -237,11 +265,84 @@ class _Checker:
                 )
 
 
-def check_cell(draft: Draft, loc: Locator, errors: list[str], dtype: str = "float32"):
+def _kind(tp: Any) -> tuple[str | None, bool]:
+    """(``"bool"``, ``"int"``, ``"float"`` or None, whether None is allowed) of an annotation."""
+    if get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    args = set(get_args(tp)) if get_origin(tp) in (Union, types.UnionType) else {tp}
+    optional = type(None) in args
+    args.discard(type(None))
+    if args == {bool}:
+        return "bool", optional
+    if args == {int}:
+        return "int", optional
+    if args and args <= {int, float}:
+        return "float", optional
+    return None, optional
+
+
+def value_problem(kind: str | None, value: Any, optional: bool = True) -> str | None:
+    """Why ``value`` is not a strict ``kind`` (no bool for a number, no string for either; a
+    float finite), or None."""
+    if kind is None or (value is None and optional):
+        return None
+    if kind == "bool":
+        return None if isinstance(value, bool) else "expected true or false"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "expected an integer" if kind == "int" else "expected a number"
+    if kind == "int" and not isinstance(value, int):
+        return "expected an integer"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "expected a finite number"
+    return None
+
+
+def _hints(fn: Any) -> dict[str, Any]:
+    """The resolved annotations of a factory's parameters, or {} where they cannot be read."""
+    try:
+        target = fn.__init__ if inspect.isclass(fn) else fn
+        return dict(get_type_hints(target))
+    except Exception:  # noqa: BLE001 - a plugin's annotations may not resolve; skip the check
+        return {}
+
+
+#: Data keys that many datasets take, bounded wherever a dataset takes them:
+#: key -> (kind, allowed, message). ``None`` is allowed only for the subsets (all examples).
+DATA_KEYS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
+    "split": ("float", lambda v: 0 < v < 1, "the train fraction must be in (0, 1)"),
+    "train_subset": ("int", lambda v: v >= 1, "must be at least 1 (or null: every example)"),
+    "test_subset": ("int", lambda v: v >= 1, "must be at least 1 (or null: every example)"),
+    "seed": ("int", lambda v: 0 <= v <= MAX_SEED, "must be in [0, 2**63)"),
+    "noise": ("float", lambda v: v >= 0, "must be >= 0"),
+}
+
+
+def _check_values(ck: _Checker, section: str, fn: Any, params: dict[str, Any]) -> None:
+    """Strict types of the params a factory annotates (int, float, bool); the bounds of
+    :data:`DATA_KEYS` for a dataset."""
+    hints = _hints(fn) if fn is not None else {}
+    for k, v in params.items():
+        kind, optional = _kind(hints[k]) if k in hints else (None, True)
+        if section == "data" and k in DATA_KEYS:
+            kind, ok, msg = DATA_KEYS[k]
+            optional = k.endswith("_subset")
+            problem = value_problem(kind, v, optional)
+            if problem is None and v is not None and not ok(v):
+                problem = msg
+        else:
+            problem = value_problem(kind, v, optional)
+        if problem:
+            ck.add(section, k, f"{problem} (got {v!r})")
+
+
+def check_cell(
+    draft: Draft, loc: Locator, errors: list[str], dtype: str = "float32", caps: bool = True
+):
     """Validate one expanded cell; append error lines; return its validated sections
     (``{section: mapping}`` for every section, from which :mod:`deqbench.run.suite` builds the
     :class:`~deqbench.run.suite.Cell`), or None when it has errors. ``dtype``: the suite's
-    (``runtime.amp: bf16`` needs float32)."""
+    (``runtime.amp: bf16`` needs float32); ``caps``: refuse more than
+    :data:`~deqbench.run.matrix.MAX_EPOCHS` epochs."""
     from ..core.deq import BACKWARD_MODES
     from ..core.registry import inits, models, solvers
     from .data import DATASETS
@@ -270,20 +371,29 @@ def check_cell(draft: Draft, loc: Locator, errors: list[str], dtype: str = "floa
         extras[s] = dict(m.model_extra or {})
         values[s] = {**m.model_dump(exclude=set(extras[s])), **extras[s]}
 
+    if "train" in values and caps and values["train"]["epochs"] > MAX_EPOCHS:
+        ck.add(
+            "train",
+            "epochs",
+            f"{values['train']['epochs']} epochs is over the cap of {MAX_EPOCHS} (caps: false "
+            "in the suite, or --set caps=false, lifts it)",
+        )
     if "model" in values:
         name = values["model"]["name"]
-        ck.kwargs(
-            "model", ck.lookup("model", "name", models, name), extras["model"], f"model '{name}'"
-        )
+        fn = ck.lookup("model", "name", models, name)
+        ck.kwargs("model", fn, extras["model"], f"model '{name}'")
+        _check_values(ck, "model", fn, extras["model"])
     if "init" in values:
         name = values["init"]["name"]
         fn = ck.lookup("init", "name", inits, name)
         ck.kwargs("init", fn, extras["init"], f"init '{name}'", skip=("model", "seed"))
+        _check_values(ck, "init", fn, extras["init"])
     if "solver" in values:
         name = values["solver"]["name"]
         fn = ck.lookup("solver", "name", solvers, name)
         if fn is not None and (opts := solver_options(fn)) is not None:
             ck.kwargs("solver", fn, extras["solver"], f"solver '{name}'", allowed=opts)
+        _check_values(ck, "solver", fn, extras["solver"])
     if "backward" in values:
         bw = values["backward"]
         if bw["name"] not in BACKWARD_MODES:
@@ -311,6 +421,7 @@ def check_cell(draft: Draft, loc: Locator, errors: list[str], dtype: str = "floa
             )
         else:
             ck.kwargs("data", DATASETS[name], extras["data"], f"dataset '{name}'")
+            _check_values(ck, "data", DATASETS[name], extras["data"])
     if "runtime" in values:
         _check_runtime(ck, values["runtime"], dtype)
     if len(errors) > n0:
@@ -383,10 +494,47 @@ def check_analyses(
             continue
         P = getattr(cls, "Params", None)
         if P is not None:
+            bad = []
+            for k, v in params.items():
+                if k in P.model_fields:
+                    kind, optional = _kind(P.model_fields[k].annotation)
+                    if problem := value_problem(kind, v, optional):
+                        bad.append(loc.error((*path, k), f"{problem} (got {v!r})"))
+            if bad:
+                errors += bad
+                continue
             try:
                 P.model_validate(params)
             except ValidationError as exc:
                 errors += pydantic_lines(exc, loc, path, list(P.model_fields))
                 continue
+        bad = [
+            loc.error((*path, k), problem)
+            for k in WEIGHT_FILES
+            if isinstance(params.get(k), str)
+            and params[k]
+            and (problem := weights_file_problem(params[k]))
+        ]
+        if bad:
+            errors += bad
+            continue
         out.append((name, dict(params)))
     return out, errors
+
+
+#: Analysis params naming a file that is loaded with ``torch.load(weights_only=True)``
+#: (``landscape``/``hessian`` ``checkpoint``, ``landscape`` ``directions``): checked, and a
+#: pickled one refused, before anything runs.
+WEIGHT_FILES = ("checkpoint", "directions")
+
+
+def weights_file_problem(path: str) -> str | None:
+    """Why the file at ``path`` cannot be loaded with ``torch.load(weights_only=True)``, or
+    None (the file is read once here, on the CPU)."""
+    from ..landscape.directions import load_tensors
+
+    try:
+        load_tensors(path, "x")
+    except ConfigError as exc:
+        return str(exc).removeprefix("x: ")
+    return None

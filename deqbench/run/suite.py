@@ -41,16 +41,36 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 from ..core.errors import ConfigError
-from .matrix import NAMED, SECTIONS, check_matrix, expand, normalize_section
+from .matrix import (
+    MAX_EPOCHS,
+    MAX_SEED,
+    MAX_TASKS,
+    NAMED,
+    SECTIONS,
+    check_matrix,
+    check_size,
+    expand,
+    normalize_section,
+)
 from .yamlio import Locator, apply_overrides, pydantic_lines, read_yaml
 
 __all__ = [
@@ -62,7 +82,13 @@ __all__ = [
     "one_cell_suite",
     "apply_overrides",
     "format_cells",
+    "MAX_EPOCHS",
+    "MAX_SEED",
+    "MAX_TASKS",
 ]
+
+#: a seed: an integer in [0, 2**63) (it names files and goes to torch.manual_seed)
+Seed = Annotated[StrictInt, Field(ge=0, le=MAX_SEED)]
 
 
 #: Optional top-level keys that set torch's numeric flags for the run (``None``: PyTorch's default).
@@ -90,11 +116,12 @@ class SuiteFile(_Strict):
     description: str = ""
     device: str = "auto"
     dtype: Literal["float32", "float64"] = "float32"
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    threads: int | None = Field(None, ge=1)
-    tf32: bool | None = None
-    cudnn_benchmark: bool | None = None
-    deterministic: bool | None = None
+    seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1)
+    threads: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
+    tf32: StrictBool | None = None
+    cudnn_benchmark: StrictBool | None = None
+    deterministic: StrictBool | None = None
+    caps: StrictBool = True  # false lifts MAX_EPOCHS and MAX_TASKS
     data: Any
     defaults: Defaults = Field(default_factory=Defaults)
     matrix: dict[str, list[Any]] | None = None
@@ -104,7 +131,17 @@ class SuiteFile(_Strict):
     @field_validator("seeds", mode="before")
     @classmethod
     def _one_seed(cls, v: Any) -> Any:
-        return [v] if isinstance(v, int) else v
+        return [v] if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @field_validator("seeds")
+    @classmethod
+    def _unique_seeds(cls, v: list[int]) -> list[int]:
+        twice = sorted(s for s, n in Counter(v).items() if n > 1)
+        if twice:
+            raise ValueError(
+                f"seed {', '.join(map(str, twice))} listed twice: every seed runs once"
+            )
+        return v
 
     @field_validator("device")
     @classmethod
@@ -247,6 +284,46 @@ OVERRIDE_ALIASES = {"runtime": ("defaults", "runtime")}
 def _set_top(raw: dict[str, Any], loc: Locator, key: str, value: Any, label: str) -> None:
     raw[key] = value
     loc.overridden[(key,)] = label
+
+
+#: folders of virtual file systems, never a results folder
+VIRTUAL_ROOTS = ("/proc", "/sys", "/dev")
+
+
+def output_problem(output: str, suite: str) -> str | None:
+    """Why runs of ``suite`` cannot go under the results folder ``output`` (an existing file on
+    the way, a virtual file system, a read-only folder), or None. Writes nothing; a file system
+    that refuses only when written to is caught by :func:`make_output_root`."""
+    target = Path(output).expanduser() / suite
+    try:
+        resolved = target.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        return f"cannot resolve {target}: {exc}"
+    for root in VIRTUAL_ROOTS:
+        if resolved == Path(root) or Path(root) in resolved.parents:
+            return f"{output} is under {root}, not a place for results: choose a folder on disk"
+    p = target
+    while not p.exists():
+        if p.parent == p:
+            return None
+        p = p.parent
+    if not p.is_dir():
+        what = "the results folder" if p == Path(output).expanduser() else "on the results path"
+        return f"{p} is an existing file ({what}), not a folder"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable (read-only or no permission): choose another results folder"
+    return None
+
+
+def make_output_root(output: str | Path, suite: str) -> None:
+    """Create ``output/<suite>``, where the run directory goes, or raise a one-line
+    :class:`ConfigError` (nothing else written) when the file system refuses."""
+    base = Path(output) / suite
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ConfigError(f"{output}: cannot create the results folder {base}: {why}") from None
 
 
 # -- loading -------------------------------------------------------------------------------
@@ -453,6 +530,9 @@ def _from_raw(
         base[s], base_src[s] = value, path
     matrix = top.matrix
     errors += check_matrix(matrix, loc)
+    errors += check_size(matrix, len(top.seeds), loc, top.caps)
+    if msg := output_problem(top.output, top.name):
+        errors.append(loc.error(("output",), msg))
     if errors:
         raise ConfigError("\n".join(errors))
 
@@ -472,7 +552,7 @@ def _from_raw(
     )
     cells: list[Cell] = []
     for d in drafts:
-        sections = check_cell(d, loc, errors, top.dtype)
+        sections = check_cell(d, loc, errors, top.dtype, caps=top.caps)
         if sections is not None:
             cells.append(Cell(d.id, **sections))
     from .env import check_device
@@ -500,6 +580,8 @@ def _from_raw(
         "analyses": [{n: p} for n, p in analyses],
         "output": top.output,
     }
+    if not top.caps:
+        resolved["caps"] = False
     if resolved["matrix"] is None:
         del resolved["matrix"]
     return Suite(top.name, cells, analyses, list(top.seeds), top.device, top.dtype, top.threads,

@@ -26,8 +26,60 @@ from ..core.errors import ConfigError
 Path_ = tuple[Any, ...]
 
 
+#: Limits of :func:`read_yaml`: the file size in bytes, the nesting depth, and the number of
+#: nodes once aliases are expanded (a "billion laughs" alias bomb of 1 KB expands to 10**9).
+#: The shipped suites have at most ~300 nodes; the limits refuse hostile files and bound the
+#: time PyYAML's pure-Python parser spends on one to about a second.
+MAX_YAML_BYTES = 1024 * 1024
+MAX_YAML_DEPTH = 100
+MAX_YAML_NODES = 20_000
+
+
+class LimitError(yaml.composer.ComposerError):
+    """A YAML document beyond :data:`MAX_YAML_DEPTH` or :data:`MAX_YAML_NODES`."""
+
+
 class Loader(yaml.SafeLoader):
-    """Safe loader that also reads ``1e-4`` / ``5E3`` as floats (YAML 1.2 behaviour)."""
+    """Safe loader (no Python tags) that also reads ``1e-4`` / ``5E3`` as floats (YAML 1.2
+    behaviour), and refuses documents nested deeper than :data:`MAX_YAML_DEPTH` or with more than
+    :data:`MAX_YAML_NODES` nodes counting every alias as the nodes it stands for."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0  # nodes composed so far, an alias counted as its anchor's expansion
+        self._sizes: dict[int, int] = {}  # id(node) -> its expanded node count
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            node = super().compose_node(parent, index)  # the anchored node, or an error
+            self._count(self._sizes.get(id(node), 1), node)
+            return node
+        self._depth += 1
+        if self._depth > MAX_YAML_DEPTH:
+            raise LimitError(
+                None, None, f"nested deeper than {MAX_YAML_DEPTH} levels (the limit)",
+                self.peek_event().start_mark,
+            )  # fmt: skip
+        before = self._nodes
+        self._count(1, None)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        self._sizes[id(node)] = self._nodes - before
+        return node
+
+    def _count(self, n: int, node: Any) -> None:
+        self._nodes += n
+        if self._nodes > MAX_YAML_NODES:
+            mark = node.start_mark if node is not None else self.peek_event().start_mark
+            raise LimitError(
+                None, None,
+                f"more than {MAX_YAML_NODES} nodes with aliases expanded (the limit; an alias "
+                "bomb?)",
+                mark,
+            )  # fmt: skip
 
 
 Loader.add_implicit_resolver(
@@ -124,16 +176,20 @@ class Locator:
 def read_yaml_text(text: str, source: str) -> tuple[Any, Locator]:
     """Parse ``text``; raise :class:`ConfigError` with ``source:line:col`` on invalid YAML."""
     loc = Locator(source)
+    loader = Loader(text)
     try:
-        node = yaml.compose(text, Loader=Loader)  # noqa: S506
-        data = yaml.load(text, Loader=Loader)  # noqa: S506
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         m = exc.problem_mark or exc.context_mark
         where = f"{source}:{m.line + 1}:{m.column + 1}" if m is not None else source
         what = exc.problem or exc.context or "cannot parse"
-        raise ConfigError(f"{where}: invalid YAML: {what}") from None
+        head = "YAML refused" if isinstance(exc, LimitError) else "invalid YAML"
+        raise ConfigError(f"{where}: {head}: {what}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(exc).split())}") from None
+    finally:
+        loader.dispose()
     if node is not None:
         dups: list[str] = []
         loc._walk(node, (), dups)
@@ -150,6 +206,10 @@ def read_yaml(path: str | Path) -> tuple[Any, Locator]:
     if p.is_dir():
         raise ConfigError(f"{path}: is a directory, expected a suite YAML file")
     try:
+        if p.stat().st_size > MAX_YAML_BYTES:
+            raise ConfigError(
+                f"{path}: YAML refused: larger than {MAX_YAML_BYTES // 2**20} MiB (the limit)"
+            )
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
