@@ -1,0 +1,371 @@
+"""``deqbench reproduce`` (issue 26, part 4): the extractors on tiny run directories written
+with the results writer, the report, and the command end to end on one cheap claim."""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deqbench.reproduce import CHECKERS, claim
+from deqbench.reproduce.checks import Sweep
+from deqbench.reproduce.extract import EXTRACTORS, extract
+from deqbench.reproduce.run import REPORT_COLUMNS, reproduce, suite_file
+from deqbench.run.results import ResultsWriter
+
+SEEDS = (0, 1, 2)
+
+
+def row(cell: str, seed: int, analysis: str, metric: str, value: float, **kw: Any) -> dict:
+    base = {"run_id": "r", "cell_id": cell, "model": "", "solver": "", "backward": "",
+            "init": "", "seed": seed, "analysis": analysis, "variant": "", "metric": metric,
+            "step": None, "repeat": None, "value": value, "unit": "", "status": "ok",
+            "note": ""}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+def done(cell: str, seed: int, status: str = "ok", **kw: Any) -> dict:
+    return row(cell, seed, "runner", "wall_time", 1.0, status=status, **kw)
+
+
+def write_run(tmp_path: Path, rows: list[dict], suite: dict | None = None) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    ResultsWriter(run).append(rows)
+    (run / "suite.yaml").write_text(yaml.safe_dump(suite or {"name": "x"}))
+    return run
+
+
+def check(claim_id: str, kwargs: dict) -> Any:
+    return CHECKERS[claim(claim_id).check](**kwargs)
+
+
+def test_every_claim_has_an_extractor():
+    from deqbench.reproduce import CLAIMS
+
+    assert {c.id for c in CLAIMS} == set(EXTRACTORS)
+
+
+def test_klr_equivalence(tmp_path):
+    rows = []
+    for cell, init, dis in (("inf", "kglm_informed", 0), ("rnd", "kglm_random", 500)):
+        for m, v in (("pixels", 6400), ("disagreeing_pixels", dis),
+                     ("disagreeing_pixels_at_ties", 0), ("deq_nstep", 18)):  # fmt: skip
+            rows.append(row(cell, 0, "klr_agreement", m, v, variant="float64", init=init))
+        rows.append(row(cell, 0, "convergence", "forward_unconverged_batches", 0.0, init=init))
+        rows.append(done(cell, 0, init=init))
+    run = write_run(tmp_path, rows, {"defaults": {"solver": {"max_iter": 200}}})
+    ex = extract("001-klr-equivalence", run)
+    assert ex.kwargs == {"pixels": 6400, "tie_distances": [], "converged": True,
+                         "random_disagreeing": 500}  # fmt: skip
+    assert check("001-klr-equivalence", ex.kwargs).verdict == "reproduced"
+
+
+def test_gp_informed_init(tmp_path):
+    rows = []
+    for cell, init, mse in (("i", "kglm_informed", 1.0), ("r", "kglm_random", 3.0)):
+        for s in SEEDS:
+            for e in (0, 10):
+                rows.append(row(cell, s, "metrics", "mse", mse + s / 10, variant="test", step=e,
+                                init=init))  # fmt: skip
+                rows.append(row(cell, s, "solver_stats", "forward_converged", 1.0,
+                                variant="train", step=e, init=init))  # fmt: skip
+            rows.append(done(cell, s, init=init))
+    ex = extract("001-gp-informed-init", write_run(tmp_path, rows))
+    assert ex.kwargs is not None
+    assert ex.kwargs["informed"] == {0: [1.0, 1.1, 1.2], 10: [1.0, 1.1, 1.2]}
+    assert ex.kwargs["random"][0] == [3.0, 3.1, 3.2]
+    assert ex.kwargs["informed_converged"] == [1.0, 1.0, 1.0]
+    assert check("001-gp-informed-init", ex.kwargs).verdict == "reproduced"
+
+
+def test_denoise_best_over_scales_and_failed_runs(tmp_path):
+    rows = []
+    for init, scheme_mse in (("kglm_informed", (0.5, 0.2)), ("kglm_random", (0.9, 0.6))):
+        for k, mse in enumerate(scheme_mse):
+            cell = f"{init}-scale={k}"
+            for s in SEEDS:
+                for e in (1, 2):
+                    rows.append(row(cell, s, "metrics", "mse", mse / e, variant="test", step=e,
+                                    init=init))  # fmt: skip
+                rows.append(done(cell, s, init=init))
+    # a third random grid point diverges in seed 1
+    for s in SEEDS:
+        st = "diverged" if s == 1 else "ok"
+        rows.append(row("kglm_random-scale=9", s, "metrics", "mse", math.nan if s == 1 else 5.0,
+                        variant="test", step=1, init="kglm_random"))  # fmt: skip
+        rows.append(done("kglm_random-scale=9", s, st, init="kglm_random"))
+    ex = extract("001-denoise", write_run(tmp_path, rows))
+    assert ex.kwargs is not None
+    assert ex.kwargs["best_mse"]["kglm"] == {1: [0.2] * 3, 2: [0.1] * 3}
+    assert ex.kwargs["best_mse"]["random"][1] == [0.6] * 3
+    assert ex.kwargs["failed"] == {"kglm": [0, 0, 0], "random": [0, 1, 0]}
+
+
+def test_init_cost(tmp_path):
+    rows = []
+    for v, t in (("fc/kglm", 0.001), ("fc/random", 0.002), ("conv/kglm", 0.1), ("conv/random", 1)):
+        for size in (50, 850):
+            for i in range(3):
+                rows.append(row("c", 0, "kglm_init_cost", "init_time", t * (1 + i), variant=v,
+                                step=size, repeat=i, unit="s"))  # fmt: skip
+    rows.append(done("c", 0))
+    ex = extract("001-init-cost", write_run(tmp_path, rows))
+    assert ex.kwargs == {
+        "fc_kglm": {50: [0.001, 0.002, 0.003], 850: [0.001, 0.002, 0.003]},
+        "fc_random": {50: [0.002, 0.004, 0.006], 850: [0.002, 0.004, 0.006]},
+        "conv_kglm": {50: [0.1, 0.2, 0.30000000000000004], 850: [0.1, 0.2, 0.30000000000000004]},
+    }
+    assert check("001-init-cost", ex.kwargs).verdict == "reproduced"
+
+
+def _pcdeq_rows() -> list[dict]:
+    rows = []
+    cells = (("pcdeq_l-activation=tanh", 1), ("pcdeq_l-activation=relu6", 1),
+             ("pcdeq_l-activation=tanh-nonneg=false", 0))  # fmt: skip
+    for cell, nonneg in cells:
+        for s in SEEDS:
+            rows.append(row(cell, s, "family_stats", "nonneg_constraint", nonneg, model="pcdeq_l",
+                            step=0))  # fmt: skip
+            for e in range(0, 4):
+                it = 5.0 + (4 * e if not nonneg else 0)
+                rows.append(row(cell, s, "family_stats", "forward_nstep", it, step=e,
+                                model="pcdeq_l"))  # fmt: skip
+                sig = 0.5 if "relu6" in cell else 1.5
+                rows.append(row(cell, s, "family_stats", "sigma_max", sig, variant="layer0",
+                                step=e, model="pcdeq_l"))  # fmt: skip
+                rows.append(row(cell, s, "family_stats", "test_accuracy", 0.9 + e / 100, step=e,
+                                model="pcdeq_l"))  # fmt: skip
+            rows.append(done(cell, s, model="pcdeq_l"))
+    return rows
+
+
+def test_pcdeq_extractors(tmp_path):
+    run = write_run(tmp_path, _pcdeq_rows(), {"data": {"name": "mnist5k"}})
+    it = extract("002-iterations", run).kwargs
+    assert it == {"forward_iterations": {"tanh": [[5.0] * 3] * 3, "relu6": [[5.0] * 3] * 3},
+                  "scale": "cpu", "paper_data": False}  # fmt: skip
+    assert check("002-iterations", it).verdict == "reproduced"
+    un = extract("002-unconstrained", run).kwargs
+    assert un is not None
+    assert un["control_iterations"] == [[9.0, 13.0, 17.0]] * 3
+    assert check("002-unconstrained", un).verdict == "reproduced"
+    lip = extract("002-lipschitz", run).kwargs
+    assert lip == {"sigma_max": {"tanh": [[1.5] * 3] * 3, "relu6": [[0.5] * 3] * 3}}
+    v = check("002-lipschitz", lip)  # softsign and sigmoid were not run
+    assert v.verdict == "not run" and "softsign" in v.reason
+    acc = extract("002-mnist-accuracy", run, "paper").kwargs
+    assert acc is not None
+    assert acc["accuracy"] == {"pcDEQ-1-L-Tanh": [0.93] * 3, "pcDEQ-1-L-ReLU6": [0.93] * 3}
+    assert acc["scale"] == "paper" and acc["paper_data"] is False
+
+
+def _opteq_rows() -> list[dict]:
+    rows = []
+    cells = [(f"u{k}", "unrolled", "unroll_k", k) for k in (5, 10, 20)]
+    cells += [(f"ift{t}", "ift", "threshold", t) for t in (1e-2, 1e-3)]
+    for cell, bw, key, x in cells:
+        for s in SEEDS:
+            rows.append(row(cell, s, "unroll_compare", key, x, backward=bw))
+            rows.append(row(cell, s, "unroll_compare", "gamma", 0.9, backward=bw))
+            unrolled = bw == "unrolled"
+            vals = {
+                "test_accuracy": 0.8 + (x / 100 if unrolled else 0),
+                "rel_residual_opteq": 10.0 ** -(x / 5) if unrolled else x,
+                "inference_ms_median": x if unrolled else 100.0,
+                "peak_memory": 1e6 * (x if unrolled else 1),
+            }
+            for m, v in vals.items():
+                rows.append(row(cell, s, "unroll_compare", m, v, backward=bw))
+            rows.append(done(cell, s, backward=bw))
+    return rows
+
+
+def test_opteq_extractors(tmp_path):
+    run = write_run(tmp_path, _opteq_rows())
+    res = extract("003-residual-vs-k", run).kwargs
+    assert res is not None and sorted(res["residual"]) == [5, 10, 20]
+    assert res["residual"][20] == [1e-4] * 3
+    acc = extract("003-accuracy-vs-k", run).kwargs
+    assert acc is not None and acc["accuracy"][5] == pytest.approx([0.85] * 3)
+    sp = extract("003-unrolled-speed", run).kwargs
+    assert sp is not None
+    assert sp["unrolled"][20] == [0.02] * 3 and sp["ift"][1e-3] == [0.1] * 3
+    mem = extract("003-ift-memory", run).kwargs
+    assert mem is not None and mem["ift"][1e-2] == [1e6] * 3
+    for cid, kw in (("003-residual-vs-k", res), ("003-accuracy-vs-k", acc),
+                    ("003-unrolled-speed", sp), ("003-ift-memory", mem)):  # fmt: skip
+        assert check(cid, kw).verdict == "reproduced", cid
+
+
+def test_pr_fb(tmp_path):
+    rows = []
+    for s in SEEDS:
+        rows.append(row("m", s, "splitting_sweep", "fb_alpha_bound", 0.3))
+        for a in (1.0, 0.25):
+            rows.append(row("m", s, "splitting_sweep", "converged", float(a < 0.3),
+                            variant=f"forward_backward/alpha={a:g}"))  # fmt: skip
+            rows.append(row("m", s, "splitting_sweep", "converged", 1.0,
+                            variant=f"peaceman_rachford/alpha={a:g}"))  # fmt: skip
+        rows.append(done("m", s))
+    ex = extract("004-pr-fb", write_run(tmp_path, rows))
+    assert ex.kwargs is not None
+    assert (
+        ex.kwargs["sweeps"] == [Sweep(0.3, {1.0: False, 0.25: True}, {1.0: True, 0.25: True})] * 3
+    )
+    assert check("004-pr-fb", ex.kwargs).verdict == "reproduced"
+
+
+def test_ntk(tmp_path):
+    rows = []
+    for s in SEEDS:
+        for step, lam, loss in ((0, 1.0, 1.0), (10, 0.8, math.exp(-1)), (20, 0.9, math.exp(-2))):
+            rows.append(row("m", s, "ntk", "lambda_min", lam, step=step, model="mondeq_fc"))
+            rows.append(row("m", s, "ntk", "loss_at_eval", loss, step=step, model="mondeq_fc"))
+        rows.append(done("m", s, model="mondeq_fc"))
+    ex = extract("004-ntk-lambda-min", write_run(tmp_path, rows))
+    assert ex.kwargs is not None
+    assert ex.kwargs["lambda_min"] == [[1.0, 0.8, 0.9]] * 3
+    assert ex.kwargs["converged"] == [True] * 3
+    assert all(math.isclose(x, -0.1) for x in ex.kwargs["log_loss_slope"])
+
+
+def test_trajectory(tmp_path):
+    rows = []
+    for cell, std, its in (("c-init=var1", 1.0, 100.0), ("c-init=var0.01", 0.1, 10.0)):
+        for s in SEEDS:
+            rows.append(row(cell, s, "trajectory", "cell_weight_std", std))
+            for e, sil in ((0, 0.1), (1, 0.4)):
+                rows.append(row(cell, s, "trajectory", "iterations_median", its + e, step=e))
+                rows.append(row(cell, s, "trajectory", "silhouette", sil, variant="pca2", step=e))
+                rows.append(row(cell, s, "trajectory", "converged_frac", 1.0, step=e))
+            rows.append(done(cell, s))
+    run = write_run(tmp_path, rows)
+    init = extract("004-trajectory-init", run).kwargs
+    assert init == {"iterations": {"standard": [100.0] * 3, "small": [10.0] * 3}}
+    sep = extract("004-trajectory-separation", run).kwargs
+    assert sep == {"silhouette_init": [0.1] * 3, "silhouette_trained": [0.4] * 3,
+                   "converged": [1.0] * 3}  # fmt: skip
+
+
+def test_landscape(tmp_path):
+    rows = []
+    cells = [("deq", "conv_deq", 0.5)] + [(f"tied_repeat-repeats={n}", "tied_repeat", n / 100)
+                                          for n in (6, 11, 18)]  # fmt: skip
+    for cell, model, area in cells:
+        for s in SEEDS:
+            rows.append(row(cell, s, "landscape", "low_loss_area_frac", area + s / 1000,
+                            variant="level=0.5", model=model))  # fmt: skip
+            rows.append(row(cell, s, "landscape", "converged_frac", 0.97, model=model))
+            rows.append(done(cell, s, model=model))
+    ex = extract("004-landscape-repeats", write_run(tmp_path, rows))
+    assert ex.kwargs is not None
+    assert sorted(ex.kwargs["low_loss_area"]) == ["deq", "repeat-11", "repeat-18", "repeat-6"]
+    assert ex.kwargs["low_loss_area"]["repeat-6"] == [0.06, 0.061, 0.062]
+    assert ex.kwargs["deq_converged"] == [0.97] * 3
+
+
+def test_missing_measurement_is_not_run(tmp_path):
+    run = write_run(tmp_path, [done("c", 0)])
+    for cid in EXTRACTORS:
+        ex = extract(cid, run)
+        if ex.kwargs is None:
+            assert ex.missing.startswith("data: ")
+
+
+def test_suite_files():
+    assert suite_file("kglm_pcdeq_sigma", "cpu").name == "pcdeq_cpu.yaml"
+    assert suite_file("kglm_klr", "cpu").name == "kglm_klr.yaml"
+    assert suite_file("kglm_klr", "paper") is None
+    assert suite_file("pcdeq", "paper").name == "pcdeq_gpu.yaml"
+
+
+TINY_INIT_COST = """\
+schema: 1
+name: tiny_init_cost
+device: cpu
+dtype: float32
+threads: 1
+seeds: [0]
+data: {name: gp_sequence, n_train: 8, n_test: 8, length: 16}
+defaults:
+  model: {name: kglm_deq_tiny}
+  init: kglm_random
+  solver: {name: fixed_point, max_iter: 25, tol: 1.0e-2}
+  backward: {name: ift, solver: fixed_point, max_iter: 50, tol: 1.0e-6}
+  train: {epochs: 0}
+analyses:
+  - kglm_init_cost: {fc_widths: [20, 40], conv_channels: [1, 2], conv_size: 8, repeats: 3}
+output: results/
+"""
+
+
+def test_cli_one_claim_end_to_end(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from deqbench.cli import app
+    from deqbench.reproduce import run as rrun
+
+    tiny = tmp_path / "tiny_init_cost.yaml"
+    tiny.write_text(TINY_INIT_COST)
+    monkeypatch.setattr(rrun, "suite_file", lambda suite, scale, root=None: tiny)
+    out = tmp_path / "report"
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(app, ["reproduce", "--claims", "001-init-cost", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert time.perf_counter() - t0 < 20
+    with open(out / "reproduction.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+        assert tuple(rows[0]) == REPORT_COLUMNS
+    assert [x["claim_id"] for x in rows] == ["001-init-cost"]
+    assert rows[0]["verdict"] in ("reproduced", "not reproduced")
+    assert rows[0]["run_dir"].startswith("runs/tiny_init_cost/")
+    md = (out / "reproduction.md").read_text()
+    assert "| 001-init-cost |" in md
+
+
+def test_absolute_claim_at_cpu_scale_runs_nothing(tmp_path):
+    lines: list[str] = []
+
+    def runner(*a: Any) -> Any:
+        raise AssertionError("no suite should run")
+
+    out = reproduce(claim_ids=["002-mnist-accuracy"], out=tmp_path / "r", runner=runner,
+                    log=type("L", (), {"write": lambda s, x: lines.append(x),
+                                       "flush": lambda s: None})())  # fmt: skip
+    with open(out / "reproduction.csv", newline="") as fh:
+        (r,) = list(csv.DictReader(fh))
+    assert (r["verdict"], r["reason"]) == ("not run", "scale")
+
+
+def test_paper_scale_without_suite(tmp_path):
+    out = reproduce(claim_ids=["001-klr-equivalence"], scale="paper", out=tmp_path / "r")
+    with open(out / "reproduction.csv", newline="") as fh:
+        (r,) = list(csv.DictReader(fh))
+    assert (r["verdict"], r["reason"]) == ("not run", "no paper-scale suite")
+
+
+def test_help_has_an_example():
+    from typer.testing import CliRunner
+
+    from deqbench.cli import app
+
+    r = CliRunner().invoke(app, ["reproduce", "--help"])
+    assert r.exit_code == 0
+    assert "Example: deqbench reproduce" in r.output
+
+
+@pytest.mark.parametrize("papers", [["9"], ["abc"]])
+def test_unknown_paper_is_a_usage_error(papers, tmp_path):
+    from typer.testing import CliRunner
+
+    from deqbench.cli import app
+
+    r = CliRunner().invoke(app, ["reproduce", *papers, "--out", str(tmp_path)])
+    assert r.exit_code == 2
