@@ -443,3 +443,100 @@ def test_resume_of_a_corrupt_run_json_is_one_line_and_writes_nothing(tmp_path):
         assert r.exit_code == 2 and "corrupt run.json" in r.output, (text, r.output)
         assert len([ln for ln in r.output.splitlines() if ln.strip()]) == 1, r.output
         assert _snapshot(d) == before
+
+
+# -- leftovers: seeds range cap, limited YAML in _run_meta, run.json with the directory, plots --
+
+
+def test_a_seeds_range_over_the_task_cap_is_refused_before_it_is_built(tmp_path):
+    from deqbench.cli import parse_seeds
+
+    p = _suite(tmp_path, seeds="[0]")
+    r = CliRunner().invoke(app, ["run", str(p), "--seeds", "0-20000", "--no-check"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--seeds 0-20000: 20001 seeds, over the cap of 10000" in lines[0]
+    assert not (tmp_path / "results").exists()
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="10000000001 seeds, over the cap"):
+        parse_seeds("0-10000000000")
+    with pytest.raises(ConfigError, match="over the cap"):
+        parse_seeds("0-10000000000", ["caps=true"])
+    assert time.perf_counter() - t0 < 0.5
+    assert parse_seeds("5, 0-2") == [5, 0, 1, 2]
+    assert len(parse_seeds("0-10000", ["caps=false"]) or []) == 10_001
+
+
+@pytest.mark.parametrize("name", ["alias_bomb.yaml", "deep_nesting.yaml"])
+def test_run_meta_reads_suite_yaml_with_the_limited_loader(tmp_path, name):
+    hostile = Path(__file__).resolve().parent / "hostile" / name
+    (tmp_path / "run.json").write_text("{}")
+    (tmp_path / "suite.yaml").write_bytes(hostile.read_bytes())
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="YAML refused"):
+        res._run_meta(tmp_path)
+    assert time.perf_counter() - t0 < 1
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL: nothing after it runs."""
+
+
+def test_a_run_killed_as_its_directory_appears_leaves_run_json_and_resumes(tmp_path, monkeypatch):
+    p = _suite(tmp_path, seeds="[0, 1]")
+
+    def killed(self):
+        raise _Killed
+
+    monkeypatch.setattr(RunLock, "acquire", killed)  # the first thing after the directory
+    with pytest.raises(_Killed):
+        run_suite(load_suite(p), progress=False, plots=False)
+    monkeypatch.undo()
+    (d,) = (tmp_path / "results" / "tiny").iterdir()  # no staging directory left either
+    assert sorted(q.name for q in d.iterdir()) == ["run.json", "suite.yaml"]
+    meta = _meta(d)
+    assert meta["status"] == "running" and meta["run_id"] == d.name
+    assert meta["tasks_total"] == 2 and meta["suite_hash"] == load_suite(p).hash
+    assert load_suite(d / "suite.yaml").hash == load_suite(p).hash
+    again = run_suite(load_suite(p), resume=d, progress=False, plots=False)
+    assert again.exit_code == 0 and again.tasks == 2 and _meta(d)["status"] == "complete"
+
+
+def test_a_run_directory_that_cannot_be_written_whole_does_not_appear(tmp_path, monkeypatch):
+    p = _suite(tmp_path, seeds="[0]")
+    write = res.write_atomic
+
+    def full(path, data):
+        if Path(path).name == "suite.yaml":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(path, data)
+
+    monkeypatch.setattr(res, "write_atomic", full)
+    with pytest.raises(ConfigError, match="cannot write the run directory: OSError"):
+        run_suite(load_suite(p), progress=False, plots=False)
+    assert list((tmp_path / "results" / "tiny").iterdir()) == []
+    monkeypatch.undo()
+    a = run_suite(load_suite(p), progress=False, plots=False).run_dir
+    b = run_suite(load_suite(p), progress=False, plots=False).run_dir  # same second: "-1"
+    assert a != b and _meta(a)["run_id"] == a.name and _meta(b)["run_id"] == b.name
+
+
+def test_plots_that_cannot_be_written_are_one_stderr_line_each_and_keep_the_exit_code(
+    tmp_path, monkeypatch
+):
+    from deqbench.run import plots
+
+    p = _suite(tmp_path, seeds="[0]")
+
+    def full(fig, path, dpi=120):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plots, "save_figure", full)
+    r = CliRunner().invoke(app, ["run", str(p), "--no-progress", "--no-check"])
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("plots: ")]
+    assert lines, r.stderr
+    assert all(" not written: OSError: " in ln and "No space left" in ln for ln in lines), lines
+    d = next((tmp_path / "results" / "tiny").iterdir())
+    assert _meta(d)["status"] == "complete" and _meta(d)["exit_code"] == 0
+    assert "No space left on device" in (d / "log.txt").read_text()

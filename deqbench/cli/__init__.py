@@ -111,19 +111,34 @@ def handle_errors() -> Iterator[None]:
         raise typer.Exit(getattr(exc, "exit_code", 130)) from None
 
 
-def parse_seeds(text: str | None) -> list[int] | None:
-    """``"0,1,2"`` / ``"0-4"`` -> list of ints."""
+def parse_seeds(text: str | None, overrides: Sequence[str] = ()) -> list[int] | None:
+    """``"0,1,2"`` / ``"0-4"`` -> list of ints. More seeds than the task cap
+    (:data:`~deqbench.run.matrix.MAX_TASKS`) are refused before the list is built, unless
+    ``overrides`` (``--set``) lift the caps with ``caps=false``."""
     from ..core.errors import ConfigError
+    from ..run.matrix import MAX_TASKS
+    from ..run.yamlio import parse_scalar
 
     if text is None:
         return None
-    seeds: list[int] = []
+    caps = not any(
+        k.strip() == "caps" and parse_scalar(v.strip()) is False
+        for k, _, v in (o.partition("=") for o in overrides)
+    )
+    parts: list[tuple[int, int]] = []
     try:
         for part in text.replace(" ", "").split(","):
             lo, dash, hi = part.partition("-")
-            seeds += list(range(int(lo), int(hi) + 1)) if dash and lo else [int(part)]
+            parts.append((int(lo), int(hi)) if dash and lo else (int(part), int(part)))
     except ValueError:
         raise ConfigError(f"--seeds {text}: expected integers like 0,1,2 or 0-4") from None
+    count = sum(max(0, hi - lo + 1) for lo, hi in parts)
+    if caps and count > MAX_TASKS:
+        raise ConfigError(
+            f"--seeds {text}: {count} seeds, over the cap of {MAX_TASKS} tasks "
+            "(--set caps=false lifts it)"
+        )
+    seeds = [s for lo, hi in parts for s in range(lo, hi + 1)]
     if not seeds:
         raise ConfigError(f"--seeds {text}: no seeds")
     return seeds
@@ -231,7 +246,7 @@ def run_one_cell(
             model=model,
             analyses=analyses,
             device=device or "auto",
-            seeds=parse_seeds(seeds) or [0],
+            seeds=parse_seeds(seeds, set_ or ()) or [0],
             output=str(out) if out else "results",
             overrides=set_ or (),
             flags=_option_paths(model, analyses, sections),
@@ -311,7 +326,7 @@ def run(
             suite,
             overrides=set_ or (),
             device=device,
-            seeds=parse_seeds(seeds),
+            seeds=parse_seeds(seeds, set_ or ()),
             output=str(out) if out else None,
         )
         if resume is not None and len(suites) > 1:
@@ -365,7 +380,9 @@ def validate(
         from ..run.plugin_checks import check_suites
         from ..run.suite import format_cells, load_suites
 
-        suites = load_suites(suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds))
+        suites = load_suites(
+            suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds, set_ or ())
+        )
         check_suites(suites)
         for s in suites:
             n = len(s.cells)

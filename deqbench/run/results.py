@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import csv
+import errno
 import functools
 import hashlib
 import io
@@ -25,8 +26,10 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -188,19 +191,62 @@ class ResultsWriter:
         _append_bytes(self.path, b"".join(line for _, line in lines))
 
 
-def new_run_dir(output: str | Path, suite: str) -> Path:
-    """``output/<suite>/<YYYYmmdd-HHMMSS>[-N]``, created."""
+def new_run_dir(
+    output: str | Path,
+    suite: str,
+    files: Callable[[str], Mapping[str, str | bytes]] | None = None,
+) -> Path:
+    """``output/<suite>/<YYYYmmdd-HHMMSS>[-N]``, created.
+
+    With ``files`` (the run id, i.e. the directory's name -> {file name: contents}, e.g.
+    ``run.json`` and ``suite.yaml``) the directory appears with all of them in it: they are
+    written (fsynced) into a hidden staging directory ``.new-*`` that is then renamed into
+    place, so a crash leaves no run directory or a whole one.
+    """
     base = Path(output) / suite
     base.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for i in range(1000):
-        d = base / (stamp if i == 0 else f"{stamp}-{i}")
-        try:
-            d.mkdir()
-            return d
-        except FileExistsError:
-            continue
+    staging = Path(tempfile.mkdtemp(prefix=".new-", dir=base)) if files is not None else None
+    try:
+        for i in range(1000):
+            d = base / (stamp if i == 0 else f"{stamp}-{i}")
+            try:
+                if staging is None:
+                    d.mkdir()
+                    return d
+                if d.exists():  # a rename would replace an empty directory
+                    continue
+                assert files is not None
+                for name, data in files(d.name).items():
+                    write_atomic(staging / name, data)
+                os.rename(staging, d)
+                staging = None
+                _fsync_dir(base)
+                return d
+            except FileExistsError:
+                continue
+            except OSError as exc:  # a non-empty directory took the name meanwhile
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    continue
+                raise
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     raise RuntimeError(f"cannot create a run directory under {base}")
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (where directories can be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
 
 
 def _csv_path(run: str | Path) -> Path:
@@ -304,13 +350,12 @@ def _backward_by_cell(suite_yaml: Path) -> dict[str, str]:
     if not suite_yaml.exists():
         return {}
     try:
-        import yaml
-
         from .. import models
         from .matrix import SECTIONS, expand, normalize_section
         from .specs import default_names, generic_fields, runtime_defaults
+        from .yamlio import read_yaml  # its limits refuse a YAML bomb
 
-        raw = yaml.safe_load(suite_yaml.read_text(encoding="utf-8")) or {}
+        raw = read_yaml(suite_yaml)[0] or {}
         defaults = raw.get("defaults") or {}
         base = {
             s: normalize_section(s, raw.get("data") if s == "data" else defaults.get(s))
@@ -1057,9 +1102,9 @@ def _run_meta(run: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     meta = read_json(d / "run.json") if (d / "run.json").exists() else {}
     suite = None
     if (d / "suite.yaml").exists():
-        import yaml
+        from .yamlio import read_yaml  # its limits refuse a YAML bomb
 
-        suite = yaml.safe_load((d / "suite.yaml").read_text(encoding="utf-8")) or {}
+        suite = read_yaml(d / "suite.yaml")[0] or {}
     return meta, suite
 
 

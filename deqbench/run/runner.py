@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -329,11 +330,8 @@ def _prepare(
         meta["status"] = "running"
         meta.pop("cause", None)
         return run_dir, meta, done, notes
-    run_dir = res.new_run_dir(out if out is not None else suite.output, suite.name)
-    stack.enter_context(RunLock(run_dir, command or list(sys.argv)))
-    (run_dir / "suite.yaml").write_text(suite.to_yaml(), encoding="utf-8")
     meta = {
-        "run_id": run_dir.name,
+        "run_id": "",  # the directory's name, once it exists
         "results_schema": res.RESULTS_SCHEMA,
         "suite": suite.name,
         "suite_source": suite.source,
@@ -344,8 +342,19 @@ def _prepare(
         "dtype": suite.dtype,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "running",
+        "tasks_total": len(suite.cells) * len(suite.seeds),
         **collect(suite.device, command),
     }
+    # run.json and suite.yaml appear with the directory (renamed into place): a run killed at
+    # any moment leaves no directory or a loadable, resumable one
+    text = suite.to_yaml()
+
+    def files(run_id: str) -> dict[str, str]:
+        meta["run_id"] = run_id
+        return {"run.json": json.dumps(meta, indent=2, default=str) + "\n", "suite.yaml": text}
+
+    run_dir = res.new_run_dir(out if out is not None else suite.output, suite.name, files)
+    stack.enter_context(RunLock(run_dir, command or list(sys.argv)))
     return run_dir, meta, set(), notes
 
 
@@ -538,4 +547,15 @@ def _plots(run_dir: Path, df: Any) -> list[Path]:
         paths, errors = [], [f"plots: {type(exc).__name__}: {exc}"]
     for e in errors:
         _log(run_dir, e)
+        _say(_plot_error_line(e))  # also on stderr (e.g. a full disk); the exit code stays
     return paths
+
+
+def _plot_error_line(error: str) -> str:
+    """One stderr line for an error line of :func:`~deqbench.run.plots.write_plots`:
+    ``plots: <name> not written: <error>``."""
+    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    head, sep, why = first.partition(" failed: ")
+    if sep and head.startswith("plot '") and head.endswith("'"):
+        return f"plots: {head[6:-1]} not written: {why}"
+    return first if first.startswith("plots: ") else f"plots: {first}"
