@@ -94,7 +94,7 @@ def test_inits():
     deqbench.inits.get("small")(m, seed=0)
     assert torch.equal(a, m.deq.cell.W.weight)  # seeded
     deqbench.inits.get("normal")(m, seed=1, std=0.3)
-    assert abs(float(m.deq.cell.W.weight.std()) - 0.3) < 0.05
+    assert abs(float(m.deq.cell.W.weight.detach().std()) - 0.3) < 0.05
     before = {k: v.clone() for k, v in m.state_dict().items()}
     deqbench.inits.get("default")(m, seed=0)
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
