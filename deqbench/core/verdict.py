@@ -68,9 +68,6 @@ class SolveLedger:
 
     records: list[SolveRecord] = field(default_factory=list)
 
-    def of(self, kind: str) -> list[SolveRecord]:
-        return [r for r in self.records if r.kind == kind]
-
 
 _LEDGER: contextvars.ContextVar[SolveLedger | None] = contextvars.ContextVar(
     "deqbench_solve_ledger", default=None
@@ -141,7 +138,7 @@ def check_claim(stats: SolverStats, tol: float, stop_mode: str, name: str = "") 
     if name:
         stats.extra["registered"] = name
     if stats.converged:
-        res = stop_residual(stats)
+        res = stats.extra["stop_residual"] = stop_residual(stats)  # one host read, kept
         if not res <= tol:  # NaN fails too
             _reject(stats, "its own", res)
 
@@ -179,7 +176,11 @@ def record(
     if ledger is None:
         return
     verified = "verified_residual" in stats.extra
-    res = stats.extra["verified_residual"] if verified else stop_residual(stats)
+    if verified:
+        res = stats.extra["verified_residual"]
+    else:  # the value check_claim read, if it read one
+        res = stats.extra.get("stop_residual", math.nan)
+        res = stop_residual(stats) if res != res else res
     ledger.records.append(
         SolveRecord(
             kind=kind,

@@ -40,8 +40,7 @@ def cell_labels(sections: dict[str, Any]) -> tuple[str, str]:
     bname = str(backward.get("name", "ift"))
     if models.is_explicit(model):
         return NONE, NONE
-    own = getattr(models, "own_solver_label", None)
-    label = own(model) if own is not None else None
+    label = models.own_solver_label(model)
     if label is not None:
         return label
     if bname == "unrolled":

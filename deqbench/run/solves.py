@@ -19,12 +19,14 @@ a fix that can work (raise ``max_iter`` only where the solver reached it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.verdict import SolveRecord
+from ..core.verdict import SolveRecord, paused_ledger, solve_ledger
 
 #: share of a phase's solves allowed to miss the tolerance before a cell is flagged
 MISSED_SHARE = 0.01
@@ -170,6 +172,18 @@ class Tallies:
     def add(self, phase: str, records: list[SolveRecord]) -> None:
         for rec in records:
             self.get(rec.kind, phase).add_record(rec)
+
+    @contextlib.contextmanager
+    def counting(self, phase: str, analysis: Any = None) -> Iterator[None]:
+        """Count the DEQ solves made inside the block as ``phase``; not at all for an analysis
+        that judges its own solves (``Analysis.judges_own_solves``)."""
+        if getattr(analysis, "judges_own_solves", False):
+            with paused_ledger():
+                yield
+            return
+        with solve_ledger() as led:
+            yield
+        self.add(phase, led.records)
 
     def __iter__(self) -> Any:
         return iter(self.by_key.values())

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analyses.base import CellContext, Row
-from ..core.verdict import paused_ledger, solve_ledger
 from .results import CONVERGENCE, FLAGGED, RUNNER
 from .solves import Tallies
 
@@ -207,10 +206,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-#: the solver/backward columns of a model the suite's solver does not reach
-NOT_APPLICABLE = "n/a"
-
-
 def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     """Run one (cell, seed) and return its rows (with the runner status row last)."""
     import torch
@@ -305,13 +300,8 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
 
         def probe(phase: str, a: Any, hook: Any) -> None:
             """Run an analysis hook outside training; its solves count as ``phase``."""
-            if getattr(a, "judges_own_solves", False):
-                with paused_ledger():
-                    emit(a, hook(ctx))
-                return
-            with solve_ledger() as led:
+            with tallies.counting(phase, a):
                 emit(a, hook(ctx))
-            tallies.add(phase, led.records)
 
         for a in instances:
             probe("init", a, a.before_training)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..analyses.base import CellContext, EpochInfo, Row, StepInfo
 from ..core.deq import Runtime, deq_layers, last_stats, own_solver
 from ..core.runtime import autocast, for_loss, model_runtime
-from ..core.verdict import paused_ledger, solve_ledger, verify_solves
+from ..core.verdict import solve_ledger, verify_solves
 from .data import DataBundle
 from .evaluation import evaluate, loss_function  # noqa: F401 - part of train's API
 from .solves import BF16_TOL, MISSED_SHARE, SolveTally, Tallies  # noqa: F401 - train's API
@@ -223,19 +223,13 @@ def train(
 
     def hook(phase: str, cb: Any, method: str, info: Any) -> None:
         """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
-        if getattr(cb, "judges_own_solves", False):  # its own rules (Analysis docstring)
-            with paused_ledger():
-                _emit(emit, cb, getattr(cb, method)(ctx, info))
-            return
-        with solve_ledger() as led:
+        with result.tallies.counting(phase, cb):
             _emit(emit, cb, getattr(cb, method)(ctx, info))
-        result.tallies.add(phase, led.records)
 
     def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
         phase = "init" if epoch == 0 else "eval"
-        with solve_ledger() as led:  # evaluate verifies its solves
+        with result.tallies.counting(phase):  # evaluate verifies its solves
             test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime)
-        result.tallies.add(phase, led.records)
         rec = {
             "epoch": float(epoch),
             **{f"train_{k}": v for k, v in train_stats.items()},
@@ -247,9 +241,8 @@ def train(
             hook(phase if epoch == 0 else "probe", cb, "on_epoch", info)
 
     if cfg.eval_before:
-        with solve_ledger() as led:
+        with result.tallies.counting("init"):
             ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime)
-        result.tallies.add("init", led.records)
         epoch_end(0, ev)
 
     step = 0
@@ -326,9 +319,8 @@ def train(
         if sched is not None and not per_batch:
             sched.step()
         if cfg.precise_bn:
-            with solve_ledger() as led:
+            with result.tallies.counting("train"):
                 recompute_batchnorm(model, Xtr, bs, runtime)
-            result.tallies.add("train", led.records)
         epoch_end(epoch, {k: v / max(count, 1) for k, v in sums.items()})
         result.steps = step
         if cfg.max_steps is not None and step >= cfg.max_steps:
