@@ -259,3 +259,27 @@ def test_shipped_kglm_collection_names_the_five_parts():
     ]  # fmt: skip
     with pytest.raises(Exception, match="collection of suites"):
         load_suite(root / "kglm.yaml")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS: Linux only")
+@pytest.mark.parametrize("cmd", [["ls", "models"], ["validate", "suites/smoke.yaml"]])
+def test_address_space_limit_at_import_is_one_line_exit_2(tmp_path, cmd):
+    """`ulimit -v` below what PyTorch maps at import (libtorch_cpu.so: failed to map segment):
+    one error line naming the limit and the fix, exit 2, no traceback."""
+    import os
+    import resource
+
+    limit = 3 * 2**29  # 1.5 GiB: Python, Typer and the suite loader fit, PyTorch does not
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "deqbench", *cmd],
+        cwd=ROOT, env=env, preexec_fn=cap, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("error: out of memory while loading PyTorch (address-space limit")
+    assert "ulimit -v 1572864" in out.stderr and "raise `ulimit -v`" in out.stderr

@@ -270,7 +270,14 @@ def test_worker_killed_mid_cell_is_retried_once_then_recorded(tmp_path, fast_wor
         assert len(dask_helpers.marker(always).read_text().splitlines()) == 2
         assert len(dask_helpers.marker(once).read_text().splitlines()) == 2
         log = (summary.run_dir / "log.txt").read_text()
-        assert log.count("KilledWorker") == 1
+        # one line per resubmission (cell, seed, worker, cause), then the `error` record
+        resubmitted = [ln for ln in log.splitlines() if "submitted again" in ln]
+        assert len(resubmitted) == 2, log
+        for key in (once, always):
+            (line,) = [ln for ln in resubmitted if f"key={key}" in ln]
+            assert "seed=0: worker tcp://127.0.0.1:" in line and "died" in line, line
+            assert "(KilledWorker); submitted again (attempt 2 of 2)" in line, line
+        assert log.count("KilledWorker") == 3
     finally:
         for k in (once, always):
             dask_helpers.marker(k).unlink(missing_ok=True)
@@ -543,6 +550,10 @@ def test_dask_cli_cluster_survives_a_worker_killed_mid_cell(tmp_path):
         assert not df[df.analysis != PROCESS].duplicated(KEYS).any()
         pids = in_workers()
         assert pids[0] == pid and len(pids) == 3  # killed attempt, its retry, the other seed
+        # the scheduler reran the cell by itself; its remove-worker event is one log line
+        run_log = (_run_dir(tmp_path / "dask") / "log.txt").read_text()
+        (line,) = [ln for ln in run_log.splitlines() if "remove-worker" in ln]
+        assert f"key={key}" in line and "seed=" in line and "died running this cell" in line
     finally:
         for proc in reversed(procs):
             _stop(proc)

@@ -467,6 +467,29 @@ def test_a_seeds_range_over_the_task_cap_is_refused_before_it_is_built(tmp_path)
     assert len(parse_seeds("0-10000", ["caps=false"]) or []) == 10_001
 
 
+def test_the_suites_own_caps_false_lifts_the_seeds_range_cap(tmp_path):
+    """`caps: false` in the suite file lifts the --seeds cap as --set caps=false does (before,
+    only the override did: the range was refused before the file was read); --set caps=true
+    puts it back; a collection lifts it where every member does."""
+    p = _suite(tmp_path, seeds="[0]")
+    p.write_text("caps: false\n" + p.read_text())
+    r = CliRunner().invoke(app, ["validate", str(p), "--seeds", "0-10000"])
+    assert r.exit_code == 0, r.output
+    assert "1 cell x 10001 seeds = 10001 tasks" in r.output
+    r = CliRunner().invoke(app, ["validate", str(p), "--seeds", "0-10000", "--set", "caps=true"])
+    assert r.exit_code == 2 and "--seeds 0-10000: 10001 seeds, over the cap" in r.output
+    (tmp_path / "capped").mkdir()
+    capped = _suite(tmp_path / "capped", seeds="[0]")
+    coll = tmp_path / "coll.yaml"
+    for members, code in (([p, p], 0), ([p, capped], 2)):
+        names = ", ".join(str(m.relative_to(tmp_path)) for m in members)
+        coll.write_text(f"schema: 1\nname: coll\nsuites: [{names}]\n")
+        r = CliRunner().invoke(app, ["validate", str(coll), "--seeds", "0-10000"])
+        assert r.exit_code == code, r.output
+    assert "over the cap" in r.output
+    assert not (tmp_path / "results").exists()
+
+
 @pytest.mark.parametrize("name", ["alias_bomb.yaml", "deep_nesting.yaml"])
 def test_run_meta_reads_suite_yaml_with_the_limited_loader(tmp_path, name):
     hostile = Path(__file__).resolve().parent / "hostile" / name

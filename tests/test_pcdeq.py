@@ -1,6 +1,6 @@
 """pcDEQ: nonnegativity by projection, unique fixed point, plain iteration beyond ||W|| = 1,
-architectures (paper parameter counts), sigma_max, the family_stats analysis and the outcome
-check."""
+architectures (paper parameter counts), sigma_max, and the family_stats analysis (the
+projection keeps W >= 0 while training; the paper's claims are judged by deqbench.reproduce)."""
 
 from __future__ import annotations
 
@@ -148,9 +148,8 @@ def test_sigma_max_of_nonnegative_conv_is_summed_taps():
     assert cell.sigma_max() == pytest.approx(conv_norm_fft(cell.weight(), 8), rel=1e-9)
 
 
-def test_family_stats_rows_and_pcdeq_outcome(tmp_path):
+def test_family_stats_rows_and_projection_while_training():
     from deqbench.analyses.base import CellContext
-    from deqbench.outcomes import check, summarize
     from deqbench.run.data import load_data
     from deqbench.run.train import TrainConfig, train
     from deqbench.training.family_stats import FamilyStats
@@ -219,57 +218,11 @@ def test_family_stats_rows_and_pcdeq_outcome(tmp_path):
     ]:
         assert key in got, key
     assert set(pc[pc.metric == "forward_nstep"].step.dropna().astype(int)) == {1, 2, 3}
-    out = check(df, "pcdeq")
-    mine = out[out.cell_id == "pc"].set_index("check")
-    assert mine.loc["no divergence or max_iter (forward and backward)", "held"] == "yes"
-    assert mine.loc["forward iterations stay small", "held"] == "yes"
-    assert mine.loc["weights stay nonnegative", "held"] == "yes"
-    assert set(out[out.cell_id == "ctrl"].held) == {"info"}
-    # summarize(): reads results.csv of a run directory and writes summary.csv
-    (tmp_path / "run.json").write_text('{"suite": "pcdeq"}')
-    df.to_csv(tmp_path / "results.csv", index=False)
-    summary = summarize(tmp_path)
-    assert (tmp_path / "summary.csv").exists() and len(summary) == len(out)
-
-
-def test_pcdeq_outcome_accuracy_bar_per_architecture():
-    """suites/pcdeq.yaml runs L and MC cells in one run: the accuracy bar follows each cell's
-    model (L >= 0.9, MC >= 0.8); every other check is the same for both."""
-    from deqbench.outcomes import check
-
-    def row(cell, model, metric, value, step=None, analysis="family_stats", variant=""):
-        return {
-            "cell_id": cell,
-            "model": model,
-            "seed": 0,
-            "analysis": analysis,
-            "variant": variant,
-            "metric": metric,
-            "step": step,
-            "value": value,
-            "status": "ok",
-            "note": "",
-        }
-
-    rows = []
-    for cell, model in (("l", "pcdeq_l"), ("mc", "pcdeq_mc")):
-        rows += [row(cell, model, "nonneg_constraint", 1.0), row(cell, model, "weight_min", 0.0, 1)]
-        for epoch, (it, sig) in enumerate([(4.0, 0.2), (5.0, 0.3), (6.0, 0.4)], start=1):
-            rows += [
-                row(cell, model, "forward_nstep", it, epoch),
-                row(cell, model, "backward_nstep", it, epoch),
-                row(cell, model, "forward_not_converged", 0.0, epoch),
-                row(cell, model, "backward_not_converged", 0.0, epoch),
-                row(cell, model, "forward_diverged", 0.0, epoch),
-                row(cell, model, "sigma_max", sig, epoch, variant="layer0"),
-                row(cell, model, "sigma_max", sig, epoch, variant="max"),
-                row(cell, model, "test_accuracy", 0.85, epoch),
-            ]
-        rows.append(row(cell, model, "wall_time", 1.0, analysis="runner"))
-    out = check(pd.DataFrame(rows), "pcdeq").set_index(["cell_id", "check"])
-    assert out.loc[("l", "test accuracy"), "held"] == "no"
-    assert out.loc[("l", "test accuracy"), "expected"] == ">= 0.9"
-    assert out.loc[("mc", "test accuracy"), "held"] == "yes"
-    assert out.loc[("mc", "test accuracy"), "expected"] == ">= 0.8"
-    others = out[out.index.get_level_values("check") != "test accuracy"]
-    assert set(others.held) == {"yes"}
+    # mechanisms, not paper claims: the projection keeps W >= 0 in every epoch (the control's
+    # W goes negative), and no solve of the pcDEQ failed
+    flag = df[df.metric == "nonneg_constraint"].groupby("cell_id")["value"].max()
+    assert flag["pc"] == 1.0 and flag["ctrl"] == 0.0
+    wmin = df[df.metric == "weight_min"].groupby("cell_id")["value"].min()
+    assert wmin["pc"] >= 0.0 and wmin["ctrl"] < 0.0
+    for metric in ("forward_not_converged", "forward_diverged", "backward_not_converged"):
+        assert pc[pc.metric == metric]["value"].sum() == 0, metric

@@ -15,7 +15,7 @@ import yaml
 from deqbench.reproduce import CHECKERS, claim
 from deqbench.reproduce.checks import Sweep
 from deqbench.reproduce.extract import EXTRACTORS, extract
-from deqbench.reproduce.run import REPORT_COLUMNS, reproduce, suite_file
+from deqbench.reproduce.run import REPORT_COLUMNS, reproduce, suite_file, suites_dir
 from deqbench.run.results import ResultsWriter
 
 SEEDS = (0, 1, 2)
@@ -50,6 +50,34 @@ def test_every_claim_has_an_extractor():
     from deqbench.reproduce import CLAIMS
 
     assert {c.id for c in CLAIMS} == set(EXTRACTORS)
+
+
+def test_each_claim_lives_in_its_papers_module():
+    """checks/ and extract/ hold one module per paper (``pNNN_*``): a claim's checker and
+    extractor live in the module of its paper, and each module's ``__all__`` is re-exported."""
+    from deqbench.reproduce import CLAIMS, checks
+    from deqbench.reproduce import extract as ex
+
+    for c in CLAIMS:
+        for fn in (CHECKERS[c.check], EXTRACTORS[c.id]):
+            assert fn.__module__.rpartition(".")[2].startswith(f"p{c.paper}_"), (c.id, fn)
+    for pkg in (checks, ex):
+        mods = [m for name, m in vars(pkg).items() if name.startswith("p0")]
+        assert len(mods) == 4, pkg
+        for m in mods:
+            assert all(getattr(pkg, n) is getattr(m, n) for n in m.__all__), m
+
+
+def test_suite_raw_reads_with_the_projects_loader(tmp_path):
+    from deqbench.reproduce.extract import data_name, suite_raw
+
+    run = write_run(tmp_path, [done("c", 0)], {"name": "x", "data": {"name": "mnist"}})
+    assert data_name(run) == "mnist"
+    (run / "suite.yaml").write_text("name: x\ntol: 1e-4\n")
+    assert suite_raw(run) == {"name": "x", "tol": 1e-4}  # a float, as in suite files
+    (run / "suite.yaml").write_text("name: [x\n")
+    assert suite_raw(run) == {}  # unreadable: empty, as before
+    assert suite_raw(tmp_path / "none") == {}
 
 
 def test_klr_equivalence(tmp_path):
@@ -283,7 +311,11 @@ def test_suite_files():
     assert suite_file("kglm_pcdeq_sigma", "cpu").name == "pcdeq_cpu.yaml"
     assert suite_file("kglm_klr", "cpu").name == "kglm_klr.yaml"
     assert suite_file("kglm_klr", "paper") is None
-    assert suite_file("pcdeq", "paper").name == "pcdeq_gpu.yaml"
+    assert suite_file("pcdeq", "paper").relative_to(suites_dir()).as_posix() == "paper/pcdeq.yaml"
+    # 002's accuracy and Lipschitz claims share the Table 1 run
+    assert suite_file("pcdeq_gpu", "paper") == suite_file("kglm_pcdeq_sigma", "paper")
+    assert suite_file("pcdeq_gpu", "paper") == suite_file("pcdeq", "paper")
+    assert suite_file("ntk", "paper") is None
 
 
 TINY_INIT_COST = """\

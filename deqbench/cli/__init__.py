@@ -3,8 +3,9 @@ codes; no logic of its own. Nothing heavy is imported at module level: ``deqbenc
 not import torch.
 
 Exit codes: 0 ok; 1 finished but some cell failed; 2 usage, config or unknown-name error (one
-red line per problem on stderr, no traceback; also a run directory locked by another run, or a
-run stopped by an error writing it, e.g. disk full); 130 interrupted by SIGINT, 143 by SIGTERM
+red line per problem on stderr, no traceback; also a run directory locked by another run, a
+run stopped by an error writing it, e.g. disk full, or memory exhausted while PyTorch loads,
+e.g. under a low ``ulimit -v``: :func:`main`); 130 interrupted by SIGINT, 143 by SIGTERM
 (finished cells are on disk).
 
 This package holds the app and the generic verbs (``run``, ``ls``, ``plot``, ``compare``, ...).
@@ -111,20 +112,23 @@ def handle_errors() -> Iterator[None]:
         raise typer.Exit(getattr(exc, "exit_code", 130)) from None
 
 
-def parse_seeds(text: str | None, overrides: Sequence[str] = ()) -> list[int] | None:
+def parse_seeds(
+    text: str | None, overrides: Sequence[str] = (), caps: bool = True
+) -> list[int] | None:
     """``"0,1,2"`` / ``"0-4"`` -> list of ints. More seeds than the task cap
-    (:data:`~deqbench.run.matrix.MAX_TASKS`) are refused before the list is built, unless
-    ``overrides`` (``--set``) lift the caps with ``caps=false``."""
+    (:data:`~deqbench.run.matrix.MAX_TASKS`) are refused before the list is built, unless the
+    caps are lifted: ``caps`` False (the suite file's own ``caps: false``, :func:`file_caps`),
+    or ``overrides`` (``--set``) with ``caps=false``; the last ``caps=`` override wins over
+    the file, as it does in the suite."""
     from ..core.errors import ConfigError
     from ..run.matrix import MAX_TASKS
     from ..run.yamlio import parse_scalar
 
     if text is None:
         return None
-    caps = not any(
-        k.strip() == "caps" and parse_scalar(v.strip()) is False
-        for k, _, v in (o.partition("=") for o in overrides)
-    )
+    for k, _, v in (o.partition("=") for o in overrides):
+        if k.strip() == "caps":
+            caps = parse_scalar(v.strip()) is not False
     parts: list[tuple[int, int]] = []
     try:
         for part in text.replace(" ", "").split(","):
@@ -136,12 +140,40 @@ def parse_seeds(text: str | None, overrides: Sequence[str] = ()) -> list[int] | 
     if caps and count > MAX_TASKS:
         raise ConfigError(
             f"--seeds {text}: {count} seeds, over the cap of {MAX_TASKS} tasks "
-            "(--set caps=false lifts it)"
+            "(caps: false in the suite, or --set caps=false, lifts it)"
         )
     seeds = [s for lo, hi in parts for s in range(lo, hi + 1)]
     if not seeds:
         raise ConfigError(f"--seeds {text}: no seeds")
     return seeds
+
+
+def file_caps(path: Path) -> bool:
+    """Whether the caps hold for the suite file ``path`` as written: False where it says
+    ``caps: false``; for a collection file, where every member does (a member that keeps them
+    refuses more seeds than the task cap anyway). True where a file does not read: the loaders
+    report that. Read with the limited YAML loader, like every suite."""
+    from ..core.errors import ConfigError
+    from ..run.yamlio import read_yaml
+
+    def own(raw: Any) -> bool:
+        return not (isinstance(raw, dict) and raw.get("caps") is False)
+
+    try:
+        raw, _ = read_yaml(path)
+        if isinstance(raw, dict) and "suites" in raw:
+            members = raw["suites"]
+            if not isinstance(members, list) or not members:
+                return True
+            return any(own(read_yaml(Path(path).parent / str(m))[0]) for m in members)
+        return own(raw)
+    except ConfigError:
+        return True
+
+
+def _seeds_for(path: Path, seeds: str | None, overrides: Sequence[str]) -> list[int] | None:
+    """``--seeds`` of a command that reads the suite file ``path`` (its ``caps`` count)."""
+    return parse_seeds(seeds, overrides, file_caps(path) if seeds is not None else True)
 
 
 def execute(
@@ -311,7 +343,7 @@ def run(
     A collection file (one with a list under suites:) runs its suites one after another, each
     into its own run directory; the exit code is the worst of theirs. Exit codes: 0 every cell
     ok, 1 some cell failed or flagged, 2 bad input (or the run directory is locked by another
-    run, or writing it failed, e.g. disk full), 130 interrupted (SIGINT), 143 (SIGTERM)."""
+    run, or writing it failed, e.g. disk full, or memory ran out while PyTorch loaded), 130 interrupted (SIGINT), 143 (SIGTERM)."""
     with handle_errors(), ExitStack() as stack:
         from ..core.errors import ConfigError
         from ..run.executors import prestart
@@ -326,7 +358,7 @@ def run(
             suite,
             overrides=set_ or (),
             device=device,
-            seeds=parse_seeds(seeds, set_ or ()),
+            seeds=_seeds_for(suite, seeds, set_ or ()),
             output=str(out) if out else None,
         )
         if resume is not None and len(suites) > 1:
@@ -381,7 +413,7 @@ def validate(
         from ..run.suite import format_cells, load_suites
 
         suites = load_suites(
-            suite, overrides=set_ or (), device=device, seeds=parse_seeds(seeds, set_ or ())
+            suite, overrides=set_ or (), device=device, seeds=_seeds_for(suite, seeds, set_ or ())
         )
         check_suites(suites)
         for s in suites:
@@ -449,7 +481,9 @@ def _broken_plugins(kinds: set[str], pattern: str | None) -> dict[tuple[str, str
     return out
 
 
-@app.command(epilog="Example: deqbench info --device cuda")
+@app.command(
+    epilog="Example: deqbench info --json   # on a GPU machine: deqbench info --device cuda"
+)
 def info(
     device: DeviceOpt = None,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -778,6 +812,65 @@ _register_subcommands()
 _reflow_help()
 
 
+#: messages of a failed import or library load that mean "out of (address-space) memory"
+_OOM_TEXTS = ("failed to map segment", "cannot allocate memory", "out of memory", "bad_alloc")
+
+
+def _memory_exhausted(exc: BaseException) -> bool:
+    """A MemoryError, or an import/load error whose cause is memory (``libtorch_cpu.so: failed
+    to map segment from shared object`` under ``ulimit -v``), here or in its chain."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MemoryError):
+            return True
+        if isinstance(e, (ImportError, OSError)):
+            if getattr(e, "errno", None) == 12 or any(t in str(e).lower() for t in _OOM_TEXTS):
+                return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _out_of_memory_line(exc: BaseException) -> str:
+    """The one line for :func:`main`: what was loading, the address-space limit, the fix."""
+    import re
+    import traceback
+
+    text = " ".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    what = "PyTorch" if re.search(r"[\\/]torch[\\/]|libtorch", text) else "its libraries"
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        unlimited = soft == resource.RLIM_INFINITY
+    except (ImportError, OSError, ValueError):  # not POSIX
+        soft, unlimited = 0, True
+    if unlimited:
+        return (
+            f"out of memory while loading {what} (no address-space limit): free memory or run "
+            "on a machine with more"
+        )
+    return (
+        f"out of memory while loading {what} (address-space limit {soft / 2**30:.1f} GiB, "
+        f"ulimit -v {soft // 1024}): raise `ulimit -v` or remove it (`ulimit -v unlimited`); "
+        "importing PyTorch maps a few GiB of address space, CUDA far more"
+    )
+
+
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (``deqbench`` and ``python -m deqbench``). Memory exhausted
+    while the heavy libraries load (``ulimit -v`` too low for PyTorch: MemoryError, or an
+    ImportError "failed to map segment") is one line on stderr and exit code 2, not a
+    traceback."""
+    try:
+        app()
+    except (MemoryError, ImportError, OSError) as exc:
+        if not _memory_exhausted(exc):
+            raise
+        try:
+            line = _out_of_memory_line(exc)
+        except MemoryError:
+            line = "out of memory while loading PyTorch: raise `ulimit -v` or free memory"
+        sys.stderr.write(f"error: {line}\n")
+        raise SystemExit(2) from None

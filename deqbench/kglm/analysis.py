@@ -17,8 +17,8 @@ Plots (registered with :mod:`deqbench.run.plots`): ``kglm_smooth`` (figure 5: lo
 epoch, min/mean/max over seeds, per init; forward/backward iterations), ``kglm_denoise``
 (figure 6: test MSE vs the average spectral norm of the convolutions, per epoch, kGLM vs random,
 failed runs on the top border), ``kglm_init_cost`` (figure 8). The same hook writes
-``kglm_denoise_table.csv`` (table 1 analogue) and ``outcome_kglm.md`` (which expected behaviours
-of REFERENCE.md 9.1-9.3 held) into the run directory.
+``kglm_denoise_table.csv`` (table 1 analogue) into the run directory; the verdicts of papers/001's
+claims are in ``summary.csv`` (:mod:`deqbench.outcomes`).
 
 Example (plain functions):
     >>> import deqbench, torch
@@ -329,7 +329,7 @@ class KGLMInitCost(Analysis):
         return rows
 
 
-# -- plots, tables, outcome --------------------------------------------------------------------
+# -- plots, tables -----------------------------------------------------------------------------
 
 
 def _kglm_scheme(init: str) -> str:
@@ -566,183 +566,6 @@ def init_cost_figure(df: Any) -> Any | None:
     return fig
 
 
-def kglm_outcomes(df: Any) -> list[tuple[str, bool | None, str]]:
-    """(expected behaviour, held? (None: not measured), detail) for REFERENCE.md 9.1-9.3."""
-    out: list[tuple[str, bool | None, str]] = []
-    k = df[df["analysis"] == "klr_agreement"]
-    if not k.empty:
-
-        def val(init: str, variant: str, metric: str) -> float:
-            s = k[(k["init"] == init) & (k["variant"] == variant) & (k["metric"] == metric)]
-            return float(s["value"].max()) if not s.empty else math.nan
-
-        d64 = val("kglm_informed", "float64", "max_abs_dp")
-        n64 = val("kglm_informed", "float64", "disagreeing_pixels")
-        if math.isfinite(d64):
-            out.append(
-                (
-                    "KLR: float64 kGLM DEQ agrees on every pixel, max |dp| < 1e-10",
-                    n64 == 0 and d64 < 1e-10,
-                    f"{n64:.0f} pixels disagree, max |dp| {d64:.2e}",
-                )
-            )
-        d32 = val("kglm_informed", "float32", "max_abs_dp")
-        n32 = val("kglm_informed", "float32", "disagreeing_pixels")
-        t32 = val("kglm_informed", "float32", "disagreeing_pixels_at_ties")
-        if math.isfinite(d32):
-            out.append(
-                (
-                    "KLR: float32 disagrees only at ties (|p - 1/2| < 1e-6)",
-                    n32 == t32,
-                    f"{n32:.0f} disagreeing pixels, {t32:.0f} at ties, max |dp| {d32:.2e}",
-                )
-            )
-        dr = max(val("kglm_random", v, "max_abs_dp") for v in ("float32", "float64"))
-        nr = val("kglm_random", "float64", "disagreeing_pixels")
-        if math.isfinite(dr):
-            out.append(
-                (
-                    "KLR: a random-init DEQ is far off",
-                    dr > 1e-2 and nr > 0,
-                    f"{nr:.0f} pixels disagree, max |dp| {dr:.3f}",
-                )
-            )
-    t = smooth_table(df)
-    if not t.empty:
-        piv = t.pivot(index="epoch", columns="scheme", values="mean")
-        if {"informed", "naive", "random"} <= set(piv.columns):
-            e_last = int(piv.index.max())
-            early = [e for e in (0, 10, 50) if e in piv.index and e < e_last] or [0]
-            held = all(
-                piv.loc[e, "informed"] < piv.loc[e, "naive"] <= piv.loc[e, "random"] + 1e-9
-                for e in early
-            )
-            detail = "; ".join(
-                f"epoch {e}: "
-                + ", ".join(
-                    f"{s} {math.exp(piv.loc[e, s]):.3g}" for s in ("informed", "naive", "random")
-                )
-                for e in early
-            )
-            out.append(("GP task: early test MSE informed < naive < random", held, detail))
-            last = piv.loc[e_last]
-            held = bool(last["random"] > min(last["informed"], last["naive"]))
-            out.append(
-                (
-                    "GP task: at the end random is worse than informed/naive",
-                    held,
-                    f"epoch {e_last}: "
-                    + ", ".join(
-                        f"{s} {math.exp(last[s]):.3g}" for s in ("informed", "naive", "random")
-                    ),
-                )
-            )
-        fw = _metric(df, "solver_stats", "forward_nstep", "train")
-        fw = fw[(fw["init"] == "kglm_informed") & fw["step"].notna()]
-        if not fw.empty:
-            first = fw[fw["step"] == fw["step"][fw["step"] > 0].min()]["value"].mean()
-            out.append(
-                (
-                    "GP task: informed model sits at the contraction border (reported)",
-                    None,
-                    f"forward iterations per batch at epoch 1: {first:.1f}",
-                )
-            )
-    dt = denoise_table(df)
-    if not dt.empty:
-        last = int(dt["epoch"].max())
-        a = dt[(dt["epoch"] == last)].set_index("scheme")
-        z = dt[(dt["epoch"] == 0)].set_index("scheme")
-        if {"informed", "random"} <= set(a.index):
-            out.append(
-                (
-                    "Denoising: kGLM best test MSE <= random best (last epoch)",
-                    bool(a.loc["informed", "best_mse"] <= a.loc["random", "best_mse"]),
-                    f"kGLM {a.loc['informed', 'best_mse']:.4g} at norm "
-                    f"{a.loc['informed', 'best_init_spectral_norm']:.3g}; random "
-                    f"{a.loc['random', 'best_mse']:.4g} at norm "
-                    f"{a.loc['random', 'best_init_spectral_norm']:.3g}",
-                )
-            )
-        if {"informed", "random"} <= set(z.index):
-            out.append(
-                (
-                    "Denoising: kGLM already lower at epoch 0",
-                    bool(z.loc["informed", "best_mse"] < z.loc["random", "best_mse"]),
-                    f"kGLM {z.loc['informed', 'best_mse']:.4g}, random "
-                    f"{z.loc['random', 'best_mse']:.4g}",
-                )
-            )
-        p = denoise_points(df)
-        fin = p[p["epoch"] == last]
-        smax = fin.groupby("scheme")["init_spectral_norm"].transform("max")
-        top = fin[fin["init_spectral_norm"] >= 0.99 * smax]
-        best = float(a["best_mse"].min())
-        if not top.empty and math.isfinite(best) and float(top["init_spectral_norm"].min()) >= 3:
-            bad = top["failed"] | (top["test_mse"] > 10 * best)
-            out.append(
-                (
-                    "Denoising: the largest scale (>= 3) is unstable for both schemes "
-                    "(failed, or test MSE > 10x the best)",
-                    bool(bad.groupby(top["scheme"]).all().all()),
-                    ", ".join(
-                        f"{s}: {int(g['failed'].sum())} failed, test MSE "
-                        + ", ".join(f"{v:.3g}" for v in g["test_mse"])
-                        for s, g in top.groupby("scheme")
-                    ),
-                )
-            )
-        out.append(
-            (
-                "Denoising: failed runs over the grid (table 1 count)",
-                None,
-                ", ".join(
-                    f"{s}: {int(a.loc[s, 'failed'])}/{int(a.loc[s, 'runs'])}" for s in a.index
-                ),
-            )
-        )
-    sm = _metric(df, "spectral", "sigma_max/max")
-    sm = sm[sm["model"].astype(str).str.startswith("pcdeq") & sm["step"].notna()]
-    if not sm.empty:
-        first = sm[sm["step"] == sm["step"].min()].groupby("cell_id")["value"].mean()
-        last = sm[sm["step"] == sm["step"].max()].groupby("cell_id")["value"].mean()
-        out.append(
-            (
-                "pcDEQ: sigma_max(W) grows over training and stays below 1 "
-                "(REFERENCE.md 9.4: 0.07 -> 0.5-0.73)",
-                bool(((last > first) & (last < 1)).all()),
-                ", ".join(
-                    f"{c.split('activation=')[-1]}: {first[c]:.3f} -> {last[c]:.3f}"
-                    for c in last.index
-                ),
-            )
-        )
-    c = _metric(df, "kglm_init_cost", "init_time_median")
-    if not c.empty:
-        for layer in ("fc", "conv"):
-            kg = c[c["variant"] == f"{layer}/kglm"]["value"].max()
-            rd = c[c["variant"] == f"{layer}/random"]["value"].max()
-            out.append(
-                (
-                    f"Init cost ({layer}): kGLM init stays small (< 1 s)",
-                    bool(kg < 1.0),
-                    f"largest size: kGLM {kg:.3g} s, random {rd:.3g} s",
-                )
-            )
-    return out
-
-
-def outcome_markdown(df: Any) -> str:
-    """The outcome summary as Markdown (empty if nothing kGLM-related was measured)."""
-    rows = kglm_outcomes(df)
-    if not rows:
-        return ""
-    mark = {True: "held", False: "NOT held", None: "reported"}
-    lines = ["# kGLM outcome", "", "| expected behaviour | result | detail |", "|---|---|---|"]
-    lines += [f"| {c} | {mark[h]} | {d} |" for c, h, d in rows]
-    return "\n".join(lines) + "\n"
-
-
 def _register_plots() -> None:
     from ..run import plots
 
@@ -760,9 +583,6 @@ def _register_plots() -> None:
         tab = denoise_table(df)
         if not tab.empty:
             tab.to_csv(Path(run_dir) / "kglm_denoise_table.csv", index=False)
-        md = outcome_markdown(df)
-        if md:
-            (Path(run_dir) / "outcome_kglm.md").write_text(md)
         return figs
 
 

@@ -43,7 +43,10 @@ LANDSCAPE_HELP = (
 )
 LANDSCAPE_EXAMPLE = (
     "Examples:\n\n"
-    "  deqbench landscape --model fc_deq_tiny --epochs 5 --grid 21 --device cpu\n\n"
+    "  # about 35 s on 2 CPU cores; after 5 epochs some evaluation batches need more than "
+    "fc_deq_tiny's 100 Broyden steps to reach tol 1e-4, hence --max-iter 200\n\n"
+    "  deqbench landscape --model fc_deq_tiny --epochs 5 --max-iter 200 --grid 21 "
+    "--max-samples 256 --device cpu\n\n"
     "  deqbench landscape --model conv_deq --data cifar10 --set data.root=~/data "
     "--checkpoint ckpt.pt --grid 51 --range -1:1 --max-samples 1024\n\n"
     "  deqbench landscape --model tied_repeat --set defaults.model.repeats=11 "

@@ -1,196 +1,188 @@
-"""Outcome checks of the reproduction suites: did the expected behaviour hold?
+"""``summary.csv`` of a run: the verdicts of the source papers' claims that the run's suite measures.
 
-A checker reads a run's results DataFrame (``results.csv``) and returns one row per expected
-behaviour: ``suite, check, cell_id, held, value, expected, detail``, where ``held`` is ``yes``,
-``no``, ``n/a`` (nothing measured to decide) or ``info`` (reported, no expectation). Checkers are
-registered per suite name in :data:`OUTCOMES`; :func:`summarize` runs the one of a run's suite
-and writes ``summary.csv`` into the run directory. The built-in checkers live in this package's
-modules (``pcdeq``, ``mondeq``, ...), imported on first use; a new module here registers itself.
+After every run the runner calls :func:`summarize`, which judges each claim of
+:data:`deqbench.reproduce.claims.CLAIMS` that this run's suite measures with the same code as
+``deqbench reproduce`` (:func:`deqbench.reproduce.verdicts.verdict_for`: the claim's extractor reads
+the run directory, its checker states the paper's claim in the paper's direction) and writes the
+rows into ``RUN_DIR/summary.csv`` with the report's columns
+(:data:`deqbench.reproduce.verdicts.REPORT_COLUMNS`: claim_id, paper, where, claim, paper_value,
+measured, data, scale, verdict, reason, run_dir). ``verdict`` is ``reproduced``, ``not
+reproduced`` or ``not run`` (``reason`` says why). A run of a suite that no claim uses gets no
+``summary.csv``.
+
+Which claims: those whose ``suite`` names this run's suite once both names lose a leading
+``paper_`` / ``repro_`` and a trailing ``_cpu`` / ``_gpu`` / ``_paper`` (a ``pcdeq``,
+``pcdeq_cpu`` or ``pcdeq_gpu`` run serves the claims of suite ``pcdeq`` and ``pcdeq_gpu``), and
+those whose suite :data:`deqbench.reproduce.verdicts.CPU_SUITES` (or ``PAPER_SUITES``) maps to a file
+of this suite (the pcDEQ runs log sigma_max per epoch, so they also serve ``002-lipschitz`` of
+suite ``kglm_pcdeq_sigma``).
+
+Scale (:func:`run_scale`): ``paper`` when the suite name ends in ``_gpu`` or ``_paper`` (or
+starts with ``paper_``) or its file lies in a ``paper/`` folder (``suites/paper/``, the files ``deqbench reproduce --scale
+paper`` runs), else ``cpu``. The suite decides, not the device: the small CPU suite run on a GPU
+is still judged at ``cpu`` scale. At ``cpu`` scale the absolute claims (the paper's own numbers)
+are ``not run`` with reason ``scale``.
 
 Example:
+    >>> from deqbench.outcomes import claims_for
+    >>> [c.id for c in claims_for("pcdeq_cpu")]
+    ['002-mnist-accuracy', '002-iterations', '002-lipschitz', '002-unconstrained']
     >>> from deqbench.outcomes import summarize
-    >>> summary = summarize("results/pcdeq/<run_id>")          # doctest: +SKIP
-    >>> summary[["check", "held", "detail"]]                    # doctest: +SKIP
-
-Registering a checker for another suite (plain function, no other contract)::
-
-    from deqbench.outcomes import OUTCOMES, outcome
-    def check_my_suite(df):
-        return pandas.DataFrame([outcome("accuracy >= 0.9", acc >= 0.9, acc, ">= 0.9")])
-    OUTCOMES["my_suite"] = check_my_suite
+    >>> summarize("results/pcdeq/<run_id>")[["claim_id", "verdict", "reason"]]  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-COLUMNS = ["suite", "check", "cell_id", "held", "value", "expected", "detail"]
+if TYPE_CHECKING:
+    from ..reproduce.claims import Claim
 
-#: suite name -> fn(results DataFrame) -> DataFrame of outcome rows (see :func:`outcome`)
-OUTCOMES: dict[str, Callable[[Any], Any]] = {}
+__all__ = ["base_suite", "claims_for", "run_scale", "suite_name", "summarize"]
 
-
-def register(*suite_names: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
-    """Decorator: ``OUTCOMES[name] = fn`` for each suite name."""
-
-    def deco(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        for n in suite_names:
-            OUTCOMES[n] = fn
-        return fn
-
-    return deco
+_PREFIXES = ("paper_", "repro_")
+_SUFFIXES = ("_cpu", "_gpu", "_paper")
+_PAPER_SUFFIXES = ("_gpu", "_paper")
 
 
-def outcome(
-    check: str,
-    held: bool | str | None,
-    value: float = math.nan,
-    expected: str = "",
-    detail: str = "",
-    cell_id: str = "",
-) -> dict[str, Any]:
-    """One outcome row. ``held``: True/False -> yes/no; None -> n/a; a string is kept."""
-    if held is None:
-        h = "n/a"
-    elif isinstance(held, str):
-        h = held
-    else:
-        h = "yes" if held else "no"
-    return {
-        "check": check,
-        "cell_id": cell_id,
-        "held": h,
-        "value": float(value),
-        "expected": expected,
-        "detail": detail,
-    }
+def base_suite(name: str) -> str:
+    """``name`` without a leading ``paper_`` / ``repro_`` and a trailing ``_cpu`` / ``_gpu`` /
+    ``_paper`` (``"pcdeq_gpu"`` -> ``"pcdeq"``)."""
+    for p in _PREFIXES:
+        if name.startswith(p) and len(name) > len(p):
+            name = name[len(p) :]
+            break
+    for s in _SUFFIXES:
+        if name.endswith(s) and len(name) > len(s):
+            name = name[: -len(s)]
+            break
+    return name
+
+
+def claims_for(suite: str) -> list[Claim]:
+    """The claims (in :data:`~deqbench.reproduce.claims.CLAIMS` order) that a run of ``suite``
+    measures (see the module docstring)."""
+    from ..reproduce import verdicts as run
+    from ..reproduce.claims import CLAIMS
+
+    maps: list[dict[str, str]] = [run.CPU_SUITES, run.PAPER_SUITES]
+    base = base_suite(suite)
+    out = []
+    for c in CLAIMS:
+        if c.suite is None:
+            continue
+        names = [c.suite] + [Path(m[c.suite]).stem for m in maps if c.suite in m]
+        if any(base_suite(n) == base for n in names):
+            out.append(c)
+    return out
+
+
+def _run_json(run_dir: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _suite_yaml(run_dir: Path) -> dict[str, Any]:
+    p = run_dir / "suite.yaml"
+    if not p.is_file():
+        return {}
+    from ..run.yamlio import read_yaml
+
+    try:
+        raw, _ = read_yaml(p)
+    except Exception:  # ConfigError: unreadable or invalid YAML
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def suite_name(run_dir: str | Path) -> str:
     """The suite a run came from: run.json ``suite``, else suite.yaml ``name``, else the parent
     folder name (``results/<suite>/<run_id>``)."""
     run_dir = Path(run_dir)
-    meta = run_dir / "run.json"
-    if meta.exists():
-        try:
-            name = json.loads(meta.read_text()).get("suite")
-            if name:
-                return str(name)
-        except (OSError, ValueError):
-            pass
-    sy = run_dir / "suite.yaml"
-    if sy.exists():
-        import yaml
-
-        try:
-            name = (yaml.safe_load(sy.read_text()) or {}).get("name")
-            if name:
-                return str(name)
-        except (OSError, yaml.YAMLError):
-            pass
-    return run_dir.parent.name
+    name = _run_json(run_dir).get("suite") or _suite_yaml(run_dir).get("name")
+    return str(name) if name else run_dir.parent.name
 
 
-def check(df: Any, suite: str) -> Any:
-    """Run the checker of ``suite`` on a results DataFrame; empty frame if none is registered."""
-    import pandas as pd
-
-    load_builtin()
-    fn = OUTCOMES.get(suite)
-    if fn is None:
-        return pd.DataFrame(columns=COLUMNS)
-    out = fn(df)
-    out = pd.DataFrame(out) if not isinstance(out, pd.DataFrame) else out.copy()
-    out.insert(0, "suite", suite)
-    for c in COLUMNS:
-        if c not in out:
-            out[c] = "" if c not in ("value",) else math.nan
-    return out[COLUMNS]
+def _suite_file(run_dir: Path, name: str) -> Path:
+    """The suite file the run was made from (run.json ``suite_source``), else ``<name>.yaml``."""
+    src = _run_json(run_dir).get("suite_source")
+    if isinstance(src, str) and src and not src.startswith("<"):
+        return Path(src)
+    return Path(f"{name}.yaml")
 
 
-def summarize(run_dir: str | Path, suite: str | None = None, write: bool = True) -> Any:
-    """Outcome rows of a finished run; writes ``RUN_DIR/summary.csv`` when a checker exists.
+def run_scale(suite: str, file: str | Path | None = None) -> str:
+    """``"paper"`` for a suite named ``*_gpu`` / ``*_paper`` / ``paper_*`` or a file under a
+    ``paper/`` folder, else ``"cpu"``."""
+    stems = [suite] + ([Path(file).stem] if file is not None else [])
+    if any(s.endswith(_PAPER_SUFFIXES) or s.startswith("paper_") for s in stems):
+        return "paper"
+    if file is not None and Path(file).parent.name == "paper":
+        return "paper"
+    return "cpu"
+
+
+def summarize(
+    run_dir: str | Path,
+    *,
+    write: bool = True,
+    suite: str | None = None,
+    scale: str | None = None,
+) -> Any:
+    """The claim verdicts of a finished run as a DataFrame (``REPORT_COLUMNS``); writes
+    ``RUN_DIR/summary.csv`` (atomically) when at least one claim applies.
 
     Args:
-        run_dir: the run directory (with results.csv).
-        suite: the checker to use (default: the run's suite, see :func:`suite_name`).
+        run_dir: the run directory (results.csv, run.json, suite.yaml, series/).
         write: write ``summary.csv``.
+        suite: judge as a run of this suite (default: the run's, see :func:`suite_name`).
+        scale: ``"cpu"`` or ``"paper"`` (default: :func:`run_scale` of the run's suite).
     """
+    if scale not in (None, "cpu", "paper"):
+        raise ValueError(f"scale must be 'cpu' or 'paper', got {scale!r}")
+    run_dir = Path(run_dir)
+    name = suite or suite_name(run_dir)
+    claims = claims_for(name)
     import pandas as pd
 
-    run_dir = Path(run_dir)
-    try:
-        from ..run.results import load_results
+    from ..reproduce.verdicts import REPORT_COLUMNS
 
-        df = load_results(run_dir)
-    except Exception:  # results module absent or a partial file: read the CSV directly
-        df = pd.read_csv(run_dir / "results.csv")
-    name = suite or suite_name(run_dir)
-    out = check(df, name)
-    if write and not out.empty:
-        tmp = run_dir / ".summary.csv.tmp"
-        out.to_csv(tmp, index=False)
-        tmp.replace(run_dir / "summary.csv")
+    if not claims:
+        return pd.DataFrame(columns=list(REPORT_COLUMNS))
+    from ..reproduce.verdicts import SuiteRun, verdict_for
+
+    file = _suite_file(run_dir, name)
+    scale = scale or run_scale(name, file)
+    sr = SuiteRun(file=Path(file.name), run_dir=run_dir)
+    rows = []
+    for c in claims:
+        v, data = verdict_for(c, scale, sr)
+        row = {
+            "claim_id": c.id,
+            "paper": c.paper,
+            "where": c.where,
+            "claim": c.claim,
+            "paper_value": c.paper_value,
+            "measured": v.measured,
+            "data": data,
+            "scale": scale,
+            "verdict": v.verdict,
+            "reason": v.reason,
+            "run_dir": run_dir.name,
+        }
+        rows.append([row[k] for k in REPORT_COLUMNS])
+    out = pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
+    if write:
+        tmp = run_dir / f".summary.csv.{os.getpid()}.tmp"
+        try:
+            out.to_csv(tmp, index=False)
+            tmp.replace(run_dir / "summary.csv")
+        finally:
+            tmp.unlink(missing_ok=True)
     return out
-
-
-_LOADED = False
-
-
-def load_builtin() -> None:
-    """Import every module of this package once (each registers its checkers)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    import importlib
-    import pkgutil
-
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
-
-
-# -- helpers for checkers ----------------------------------------------------------------------------------
-
-
-def rows_of(df: Any, analysis: str) -> Any:
-    d = df[(df["analysis"] == analysis) & (df["status"] == "ok")]
-    return d.assign(variant=d["variant"].fillna("").astype(str))
-
-
-def curve(d: Any, cell: str, metric: str, variant: str = "") -> Any:
-    """Per-epoch median over seeds of ``metric``/``variant`` of one cell (a Series by epoch)."""
-    g = d[(d["cell_id"] == cell) & (d["metric"] == metric) & (d["variant"] == variant)]
-    g = g[g["step"].notna()]
-    return g.groupby(g["step"].astype(int))["value"].median().sort_index()
-
-
-def spearman(a: Any, b: Any) -> float:
-    j = a.to_frame("a").join(b.to_frame("b"), how="inner").dropna()
-    if len(j) < 3 or j["a"].nunique() < 2 or j["b"].nunique() < 2:
-        return math.nan
-    return float(j["a"].rank().corr(j["b"].rank()))
-
-
-def task_status(df: Any, cell: str) -> tuple[bool, str]:
-    r = df[(df["cell_id"] == cell) & (df["analysis"] == "runner") & (df["metric"] == "wall_time")]
-    bad = r[r["status"] != "ok"]
-    if bad.empty:
-        return True, ""
-    first = bad.iloc[0]
-    return False, f"seed {first['seed']}: {first['status']} {first['note']}"
-
-
-def final(series: Any) -> float:
-    return float(series.iloc[-1]) if len(series) else math.nan
-
-
-def fmt_curve(series: Any) -> str:
-    if not len(series):
-        return "none"
-    return f"{series.iloc[0]:.3g} (epoch {series.index[0]}) -> {series.iloc[-1]:.3g} (epoch {series.index[-1]})"

@@ -24,8 +24,9 @@ After training, for the cell's backward mode, measures on the test set:
 tolerance before training, so one matrix axis ``backward: [{name: ift, tol: 1e-2}, ...]`` gives
 the paper's single residual threshold "thd" for both passes.
 
-:func:`opteq_outcomes` turns a run's rows into the expected-behaviour checks of the ``opteq``
-suite, :func:`plot_unroll_compare` draws residual and memory against K.
+:func:`unroll_table` gives one row per cell (metrics as columns), :func:`plot_unroll_compare`
+draws residual and memory against K. The verdicts of papers/003's claims on these rows are in the
+run's ``summary.csv`` (:mod:`deqbench.outcomes`).
 
 Example (plain functions)::
 
@@ -58,9 +59,6 @@ from .memory import (
     peak_memory,
     saved_tensor_bytes,  # noqa: F401  (re-exported: public name of this module)
 )
-
-FLOOR = 1e-6  # residuals below this are at float32 round-off; excluded from rate fits
-
 
 # -- plain functions ------------------------------------------------------------------------
 
@@ -349,7 +347,7 @@ class UnrollCompare(Analysis):
         model.train(was)
 
 
-# -- outcome checks -------------------------------------------------------------------------
+# -- the run's table -----------------------------------------------------------------------
 
 
 def unroll_table(df: Any) -> Any:
@@ -371,156 +369,6 @@ def unroll_table(df: Any) -> Any:
     tab = tab.rename(columns={"variant": "method"})
     sort = [c for c in ("gamma", "unroll_k", "threshold") if c in tab.columns]
     return tab.sort_values(sort, na_position="last").reset_index(drop=True)
-
-
-def _fit_rate(ks: list[float], res: list[float]) -> float:
-    """exp(slope) of log(residual) against K over the points above :data:`FLOOR`."""
-    pts = [(k, math.log(r)) for k, r in zip(ks, res) if r > FLOOR and math.isfinite(r)]
-    if len(pts) < 2:
-        return math.nan
-    mk = sum(p[0] for p in pts) / len(pts)
-    ml = sum(p[1] for p in pts) / len(pts)
-    num = sum((p[0] - mk) * (p[1] - ml) for p in pts)
-    den = sum((p[0] - mk) ** 2 for p in pts)
-    return math.exp(num / den) if den > 0 else math.nan
-
-
-def opteq_outcomes(df: Any, *, acc_spread: float = 0.05, mem_growth: float = 4.0) -> Any:
-    """Expected behaviours of the ``opteq`` suites (REFERENCE.md 9.5), one row per check in the
-    :mod:`deqbench.outcomes` schema (``check, cell_id, held, value, expected, detail``).
-
-    Per gamma: the unrolled residual falls with K (``residual falls with K``) at a geometric
-    rate within the contraction bound (``geometric rate within bound``, fitted over residuals
-    above 1e-6); accuracy is nearly flat over all methods (``accuracy flat``, spread <=
-    ``acc_spread``); unrolled activation memory grows with K (``unrolled memory grows with K``,
-    K=max / K=min >= ``mem_growth``); IFT memory does not (``IFT memory constant``: equal across
-    thresholds, below the smallest K); each IFT cell meets its threshold on the test set;
-    ||W|| <= gamma. Across gammas: the fitted rate grows with gamma.
-    """
-    import pandas as pd
-
-    from ..outcomes import outcome
-
-    tab = unroll_table(df)
-    rows: list[dict[str, Any]] = []
-    if tab.empty or "gamma" not in tab.columns:
-        return pd.DataFrame(
-            [
-                outcome(
-                    "unroll_compare rows present",
-                    False,
-                    detail="the suite must run the unroll_compare analysis",
-                )
-            ]
-        )
-    rates: dict[float, float] = {}
-    for gamma, g in tab.groupby("gamma"):
-        grp = f"gamma={gamma:g}"
-        unr = g[g["unroll_k"].notna()].sort_values("unroll_k")
-        ift = g[g["unroll_k"].isna()]
-        ks = unr["unroll_k"].tolist()
-        res = unr["rel_residual_opteq"].tolist() if "rel_residual_opteq" in unr else []
-        if len(ks) >= 2 and res:
-            dec = all(b < a or (a <= FLOOR and b <= FLOOR) for a, b in zip(res, res[1:]))
-            rows.append(
-                outcome(
-                    f"residual falls with K ({grp})",
-                    dec,
-                    res[-1],
-                    "decreasing in K (flat below 1e-6)",
-                    ", ".join(f"K={k:g}: {r:.2e}" for k, r in zip(ks, res)),
-                )
-            )
-            rate = _fit_rate(ks, res)
-            rates[float(gamma)] = rate
-            bound = (
-                float(unr["contraction_bound"].mean()) if "contraction_bound" in unr else math.nan
-            )
-            ok = math.isfinite(rate) and (not math.isfinite(bound) or rate <= bound + 0.02)
-            if gamma < 1:
-                ok = ok and rate < 1
-            rows.append(
-                outcome(
-                    f"geometric rate within bound ({grp})",
-                    ok if math.isfinite(rate) else None,
-                    rate,
-                    f"<= {bound:.3f} (Lipschitz bound of T)" + (", < 1" if gamma < 1 else ""),
-                    f"residual ~ rate^K fitted over residuals > {FLOOR:g}; per step {rate:.3f}",
-                )
-            )
-        if "test_accuracy" in g:
-            acc = g["test_accuracy"]
-            spread = float(acc.max() - acc.min())
-            rows.append(
-                outcome(
-                    f"accuracy flat across K and IFT ({grp})",
-                    spread <= acc_spread,
-                    spread,
-                    f"spread <= {acc_spread}",
-                    ", ".join(f"{m}: {a:.3f}" for m, a in zip(g["method"], acc)),
-                )
-            )
-        if "activation_memory" in g and len(unr) >= 2:
-            mem = unr["activation_memory"].tolist()
-            grows = all(b > a for a, b in zip(mem, mem[1:]))
-            ratio = mem[-1] / mem[0] if mem[0] > 0 else math.nan
-            rows.append(
-                outcome(
-                    f"unrolled memory grows with K ({grp})",
-                    grows and ratio >= mem_growth,
-                    ratio,
-                    f"increasing, K={ks[-1]:g} / K={ks[0]:g} >= {mem_growth:g}",
-                    ", ".join(f"K={k:g}: {m / 2**20:.2f} MiB" for k, m in zip(ks, mem)),
-                )
-            )
-            if len(ift):
-                im = ift["activation_memory"].tolist()
-                const = max(im) <= 1.1 * min(im) and max(im) < mem[0]
-                rows.append(
-                    outcome(
-                        f"IFT memory constant ({grp})",
-                        const,
-                        max(im),
-                        f"equal across thresholds, < unrolled K={ks[0]:g} ({mem[0] / 2**20:.2f} MiB)",
-                        ", ".join(f"{m}: {v / 2**20:.2f} MiB" for m, v in zip(ift["method"], im)),
-                    )
-                )
-        for _, r in ift.iterrows():
-            thd = float(r["threshold"])
-            obs = float(r.get("rel_residual_opteq", math.nan))
-            rows.append(
-                outcome(
-                    f"IFT meets its threshold ({grp}, thd={thd:g})",
-                    obs <= thd,
-                    obs,
-                    f"<= {thd:g}",
-                    f"test residual ||z - T(z)|| / ||z||, forward iterations {r.get('forward_nstep', math.nan):.0f}",
-                    cell_id=str(r["cell_id"]),
-                )
-            )
-        if "weight_norm_max" in g:
-            wn = float(g["weight_norm_max"].max())
-            rows.append(
-                outcome(
-                    f"norm bound ||W|| <= gamma ({grp})",
-                    wn <= gamma * (1 + 1e-4),
-                    wn,
-                    f"<= {gamma:g}",
-                )
-            )
-    fin = {g: r for g, r in sorted(rates.items()) if math.isfinite(r)}
-    if len(fin) >= 2:
-        vals = list(fin.values())
-        rows.append(
-            outcome(
-                "rate increases with gamma",
-                all(b > a for a, b in zip(vals, vals[1:])),
-                vals[-1],
-                "increasing in gamma",
-                ", ".join(f"gamma={g:g}: {r:.3f}" for g, r in fin.items()),
-            )
-        )
-    return pd.DataFrame(rows)
 
 
 @plots.register("unroll_compare")

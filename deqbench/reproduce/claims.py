@@ -16,8 +16,8 @@ checker in :mod:`deqbench.reproduce.checks` and its scale:
 verdict a statement about the trend only) and anything else a reader of the report needs.
 
 :data:`DIFFERS_FROM_OURS` lists every place where our earlier expectations (``shared/REFERENCE.md``
-section 9 and the checks in :mod:`deqbench.outcomes`) differ from the papers: what we checked,
-what the paper says. The paper is the check; our measurements are notes.
+section 9 and the old outcome checks (removed)) differ from the papers: what we checked, what
+the paper says. The paper is the check; our measurements are notes.
 
 Example:
     >>> from deqbench.reproduce.claims import claim
@@ -325,7 +325,7 @@ CLAIMS: tuple[Claim, ...] = (
     ),
 )
 
-#: every place where our earlier expectations (REFERENCE.md section 9, deqbench.outcomes, the
+#: every place where our earlier expectations (REFERENCE.md section 9, the old outcome checks, the
 #: suites' "Expected" comments) differ from the papers: what we checked -- what the paper says
 DIFFERS_FROM_OURS: tuple[str, ...] = (
     "001-klr-equivalence: kglm_klr checked 'float64 agrees on every pixel, max |dp| < 1e-10' and "

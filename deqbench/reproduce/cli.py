@@ -14,7 +14,8 @@ import typer
 EXAMPLE = (
     "Example: deqbench reproduce 002 003 --scale cpu --out results/reproduction/cpu\n\n"
     "One claim: deqbench reproduce --claims 001-init-cost. All claims at CPU scale (about "
-    "15 minutes on 2 cores): deqbench reproduce --scale cpu"
+    "15 minutes on 2 cores): deqbench reproduce --scale cpu. Paper scale on one GPU, "
+    "8 small cells at a time: deqbench reproduce 002 --scale paper --executor dask --workers 8"
 )
 
 
@@ -28,7 +29,8 @@ def reproduce_command(
         typer.Option(
             "--scale",
             help="cpu: suites/repro/*_cpu.yaml (3 seeds, mnist5k/digits/synthetic data, small "
-            "models; absolute numbers not compared); paper: the *_gpu.yaml suites.",
+            "models; absolute numbers not compared); paper: suites/paper/*.yaml (the papers' "
+            "architectures, widths, epochs; a GPU).",
         ),
     ] = "cpu",
     data_root: Annotated[
@@ -48,6 +50,41 @@ def reproduce_command(
             "--claims", help="Only these claim ids, comma-separated (e.g. 001-init-cost)."
         ),
     ] = None,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override a field of every suite: KEY=VALUE with a dotted key, e.g. "
+            "device=cpu (repeatable; the report's scale column is unchanged, so say it).",
+        ),
+    ] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help="inline, or dask: each suite's cells x seeds as Dask tasks (deqbench\\[dask]).",
+        ),
+    ] = "inline",
+    scheduler: Annotated[
+        str | None,
+        typer.Option("--scheduler", help="With --executor dask: a running scheduler's address."),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue the --out folder's earlier runs: finished suites are reused, "
+            "interrupted ones resumed, missing ones run; the report is rewritten.",
+        ),
+    ] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            help="With --executor dask: local worker processes (several per GPU run several "
+            "small cells at once).",
+        ),
+    ] = None,
 ) -> None:
     """Run the suites behind the papers' claims, check each claim in the paper's direction and
     write reproduction.csv and reproduction.md (verdicts: reproduced, not reproduced, not run).
@@ -57,10 +94,12 @@ def reproduce_command(
     from ..cli import handle_errors
 
     with handle_errors():
-        from .run import reproduce
+        from .run import RunOptions, reproduce
 
         ids = [c.strip() for c in (claims or "").split(",") if c.strip()]
-        folder = reproduce(papers or (), scale=scale, claim_ids=ids, out=out, data_root=data_root)
+        opts = RunOptions(tuple(overrides or ()), executor, scheduler, workers, resume)
+        folder = reproduce(papers or (), scale=scale, claim_ids=ids, out=out,
+                           data_root=data_root, options=opts)  # fmt: skip
         print(f"report: {folder / 'reproduction.md'}")
 
 

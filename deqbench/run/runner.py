@@ -529,12 +529,13 @@ def _finish(
 
 
 def _outcomes(run_dir: Path) -> None:
-    """Write ``summary.csv`` (expected-behaviour checks) when the suite has a checker."""
+    """Write ``summary.csv`` (the verdicts of the paper claims the suite measures, see
+    :mod:`deqbench.outcomes`) when the suite measures any."""
     try:
         from ..outcomes import summarize
 
         summarize(run_dir)
-    except Exception as exc:  # outcome checks never fail a run
+    except Exception as exc:  # the claim verdicts never fail a run
         _log(run_dir, f"outcomes: {type(exc).__name__}: {exc}")
 
 

@@ -74,9 +74,9 @@ def prestart(
     if name != "dask" or scheduler is not None or (workers is not None and workers < 1):
         return None
     try:
-        import yaml
+        from ..yamlio import read_yaml  # the size, depth and alias limits of every suite read
 
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        raw, _ = read_yaml(path)
         if not isinstance(raw, dict) or "suites" in raw:
             return None
         over = dict(o.split("=", 1) for o in overrides if "=" in o)

@@ -16,8 +16,11 @@ when a worker is free, i.e. on another worker or on the dead one's restarted pro
 one dies too, the cell is recorded as ``error`` with the reason and the run goes on. On a
 cluster of yours the scheduler's ``distributed.scheduler.allowed-failures`` decides (Dask's
 default 3 restarts; start the scheduler with ``DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=1``
-for the same policy). An exception that escapes the task itself (it cannot be unpickled on the
-worker, say) is retried once (``retries=1``).
+for the same policy). Either way each cell a dead worker took down is one line in the run's
+``log.txt`` (cell, seed, worker and cause): resubmitted here, or, on a cluster of yours, the
+scheduler's ``remove-worker`` event (the coordinator subscribes to its ``all`` topic). An
+exception that escapes the task itself (it cannot be unpickled on the worker, say) is retried
+once (``retries=1``).
 
 Fixed costs are paid off the cells' clock and overlap the coordinator's own start: the local
 cluster starts in the background (:meth:`DaskExecutor.start` with ``wait=False``, as ``deqbench
@@ -55,6 +58,7 @@ import traceback
 import uuid
 from collections import deque
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from ...core.errors import ConfigError, DeqbenchError
@@ -163,6 +167,48 @@ def gpu_memory() -> dict[str, int]:
         return {}
     free, total = torch.cuda.mem_get_info()
     return {"peak": int(torch.cuda.max_memory_reserved()), "free": int(free), "total": int(total)}
+
+
+def _last_worker(exc: BaseException) -> str:
+    """The address of the worker a ``KilledWorker`` last died on (``?`` if unknown)."""
+    try:
+        return str(exc.last_worker.address)  # type: ignore[attr-defined]
+    except Exception:
+        return "?"
+
+
+def _log_task(task: Task, text: str) -> None:
+    """One line about ``task`` in its run's ``log.txt`` (coordinator side, as the runner's)."""
+    if task.run_dir:
+        from ..runner import _log
+
+        _log(Path(task.run_dir), f"{task.cell.id} seed={task.seed}: {text}")
+
+
+def _watch_removed_workers(
+    client: Any, keys: dict[str, Task], lost: deque[tuple[str, str, bool]]
+) -> bool:
+    """Subscribe ``client`` to the scheduler's ``remove-worker`` events (topic ``all``): the
+    keys of ``keys`` that a removed worker was running go to ``lost`` as ``(worker, key,
+    expected)`` (the handler runs in the client's event-loop thread; the coordinator logs them).
+    False when the subscription fails (an old scheduler): nothing is logged then."""
+
+    def handler(event: Any) -> None:
+        try:
+            msg = event[1]
+            if not isinstance(msg, dict) or msg.get("action") != "remove-worker":
+                return
+            for key in msg.get("processing-tasks") or ():
+                if str(key) in keys:
+                    lost.append((str(msg.get("worker", "?")), str(key), bool(msg.get("expected"))))
+        except Exception:  # a log line is never worth a failed run
+            pass
+
+    try:
+        client.subscribe_topic("all", handler)
+    except Exception:
+        return False
+    return True
 
 
 def _pinned_gpu() -> str | None:
@@ -554,6 +600,11 @@ class DaskExecutor:
             (i, t, 0, None) for i, t in enumerate(tasks)
         )
         inflight: dict[Any, tuple[int, Task, int, float]] = {}
+        keys: dict[str, Task] = {}  # every key submitted in this run -> its task
+        # A scheduler of yours runs the cell of a worker that died again by itself (its
+        # allowed-failures): its remove-worker events name the keys the worker was running.
+        lost: deque[tuple[str, str, bool]] = deque()  # (worker, key, expected), event thread
+        watch = self.cluster is None and _watch_removed_workers(client, keys, lost)
         first_walls: list[float] | None = [] if self._may_add_workers() else None
         n_first = len(self._specs)
 
@@ -570,6 +621,22 @@ class DaskExecutor:
                     pure=False,
                 )
                 inflight[fut] = (i, t, attempt, time.perf_counter() if t0 is None else t0)
+                keys[str(fut.key)] = t
+
+        def log_lost() -> None:
+            while lost:
+                worker, key, expected = lost.popleft()
+                again = (
+                    "the scheduler runs it again elsewhere"
+                    if expected
+                    else "the scheduler runs it again unless its "
+                    "distributed.scheduler.allowed-failures are used up (then KilledWorker)"
+                )
+                how = "was retired" if expected else "died"
+                _log_task(
+                    keys[key],
+                    f"worker {worker} {how} running this cell (Dask remove-worker event); {again}",
+                )
 
         try:
             fill()
@@ -578,8 +645,10 @@ class DaskExecutor:
                     with client.as_current():  # wait() looks up the current client
                         wait(list(inflight), timeout=self.poll, return_when="FIRST_COMPLETED")
                 except TimeoutError:
+                    log_lost()
                     fill()  # workers may have joined
                     continue
+                log_lost()
                 done = sorted((f for f in inflight if f.done()), key=lambda f: inflight[f][0])
                 results = []
                 for fut in done:
@@ -587,10 +656,15 @@ class DaskExecutor:
                     if (
                         fut.status == "error"
                         and attempt < resubmit
-                        and isinstance(fut.exception(), KilledWorker)
+                        and isinstance(exc := fut.exception(), KilledWorker)
                     ):
                         fut.release()
                         queue.appendleft((i, t, attempt + 1, t0))
+                        _log_task(
+                            t,
+                            f"worker {_last_worker(exc)} died running this cell (KilledWorker); "
+                            f"submitted again (attempt {attempt + 2} of {resubmit + 1})",
+                        )
                         continue
                     results.append(self._collect(fut, t, time.perf_counter() - t0, attempt + 1))
                     fut.release()
@@ -604,6 +678,12 @@ class DaskExecutor:
                         first_walls = None
                 yield from results
         finally:
+            if watch:
+                try:
+                    client.unsubscribe_topic("all")
+                except Exception:
+                    pass
+                log_lost()
             if inflight and self.client is not None:
                 try:
                     self.client.cancel(list(inflight), force=True)
@@ -629,11 +709,11 @@ class DaskExecutor:
             )
         exc = fut.exception()
         if isinstance(exc, KilledWorker):
+            last = _last_worker(exc)
             try:
-                last = exc.last_worker.address
                 tries = str(submissions * (exc.allowed_failures + 1))
             except Exception:
-                last, tries = "?", "several"
+                tries = "several"
             note = (
                 f"worker died running this cell ({tries} attempts, the last on {last}; "
                 "KilledWorker): see the worker logs"

@@ -1,0 +1,241 @@
+"""Checkers of paper 001: Tsuchida et al., *Declarative nets that are equilibrium models*, ICLR 2022
+(kGLM-initialised DEQs). One checker per claim ``001-*`` of
+:data:`deqbench.reproduce.claims.CLAIMS`, each threshold cited to the paper at its constant; the
+shared rules, helpers and the registry are in :mod:`deqbench.reproduce.checks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from . import (
+    NOT_RUN,
+    Trend,
+    Verdict,
+    _checker,
+    _converged,
+    _few,
+    _g,
+    _log_ratio,
+    _med,
+    _paired,
+    _seeds,
+    _verdict,
+    _word,
+    seed_trend,
+)
+
+__all__ = [
+    "KLR_TIE_TOL",
+    "check_klr_equivalence",
+    "GP_EARLY_EPOCH",
+    "check_gp_informed_init",
+    "check_denoise",
+    "CONV_INIT_MAX_SECONDS",
+    "check_init_cost",
+]
+
+
+#: a tie: |p_KLR - 1/2| within this. Paper 001 Table 2: the 11 disagreements have KLR posteriors
+#: 0.4999999622825579 ... 0.4999999968452693, i.e. at most 3.8e-8 from 0.5; 1e-7 covers that and
+#: float32's resolution at 0.5 (2^-24 = 6e-8).
+KLR_TIE_TOL = 1e-7
+
+
+@_checker("001-klr-equivalence")
+def check_klr_equivalence(
+    *,
+    pixels: int,
+    tie_distances: Sequence[float],
+    converged: bool,
+    random_disagreeing: int | None = None,
+) -> Verdict:
+    """001-klr-equivalence: KLR and the kGLM DEQ agree on every pixel except at ties.
+
+    Args:
+        pixels: number of pixels compared (images x pixels per image).
+        tie_distances: ``|p_KLR - 1/2|`` at every pixel whose binarised KLR and DEQ predictions
+            disagree (empty: full agreement).
+        converged: every DEQ solve reached its tolerance.
+        random_disagreeing: disagreeing pixels of the random-init DEQ control (None: not run).
+
+    Not run when the DEQ solves did not converge, or when the random control agrees too (then the
+    comparison cannot fail). No seeds: the claim is an identity (Theorem 3), not a trend.
+    """
+    cid = "001-klr-equivalence"
+    off = [d for d in tie_distances if not (abs(float(d)) <= KLR_TIE_TOL)]
+    measured = (
+        f"{len(tie_distances)} of {pixels} pixels disagree, {len(off)} of them away from a tie "
+        f"(|p - 1/2| > {KLR_TIE_TOL:g})"
+    )
+    if random_disagreeing is not None:
+        measured += f"; random-init DEQ: {random_disagreeing} pixels disagree"
+    if not converged:
+        return _verdict(cid, NOT_RUN, "convergence: the kGLM DEQ's solves missed tol", measured)
+    if random_disagreeing is not None and random_disagreeing == 0:
+        return _verdict(
+            cid,
+            NOT_RUN,
+            "control: the random-init DEQ agrees as well, so the comparison cannot fail",
+            measured,
+        )
+    return _verdict(
+        cid, _word(not off), "" if not off else "disagreements away from ties", measured
+    )
+
+
+#: Fig. 5(b) of paper 001 compares the schemes after 20 epochs: "faster training" is judged at
+#: the measured epochs up to this one, "a better starting point" at epoch 0
+GP_EARLY_EPOCH = 20
+
+
+@_checker("001-gp-informed-init")
+def check_gp_informed_init(
+    *,
+    informed: Mapping[int, Sequence[float]],
+    random: Mapping[int, Sequence[float]],
+    informed_converged: Sequence[float],
+) -> Verdict:
+    """001-gp-informed-init: informed kGLM init below random test MSE at the start and early on.
+
+    Args:
+        informed: epoch -> per-seed test MSE of the informed kGLM model (epoch 0 = at init).
+        random: epoch -> per-seed test MSE of the random-init model (same seeds, same order).
+        informed_converged: per seed, the share of the informed model's forward solves that
+            reached their tolerance (issue 26: the informed model must reach its fixed point).
+
+    Per epoch in ``0 .. GP_EARLY_EPOCH`` measured for both, the per-seed effect
+    ``log(random / informed)`` must be a trend (:func:`seed_trend`); epoch 0 is required.
+    """
+    cid = "001-gp-informed-init"
+    epochs = sorted(e for e in informed if e in random and e <= GP_EARLY_EPOCH)
+    if 0 not in epochs:
+        return _verdict(cid, NOT_RUN, "data: no epoch-0 test MSE for both schemes", "")
+    n = _paired(
+        cid,
+        {f"informed@{e}": informed[e] for e in epochs} | {f"random@{e}": random[e] for e in epochs},
+    )
+    bad = _seeds(cid, n) or _converged(cid, "the informed model", informed_converged)
+    if bad:
+        return bad
+    parts, ok, trends = [], True, list[Trend]()
+    for e in epochs:
+        t = seed_trend([_log_ratio(r, i) for i, r in zip(informed[e], random[e])])
+        ok, trends = ok and t.holds, trends + [t]
+        parts.append(
+            f"epoch {e}: informed {_g(_med(informed[e]))} vs random "
+            f"{_g(_med(random[e]))}, log(random/informed) {t.text()}"
+        )
+    bad = _few(cid, trends, "; ".join(parts))
+    if bad:
+        return bad
+    reason = "" if ok else "informed not below random beyond the seed spread at every epoch"
+    return _verdict(cid, _word(ok), reason, "; ".join(parts))
+
+
+@_checker("001-denoise")
+def check_denoise(
+    *,
+    best_mse: Mapping[str, Mapping[int, Sequence[float]]],
+    failed: Mapping[str, Sequence[int]],
+    converged: Mapping[str, Sequence[float]] | None = None,
+) -> Verdict:
+    """001-denoise: kGLM best test MSE below random at every epoch, and no more failed runs.
+
+    Args:
+        best_mse: ``{"kglm": {epoch: per-seed best test MSE over the spectral-norm grid},
+            "random": {...}}`` (the best over the non-failed grid points).
+        failed: ``{"kglm": per-seed number of failed runs (NaN/inf/diverged) over the grid,
+            "random": ...}``.
+        converged: optional ``{"kglm": per-seed share of converged forward solves at the best
+            grid point, "random": ...}``.
+
+    Paper: Fig. 6 "superior performance at all epochs"; Table 1 fewer failed runs in every row.
+    Each epoch's per-seed effect ``log(random / kglm)`` must be a trend; the median over seeds
+    of ``failed_random - failed_kglm`` must not be negative.
+    """
+    cid = "001-denoise"
+    kg, rd = best_mse.get("kglm", {}), best_mse.get("random", {})
+    epochs = sorted(e for e in kg if e in rd)
+    if not epochs:
+        return _verdict(cid, NOT_RUN, "data: no epoch measured for both schemes", "")
+    n = _paired(cid, {f"kglm@{e}": kg[e] for e in epochs} | {f"random@{e}": rd[e] for e in epochs})
+    bad = _seeds(cid, n)
+    for scheme, shares in (converged or {}).items():
+        bad = bad or _converged(cid, f"the {scheme} model at its best scale", shares)
+    if bad:
+        return bad
+    parts, ok, trends = [], True, list[Trend]()
+    for e in epochs:
+        t = seed_trend([_log_ratio(r, k) for k, r in zip(kg[e], rd[e])])
+        ok, trends = ok and t.holds, trends + [t]
+        parts.append(
+            f"epoch {e}: kGLM {_g(_med(kg[e]))} vs random "
+            f"{_g(_med(rd[e]))} ({t.text()} in log ratio)"
+        )
+    bad = _few(cid, trends, "; ".join(parts))
+    if bad:
+        return bad
+    fk, fr = list(failed.get("kglm", [])), list(failed.get("random", []))
+    fewer = True
+    if fk and fr:
+        diff = _med(float(r) - float(k) for k, r in zip(fk, fr))
+        fewer = diff >= 0
+        parts.append(f"failed runs kGLM {fk} vs random {fr}")
+    reasons = []
+    if not ok:
+        reasons.append("kGLM not below random beyond the seed spread at every epoch")
+    if not fewer:
+        reasons.append("kGLM failed more often than random")
+    return _verdict(cid, _word(ok and fewer), "; ".join(reasons), "; ".join(parts))
+
+
+#: paper 001 App. F: the conv kGLM initialisation "costs less than 1 second on a laptop PC"
+CONV_INIT_MAX_SECONDS = 1.0
+
+
+@_checker("001-init-cost")
+def check_init_cost(
+    *,
+    fc_kglm: Mapping[int, Sequence[float]],
+    fc_random: Mapping[int, Sequence[float]],
+    conv_kglm: Mapping[int, Sequence[float]],
+) -> Verdict:
+    """001-init-cost: fc kGLM init faster than random at every width; conv kGLM init < 1 s.
+
+    Args:
+        fc_kglm: width -> per-repeat seconds of a kGLM init of a fully connected layer pair.
+        fc_random: width -> per-repeat seconds of the random (Gaussian) init, same repeats.
+        conv_kglm: channels -> per-repeat seconds of a kGLM init of a C -> C conv pair at 32x32.
+
+    Repeats play the role of seeds (>= 3). fc: per width, ``log(random / kglm)`` per repeat must
+    be a trend. conv: the median over repeats at every channel count must be below
+    :data:`CONV_INIT_MAX_SECONDS`.
+    """
+    cid = "001-init-cost"
+    widths = sorted(w for w in fc_kglm if w in fc_random)
+    if not widths or not conv_kglm:
+        return _verdict(cid, NOT_RUN, "data: fc (both schemes) and conv timings needed", "")
+    n = min(min(len(fc_kglm[w]), len(fc_random[w])) for w in widths)
+    n = min([n] + [len(v) for v in conv_kglm.values()])
+    bad = _seeds(cid, n, "repeats")
+    if bad:
+        return bad
+    parts, fc_ok, trends = [], True, list[Trend]()
+    for w in widths:
+        t = seed_trend([_log_ratio(r, k) for k, r in zip(fc_kglm[w], fc_random[w])])
+        fc_ok, trends = fc_ok and t.holds, trends + [t]
+        parts.append(f"fc {w}: kGLM {_g(_med(fc_kglm[w]))} s vs random {_g(_med(fc_random[w]))} s")
+    bad = _few(cid, trends, "; ".join(parts))
+    if bad:
+        return bad
+    conv_med = {c: _med(v) for c, v in sorted(conv_kglm.items())}
+    conv_ok = all(m < CONV_INIT_MAX_SECONDS for m in conv_med.values())
+    cmax = max(conv_med)
+    parts.append(f"conv kGLM at {cmax} channels {_g(conv_med[cmax])} s")
+    reasons = []
+    if not fc_ok:
+        reasons.append("fc kGLM init not faster than random at every width")
+    if not conv_ok:
+        reasons.append(f"conv kGLM init >= {CONV_INIT_MAX_SECONDS:g} s")
+    return _verdict(cid, _word(fc_ok and conv_ok), "; ".join(reasons), "; ".join(parts))
