@@ -281,6 +281,31 @@ def _md(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _provenance(sr: SuiteRun) -> tuple[str, str, float]:
+    """(device, commit, seconds) of a suite's run from its ``run.json``: the device name (the
+    card on CUDA), the commit with ``+dirty`` for uncommitted changes, and the run's wall time
+    from start to finish (so a reused or resumed run reports its own time, not this call's)."""
+    import datetime as dt
+    import json
+
+    secs = sr.seconds
+    if sr.run_dir is None:
+        return "", "", secs
+    try:
+        meta = json.loads((sr.run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "", "", secs
+    device = str(meta.get("device_name") or meta.get("device") or "")
+    git = meta.get("git") if isinstance(meta.get("git"), dict) else {}
+    commit = str(git.get("commit") or "")[:12] + ("+dirty" if git.get("dirty") else "")
+    try:
+        t0, t1 = (dt.datetime.fromisoformat(str(meta[k])) for k in ("started", "finished"))
+        secs = (t1 - t0).total_seconds()
+    except (KeyError, ValueError, TypeError):
+        pass
+    return device, commit, secs
+
+
 def write_report(
     out: Path,
     rows: Sequence[dict[str, str]],
@@ -324,8 +349,16 @@ def write_report(
             + " |"
         )
     if runs:
-        lines += ["", "| suite | seconds | run directory | error |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| suite | seconds | device | commit | run directory | error |",
+            "|---|---|---|---|---|---|",
+        ]
         for f, sr in runs.items():
             rd = _rel(sr.run_dir, out) if sr.run_dir else ""
-            lines.append(f"| {f.stem} | {sr.seconds:.1f} | {_md(rd)} | {_md(sr.error)} |")
+            device, commit, secs = _provenance(sr)
+            lines.append(
+                f"| {f.stem} | {secs:.1f} | {_md(device)} | {_md(commit)} | {_md(rd)} | "
+                f"{_md(sr.error)} |"
+            )
     (out / "reproduction.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
