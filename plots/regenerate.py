@@ -29,6 +29,10 @@ TARGETS = {
     "smoke": ("suites/smoke.yaml", "plots/smoke", "run", None),
     "trajectory": ("suites/trajectory.yaml", "plots/trajectory_cpu", "run-noseries", None),
     "ntk": ("suites/ntk.yaml", "plots/ntk_cpu.png", "png", "ntk.png"),
+    # the CPU reproduction report (deqbench reproduce --scale cpu, about 6 minutes on 2 cores):
+    # the report and, per suite run, run.json / suite.yaml / summary.csv; docs/reproductions.md
+    # carries the report's table verbatim (tests/test_reproduce_report.py): paste it after this
+    "reproduction_cpu": ("", "plots/reproduction_cpu", "reproduce", None),
 }
 
 
@@ -43,8 +47,34 @@ def _dirty() -> bool:
     return out.returncode != 0 or bool(out.stdout.strip())
 
 
+def _reproduce(target: str) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report"
+        cmd = [sys.executable, "-m", "deqbench", "reproduce", "--scale", "cpu", "--out", str(out)]
+        print("+", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd, cwd=ROOT, check=False).returncode
+        if not (out / "reproduction.csv").is_file():
+            print(f"reproduction_cpu: no report made (exit {rc})", file=sys.stderr)
+            return rc or 1
+        dest = ROOT / target
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        for f in ("reproduction.csv", "reproduction.md"):
+            shutil.copy2(out / f, dest / f)
+        for run in sorted(out.glob("runs/*/*/run.json")):
+            d = dest / run.parent.relative_to(out)
+            d.mkdir(parents=True)
+            for f in ("run.json", "suite.yaml", "summary.csv"):
+                if (run.parent / f).is_file():
+                    shutil.copy2(run.parent / f, d / f)
+        print(f"reproduction_cpu: {target} regenerated (deqbench reproduce exit {rc})")
+        return 0
+
+
 def regenerate(name: str) -> int:
     suite, target, how, png = TARGETS[name]
+    if how == "reproduce":
+        return _reproduce(target)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable,
