@@ -23,6 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: where targets are written before they replace the committed ones: every target runs on the
+#: clean tree, and only after the last one are the results moved into plots/ (a target written
+#: into the tree first would make the next one's run.json say "dirty")
+STAGE = ROOT
+
 #: name -> (suite, what to keep under plots/, how): "run" keeps the whole run directory
 #: (results.csv, run.json, suite.yaml, series, plots), "png" copies one figure of the run
 TARGETS = {
@@ -56,7 +61,7 @@ def _reproduce(target: str) -> int:
         if not (out / "reproduction.csv").is_file():
             print(f"reproduction_cpu: no report made (exit {rc})", file=sys.stderr)
             return rc or 1
-        dest = ROOT / target
+        dest = STAGE / target
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
         for f in ("reproduction.csv", "reproduction.md"):
@@ -93,14 +98,15 @@ def regenerate(name: str) -> int:
             print(f"{name}: no run directory made (exit {rc})", file=sys.stderr)
             return rc or 1
         run = runs[-1].parent
-        dest = ROOT / target
+        dest = STAGE / target
+        dest.parent.mkdir(parents=True, exist_ok=True)
         if how == "png":
             shutil.copy2(run / "plots" / str(png), dest)
         else:
             keep = {}
-            if dest.is_dir():  # hand-written notes beside the run stay
-                keep = {p.name: p.read_bytes() for p in dest.glob("README.md")}
-                shutil.rmtree(dest)
+            if (ROOT / target).is_dir():  # hand-written notes beside the run stay
+                keep = {p.name: p.read_bytes() for p in (ROOT / target).glob("README.md")}
+            shutil.rmtree(dest, ignore_errors=True)
             shutil.copytree(run, dest)
             if how == "run-noseries":
                 shutil.rmtree(dest / "series", ignore_errors=True)
@@ -126,9 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown {unknown}; choose from {', '.join(TARGETS)}", file=sys.stderr)
         return 2
+    global STAGE
     rc = 0
-    for name in args.names or list(TARGETS):
-        rc = regenerate(name) or rc
+    names = args.names or list(TARGETS)
+    with tempfile.TemporaryDirectory() as stage:
+        STAGE = Path(stage)
+        for name in names:
+            rc = regenerate(name) or rc
+        for name in names:  # only now into the tree
+            target = TARGETS[name][1]
+            src, dst = STAGE / target, ROOT / target
+            if not src.exists():
+                continue
+            if dst.is_dir():
+                shutil.rmtree(dst)
+            elif dst.exists():
+                dst.unlink()
+            shutil.move(str(src), str(dst))
+        STAGE = ROOT
     return rc
 
 

@@ -31,3 +31,15 @@ def test_the_committed_report_has_every_claim_with_a_verdict():
         assert r["scale"] == "cpu"
         if r["verdict"] == "not run":
             assert r["reason"], r["claim_id"]
+
+
+def test_docs_carry_each_committed_paper_report():
+    docs = (ROOT / "docs" / "reproductions.md").read_text()
+    papers = sorted(p.name for p in (ROOT / "plots" / "reproduction_paper").iterdir() if p.is_dir())
+    assert papers
+    for paper in papers:
+        md = ROOT / "plots" / "reproduction_paper" / paper / "reproduction.md"
+        body = md.read_text().split("\n", 1)[1].strip()
+        begin = f"<!-- reproduction-paper-{paper}:begin -->\n"
+        end = f"\n<!-- reproduction-paper-{paper}:end -->"
+        assert docs[docs.index(begin) + len(begin) : docs.index(end)].strip() == body, paper

@@ -221,14 +221,15 @@ def cell_lines(diff: dict[str, Any], limit: int = 40) -> list[str]:
 
 
 def print_collection(summaries: list[Any], total: int) -> None:
-    """One line per suite of a collection run: run directory, tasks failed, and how many of its
-    expected-behaviour checks held (``summary.csv``, when the suite has a checker)."""
+    """One line per suite of a collection run: run directory, tasks failed, and the verdicts of
+    the paper claims it measures (``summary.csv``, when it measures any): reproduced / not
+    reproduced / not run."""
     import csv
 
     from rich.table import Table
 
     table = Table(title=f"{len(summaries)} of {total} suites run", title_justify="left")
-    for col in ("suite", "tasks failed", "checks held", "run directory"):
+    for col in ("suite", "tasks failed", "claims: reproduced / not / not run", "run directory"):
         table.add_column(col)
     for sm in summaries:
         held = "-"
@@ -236,9 +237,9 @@ def print_collection(summaries: list[Any], total: int) -> None:
         if path.exists():
             with open(path, newline="", encoding="utf-8") as fh:
                 rows = list(csv.DictReader(fh))
-            yes = sum(r.get("held") == "yes" for r in rows)
-            no = sum(r.get("held") == "no" for r in rows)
-            held = f"{yes} / {yes + no}"  # informational rows (held: info) aside
+            n = [sum(r.get("verdict") == v for r in rows)
+                 for v in ("reproduced", "not reproduced", "not run")]  # fmt: skip
+            held = " / ".join(map(str, n))
         failed = f"{len(sm.failed)}" + (" (interrupted)" if sm.interrupted else "")
         table.add_row(esc(sm.run_dir.parent.name), failed, held, esc(sm.run_dir))
     out_console().print(table)
