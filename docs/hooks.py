@@ -259,7 +259,7 @@ def _usage(cmd: Any, ctx: Any) -> str:
 
 
 def _epilog(text: str) -> str:
-    epi = inspect.cleandoc(text)
+    epi = inspect.cleandoc(text).replace("\\[", "[")  # rich's escape of a literal [ in help
     m = re.match(r"(?s)Examples?:\s*(.*)", epi)
     return "Example:\n\n```bash\n" + m.group(1).strip() + "\n```\n" if m else epi + "\n"
 

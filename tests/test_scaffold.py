@@ -5,6 +5,7 @@ pyproject.toml on PYTHONPATH (CI installs it with pip, see noxfile.py)."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -19,7 +20,13 @@ def test_new_plugin_passes_its_own_test(tmp_path):
     assert r.exit_code == 0, r.output
     assert "model tinydeq_deq, solver tinydeq_picard" in r.output
     root = tmp_path / "deqbench-tinydeq"
+    # the printed next steps install the test extra (pytest) and run the venv's own pytest
+    extra, pkg = shlex.quote(f"{root}[test]"), shlex.quote(str(root))
+    assert f"next: pip install -e {extra} && python -m pytest {pkg}" in r.output
     proj = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert proj["optional-dependencies"]["test"] == ["pytest"]
+    readme = (root / "README.md").read_text()
+    assert "pip install -e '.[test]'" in readme and "python -m pytest" in readme
     assert proj["entry-points"]["deqbench.models"] == {
         "tinydeq_deq": "deqbench_tinydeq.models:tinydeq_deq"
     }
@@ -55,3 +62,6 @@ def test_new_plugin_refuses_bad_names_and_non_empty_folders(tmp_path):
     assert r.exit_code == 2 and "exists and is not empty" in r.output
     r = CliRunner().invoke(app, ["new-plugin", "--help"])
     assert r.exit_code == 0 and "Example: deqbench new-plugin" in r.output
+    help_text = " ".join(r.output.split())  # rich wraps the help
+    assert "pip install -e 'deqbench-mydeq[test]' && python -m pytest deqbench-mydeq" in help_text
+    assert "pip install -e 'NAME[test]'" in help_text and "python -m pytest NAME" in help_text

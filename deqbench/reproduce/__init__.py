@@ -19,7 +19,8 @@ Example:
 
 from __future__ import annotations
 
-from .checks import CHECKERS, VERDICTS, Sweep, Trend, Verdict, seed_trend
+from .checks import CHECKERS, VERDICTS, Trend, Verdict, seed_trend
+from .checks.p004_ntk import Sweep
 from .claims import CLAIMS, DIFFERS_FROM_OURS, PAPERS, Claim, claim, claims_of
 
 __all__ = [

@@ -3,11 +3,12 @@
 The package has a ``pyproject.toml`` with the ``deqbench.models`` and ``deqbench.solvers``
 entry points, a model and a solver written to the contracts (:mod:`deqbench.contracts`), and a
 test that runs ``deqbench validate`` and a one-cell suite. It passes right after
-``pip install -e NAME``::
+``pip install -e 'NAME[test]'`` (its ``test`` extra brings pytest), run by
+``python -m pytest`` (the interpreter pip installed into, not another environment's ``pytest``)::
 
     deqbench new-plugin deqbench-mydeq
-    pip install -e deqbench-mydeq
-    pytest deqbench-mydeq
+    pip install -e 'deqbench-mydeq[test]'
+    python -m pytest deqbench-mydeq
 
 Names: the distribution is NAME, the import package NAME with ``-`` -> ``_``, the model
 ``<short>_deq`` and the solver ``<short>_picard`` (``<short>``: the package without a leading
@@ -265,8 +266,8 @@ registered through entry points (see `pyproject.toml`), written to deqbench's co
 (`deqbench.contracts`; the "Writing a plugin" guide, `docs/plugins.md` of deqbench).
 
 ```bash
-pip install -e .
-pytest                                   # validate + a one-cell suite
+pip install -e '.[test]'                 # the test extra brings pytest
+python -m pytest                         # validate + a one-cell suite
 deqbench ls models {short}               # {model}  {dist} 0.1.0
 deqbench validate tests/suite.yaml       # the contract checks
 ```

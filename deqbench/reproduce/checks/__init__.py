@@ -46,7 +46,7 @@ import pkgutil
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from ..claims import claim
 
@@ -277,6 +277,3 @@ def _load_papers() -> None:
 
 
 _load_papers()
-
-if TYPE_CHECKING:  # re-exports that other deqbench modules import from here, spelled out for mypy
-    from .p004_ntk import Sweep as Sweep
