@@ -155,7 +155,7 @@ def summarize(
 
     if not claims:
         return pd.DataFrame(columns=list(REPORT_COLUMNS))
-    from ..reproduce.verdicts import SuiteRun, verdict_for
+    from ..reproduce.verdicts import SuiteRun, report_row, verdict_for
 
     file = _suite_file(run_dir, name)
     scale = scale or run_scale(name, file)
@@ -163,19 +163,7 @@ def summarize(
     rows = []
     for c in claims:
         v, data = verdict_for(c, scale, sr)
-        row = {
-            "claim_id": c.id,
-            "paper": c.paper,
-            "where": c.where,
-            "claim": c.claim,
-            "paper_value": c.paper_value,
-            "measured": v.measured,
-            "data": data,
-            "scale": scale,
-            "verdict": v.verdict,
-            "reason": v.reason,
-            "run_dir": run_dir.name,
-        }
+        row = report_row(c, v, data, scale, run_dir.name)
         rows.append([row[k] for k in REPORT_COLUMNS])
     out = pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
     if write:

@@ -48,6 +48,7 @@ from .verdicts import (
     RUN_DATA,
     SuiteRun,
     data_text,
+    report_row,
     suite_file,
     suites_dir,
     verdict_for,
@@ -250,21 +251,8 @@ def reproduce(
         f = files[c.id]
         sr = runs.get(f) if f is not None else None
         v, data = verdict_for(c, scale, sr)
-        rows.append(
-            {
-                "claim_id": c.id,
-                "paper": c.paper,
-                "where": c.where,
-                "claim": c.claim,
-                "paper_value": c.paper_value,
-                "measured": v.measured,
-                "data": data,
-                "scale": scale,
-                "verdict": v.verdict,
-                "reason": v.reason,
-                "run_dir": _rel(sr.run_dir, out) if sr and sr.run_dir else "",
-            }
-        )
+        rel = _rel(sr.run_dir, out) if sr and sr.run_dir else ""
+        rows.append(report_row(c, v, data, scale, rel))
     write_report(out, rows, scale, runs, time.perf_counter() - t0)
     print(f"reproduce: wrote {out / 'reproduction.csv'} and {out / 'reproduction.md'}", file=log)
     return out

@@ -189,3 +189,20 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
         v = Verdict(v.claim_id, v.verdict, f"{v.reason}; run: {sr.error}", v.measured,
                     v.paper_value)  # fmt: skip
     return v, data
+
+
+def report_row(claim: Claim, v: Verdict, data: str, scale: str, run_dir: str) -> dict[str, str]:
+    """One row of ``reproduction.csv`` / ``summary.csv`` (:data:`REPORT_COLUMNS`)."""
+    return {
+        "claim_id": claim.id,
+        "paper": claim.paper,
+        "where": claim.where,
+        "claim": claim.claim,
+        "paper_value": claim.paper_value,
+        "measured": v.measured,
+        "data": data,
+        "scale": scale,
+        "verdict": v.verdict,
+        "reason": v.reason,
+        "run_dir": run_dir,
+    }

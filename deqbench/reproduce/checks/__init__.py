@@ -40,14 +40,13 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from .._papers import load_papers
 from ..claims import claim
 
 VerdictWord = Literal["reproduced", "not reproduced", "not run"]
@@ -261,19 +260,4 @@ def _few(claim_id: str, trends: Sequence[Trend], measured: str) -> Verdict | Non
 # -- the per-paper modules -----------------------------------------------------------------------
 
 
-def _load_papers() -> None:
-    """Import every module of this package (``p001_kglm``, ...) in name order: each registers its
-    checkers on import. The names in a module's ``__all__`` are re-exported here; two modules
-    exporting the same name is an error."""
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
-        for name in mod.__all__:
-            value = getattr(mod, name)
-            if globals().get(name, value) is not value:
-                raise ImportError(f"{mod.__name__}.{name} shadows {__name__}.{name}")
-            globals()[name] = value
-
-
-_load_papers()
+load_papers(__name__, __path__, globals())  # each pNNN_*.py registers its checkers

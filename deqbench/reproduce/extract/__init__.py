@@ -39,14 +39,14 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .._papers import load_papers
 
 #: rows that carry a measurement (a flagged solve is data, the checker judges convergence)
 MEASURED = ("ok", "flagged")
@@ -246,19 +246,4 @@ def _short(v: Any) -> str:
 # -- the per-paper modules -----------------------------------------------------------------------
 
 
-def _load_papers() -> None:
-    """Import every module of this package (``p001_kglm``, ...) in name order: each registers its
-    extractors on import. The names in a module's ``__all__`` are re-exported here; two modules
-    exporting the same name is an error."""
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
-        for name in mod.__all__:
-            value = getattr(mod, name)
-            if globals().get(name, value) is not value:
-                raise ImportError(f"{mod.__name__}.{name} shadows {__name__}.{name}")
-            globals()[name] = value
-
-
-_load_papers()
+load_papers(__name__, __path__, globals())  # each pNNN_*.py registers its extractors
