@@ -6,6 +6,7 @@ Public API::
     deqbench.models.create("conv_deq_tiny")
     deqbench.solvers.get("anderson")(f, z0, max_iter=50, tol=1e-4)
     deqbench.inits.get("spectral")(model, seed=0, target=0.9)
+    deqbench.datasets.names()                                      # built-in and plugin datasets
     suite = deqbench.load_suite("suites/smoke.yaml"); deqbench.run_suite(suite, out="results/")
     deqbench.load_results("results/smoke/<run_id>")
     deqbench.spectral.conv_spectral_norm(conv.weight, (32, 32))     # exact, circular (Sedghi)
@@ -29,6 +30,7 @@ __all__ = [
     "solvers",
     "inits",
     "analyses",
+    "datasets",
     "load_suite",
     "load_suites",
     "run_suite",
@@ -42,6 +44,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "datasets": ("deqbench.core.registry", "datasets"),
     "load_suite": ("deqbench.run.suite", "load_suite"),
     "load_suites": ("deqbench.run.suite", "load_suites"),
     "run_suite": ("deqbench.run.runner", "run_suite"),

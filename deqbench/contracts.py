@@ -7,6 +7,7 @@ from .core.contracts import (  # noqa: F401 - re-exported
     AdjointMap,
     AnalysisPlugin,
     Cell,
+    DatasetLoader,
     EquilibriumModel,
     ForwardMap,
     Init,

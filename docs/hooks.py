@@ -637,7 +637,11 @@ def registry_markdown(kind: str) -> str:
 
 def datasets_markdown() -> str:
     rows = []
+    from deqbench.core.registry import datasets
+
     for n, fn in _locate("deqbench.run.data", "DATASETS").items():
+        if not str(datasets.origin(n)).startswith("built"):  # an installed plugin's
+            continue
         params = _signature_params(fn)
         rows.append([_code(n), _code(params) if params else "", _first_line(fn.__doc__)])
     return _table(["dataset", "options", "what"], rows)

@@ -79,20 +79,55 @@ def test_supports_cuda_graph():
     assert supports_graph(get("broyden"))
 
 
+#: the max_iter case's budget per cell: the solve stops while its residuals are still far above
+#: float64 rounding (batch max >= ~1e-9 tanh, ~1e-10 linear at the last step). With 25 steps the
+#: tanh cell reached f(z) == z exactly (residual 0) from step ~17 on: from there every update is
+#: degenerate, and the skip decisions, line-search acceptances and per-sample lowest iterates
+#: the two paths are compared on are rounding ties (machine-dependent, issue 28)
+BUDGET = {False: 10, True: 20}
+#: the lowest stop-mode residual a max_iter solve may reach (about 5000 float64 eps): above it a
+#: step changes the residual by far more than rounding, so no decision above is a tie
+FLOOR = 1e-12
+#: a converged solve's stop decision is robust where no recorded residual lies within this
+#: factor of tol (the paths' residuals agree to ~1e-6 relative near tol 1e-10)
+MARGIN = 1.05
+
+
+def stop_residuals(st, opts):
+    """Per recorded step, the value the tracker compares with tol (``best < tol``): the batch max
+    of the per-sample running-lowest residual (``returns="last"``: of the residual)."""
+    tr = st.abs_trace if opts.get("stop_mode") == "abs" else st.rel_trace
+    return (tr if opts.get("returns") == "last" else torch.cummin(tr, 0).values).amax(1)
+
+
 @pytest.mark.parametrize("linear", [False, True])
 @pytest.mark.parametrize("opts", OPTS)
-# converged; max_iter (tol 0: no residual is below it, while 1e-30 was met by a residual that
-# rounds to exactly 0 on some CPUs)
-@pytest.mark.parametrize("tol,max_iter", [(1e-10, 100), (0.0, 25)])
-def test_static_path_makes_the_eager_iterates(linear, opts, tol, max_iter):
+# converged; max_iter at tol 0: convergence needs a residual strictly below tol and stagnation
+# one below 3 tol, so no residual (not even one that rounds to exactly 0, which met tol 1e-30
+# on some CPUs) ends a tol-0 solve before max_iter: the status is certain
+@pytest.mark.parametrize("tol", [1e-10, 0.0], ids=["converged", "max_iter"])
+def test_static_path_makes_the_eager_iterates(linear, opts, tol):
     cell = Cell(linear=linear)
+    max_iter = 100 if tol > 0 else BUDGET[linear]
     kw = dict(max_iter=max_iter, tol=tol, **opts)
     eager = cell.run(z0_like(cell), **kw)
     static = cell.run(z0_like(cell), cuda_graph=True, **kw)
-    assert_same_solve(eager, static)
     se, ss = eager[1], static[1]
-    assert se.status == ("converged" if tol > 1e-20 else "max_iter")
-    assert ss.nstep == (se.nstep if tol > 1e-20 else max_iter)
+    # the premises under which the comparisons below are machine-independent (not part of the
+    # paths' agreement: a failure here means the test problem lost its margin, not a bug)
+    for st in (se, ss):
+        res = stop_residuals(st, opts)
+        if tol > 0:  # no residual near tol: both paths stop at the same step
+            near = (res > tol / MARGIN) & (res < tol * MARGIN)
+            assert not bool(near.any()), ("a residual within 5% of tol", res.tolist())
+        else:  # far from rounding level: no decision of the solve is a rounding tie
+            assert float(res.min()) > FLOOR, ("solve reached rounding level", res.tolist())
+    assert_same_solve(eager, static)
+    if tol > 0:
+        assert se.status == "converged" and ss.nstep == se.nstep < max_iter
+        assert float(stop_residuals(se, opts)[-1]) < tol  # the status follows the residuals
+    else:
+        assert se.status == "max_iter" and ss.nstep == se.nstep == max_iter
     if se.abs_trace.shape[0] == se.nstep:  # no backtracking: the eager path's traces
         torch.testing.assert_close(ss.abs_trace, se.abs_trace, rtol=0, atol=1e-10)
         torch.testing.assert_close(ss.rel_trace, se.rel_trace, rtol=0, atol=1e-10)
@@ -103,14 +138,15 @@ def test_static_path_makes_the_eager_iterates(linear, opts, tol, max_iter):
         torch.testing.assert_close(rows, se.abs_trace, rtol=0, atol=1e-10)
     assert ss.extra["cuda_graph"] == "capture" and ss.extra["graph_steps"] == AUTO_STEPS
     assert ss.path == "eager"  # CPU: the static step ran eagerly, no graph
-    # the reported residual is that of the returned iterate
+    # the reported residual is that of the returned iterate (f evaluated again: equal up to its
+    # rounding, which is ~1e-6 of a residual near 1e-10; other iterates' differ by factors)
     a, r = residuals(cell(static[0]), static[0])
-    torch.testing.assert_close(ss.abs_residual, a, rtol=1e-12, atol=0)
-    torch.testing.assert_close(ss.rel_residual, r, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ss.abs_residual, a, rtol=1e-5, atol=1e-14)
+    torch.testing.assert_close(ss.rel_residual, r, rtol=1e-5, atol=1e-14)
     if opts.get("returns") == "last":
         torch.testing.assert_close(static[0], static[2][-1], rtol=0, atol=0)
         torch.testing.assert_close(ss.rel_residual, ss.rel_trace[-1], rtol=0, atol=0)
-    if opts.get("memory") == 3 and opts.get("on_full") != "ring" and tol < 1e-20:
+    if opts.get("memory") == 3 and opts.get("on_full") != "ring" and tol == 0:
         assert ss.extra["restarts"] > 0
 
 

@@ -262,7 +262,9 @@ def test_shipped_kglm_collection_names_the_five_parts():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS: Linux only")
-@pytest.mark.parametrize("cmd", [["ls", "models"], ["validate", "suites/smoke.yaml"]])
+@pytest.mark.parametrize(
+    "cmd", [["ls", "models", "--verbose"], ["validate", "suites/smoke.yaml"]]
+)  # plain `ls` imports no PyTorch (tests/test_fast_start.py); -v reads the models' declarations
 def test_address_space_limit_at_import_is_one_line_exit_2(tmp_path, cmd):
     """`ulimit -v` below what PyTorch maps at import (libtorch_cpu.so: failed to map segment):
     one error line naming the limit and the fix, exit 2, no traceback."""

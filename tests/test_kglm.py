@@ -95,16 +95,20 @@ def klr_setup():
     return Y, res
 
 
-def _deq(init: str, **params):
+def _deq(init: str, tol: float = 1e-15, **params):
     m = deqbench.models.create("kglm_deq", in_shape=(1, 8, 8), family="bernoulli").double()
     deqbench.inits.get(init)(m, seed=0, **params)
-    configure(m, SolverConfig("fixed_point", 100, 1e-15))
+    configure(m, SolverConfig("fixed_point", 100, tol))
     return m
 
 
 def test_kglm_deq_agrees_with_klr_on_every_pixel(klr_setup):
     Y, res = klr_setup
-    m = _deq("kglm_informed", kernel=["se", {"name": "white", "variance": 1e-8}], scale=0.5)
+    # tol 1e-13, not 1e-15: the batch max (1797 images) of the rel residual levels off at
+    # rounding, ~5e-16 here (2x below 1e-15: machine-dependent whether it gets below); at a
+    # factor 1/8 per step 1e-13 comes ~2 steps before 1e-15 would, and p agrees as closely
+    m = _deq("kglm_informed", tol=1e-13, kernel=["se", {"name": "white", "variance": 1e-8}],
+             scale=0.5)  # fmt: skip
     with torch.no_grad():
         p = torch.sigmoid(m(Y))
     st = m.last_forward_stats

@@ -2,8 +2,9 @@
 each analysis family's analysis, plots and CLI verb in its own folder.
 
 The import graph is read from the source with ``ast``: every ``import`` / ``from ... import`` of a
-deqbench module, at module level *and* inside functions (a function-level import that only hides
-a circle is still a circle), except under ``if TYPE_CHECKING:``. Relative imports are resolved;
+deqbench module, at module level, inside functions *and* under ``if TYPE_CHECKING:`` (a
+function-level or type-only import that only hides a circle is still a circle: the layers it
+joins cannot be read, tested or type-checked apart; issue 28). Relative imports are resolved;
 importing ``deqbench.a.b`` also imports the package ``deqbench.a`` (its ``__init__``), unless the
 importer lives inside it. Strings given to ``importlib.import_module`` (registries loading their
 built-ins, the CLI finding its verbs) are not edges: they name what to load, not what a module
@@ -39,13 +40,6 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
-    )
-
-
 def import_graph() -> dict[str, dict[str, int]]:
     """``{module: {imported module: line}}`` over every module of deqbench."""
     mods = _modules()
@@ -75,10 +69,6 @@ def import_graph() -> dict[str, dict[str, int]]:
 
         def visit(node: ast.AST, package: str = package, add=add) -> None:
             for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and _is_type_checking(child):
-                    for stmt in child.orelse:
-                        visit(ast.Module(body=[stmt], type_ignores=[]))
-                    continue
                 if isinstance(child, ast.Import):
                     for a in child.names:
                         if a.name.split(".")[0] == "deqbench":
@@ -146,10 +136,26 @@ def test_the_graph_sees_imports_inside_functions_and_packages():
     # module level, relative, through a package
     assert "deqbench.core.deq" in g["deqbench.run.train"]
     assert "deqbench.core" in g["deqbench.run.train"]
-    # inside a function
-    assert "deqbench.run.evaluation" in g["deqbench.analyses.base"]
+    # inside a function (CellContext.evaluate imports the evaluation lazily)
+    assert "deqbench.core.evaluation" in g["deqbench.analyses.base"]
     # `from .. import plots` is an import of the module deqbench.run.plots
     assert "deqbench.run.plots" in g["deqbench.ntk.analysis"]
+
+
+def test_the_graph_sees_imports_under_type_checking():
+    g = import_graph()
+    # `if TYPE_CHECKING: from ..data.base import DataBundle` (CellContext.data's annotation)
+    assert "deqbench.data.base" in g["deqbench.analyses.base"]
+    # `if TYPE_CHECKING: from ..analyses.base import CellContext, ...` (AnalysisPlugin's hooks)
+    assert "deqbench.analyses.base" in g["deqbench.core.contracts"]
+
+
+def test_the_analysis_contract_imports_nothing_from_the_runner():
+    """deqbench.analyses.base is the ground floor plugins build on (issue 28): it reaches the DEQ
+    core and the datasets, never deqbench.run, at module level, in a function or for types."""
+    g = import_graph()
+    up = sorted(m for m in g["deqbench.analyses.base"] if m.split(".")[:2] == ["deqbench", "run"])
+    assert not up, up
 
 
 def test_no_import_circles_in_the_package():
@@ -184,6 +190,7 @@ PUBLIC = {
         "solvers",
         "inits",
         "analyses",
+        "datasets",
         "spectral",
         "kernels",
         "klr",
@@ -195,7 +202,15 @@ PUBLIC = {
     "deqbench.solvers": ["get", "names", "register"],
     "deqbench.inits": ["get", "names", "register"],
     "deqbench.analyses": ["get", "names", "register"],
-    "deqbench.analyses.base": ["Analysis", "CellContext", "EpochInfo", "Row", "StepInfo"],
+    "deqbench.analyses.base": [
+        "Analysis",
+        "CellContext",
+        "EpochInfo",
+        "Row",
+        "StepInfo",
+        "mean_max",
+    ],
+    "deqbench.plots": ["register", "new_figure", "lines", "legend", "save_figure", "read_series"],
     "deqbench.solvers.base": ["SolverStats", "make_stats", "residuals"],
     "deqbench.deq": [
         "DEQLayer",
@@ -220,6 +235,17 @@ PUBLIC = {
     "deqbench.hessian": ["HVPOperator", "lanczos", "hutchinson_trace"],
     "deqbench.outcomes": ["summarize", "suite_name", "claims_for", "run_scale", "base_suite"],
     "deqbench.cli": ["app", "main"],
+    "deqbench.adapters": ["OwnLoop", "track_loop", "cell_from_method", "MethodCell", "LoopRecord"],
+    "deqbench.testing": [
+        "ConformanceError",
+        "check_solver",
+        "check_model",
+        "check_init",
+        "check_analysis",
+        "check_dataset",
+        "conformance_names",
+        "example_context",
+    ],
 }
 
 

@@ -51,7 +51,7 @@ def test_new_plugin_passes_its_own_test(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "3 passed" in out.stdout
+    assert "5 passed" in out.stdout
 
 
 def test_new_plugin_refuses_bad_names_and_non_empty_folders(tmp_path):

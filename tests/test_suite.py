@@ -207,7 +207,7 @@ LINE = re.compile(r"^\S+\.yaml:\d+:\d+: \S+: .+$")
             "digits, train",
             "digit, train",
             ":6:14: data.name:",
-            "unknown dataset 'digit' (did you mean 'digits'?)",
+            "unknown dataset 'digit'; did you mean 'digits'",
         ),
         (
             "{name: fc_deq_tiny, width: 8}",

@@ -1,5 +1,5 @@
-"""Registered analyses. The built-ins live in their family's package (listed in
-:data:`BUILTINS`, imported on first use); plugins come from entry points. The base class and the
+"""Registered analyses. The built-ins live in their family's package (found in the source by
+:func:`builtin_modules`, imported on first use); plugins come from entry points. The base class and the
 per-cell context every analysis gets are in :mod:`deqbench.analyses.base`.
 
 This package doubles as the public registry facade: `deqbench.analyses.names()`, `.get(name)`,
@@ -8,23 +8,15 @@ This package doubles as the public registry facade: `deqbench.analyses.names()`,
 
 from ..core.registry import analyses as registry
 
-#: the modules whose ``@register`` decorators add the built-in analyses, one family per package
-BUILTINS = (
-    "deqbench.training.metrics",
-    "deqbench.training.family_stats",
-    "deqbench.performance.throughput",
-    "deqbench.performance.backward",
-    "deqbench.performance.solver_overhead",
-    "deqbench.performance.solver_stats",
-    "deqbench.performance.unroll_compare",
-    "deqbench.trajectory.analysis",
-    "deqbench.splitting.analysis",
-    "deqbench.spectral.analysis",
-    "deqbench.kglm.analysis",
-    "deqbench.landscape.analysis",
-    "deqbench.hessian.analysis",
-    "deqbench.ntk.analysis",
-)
+
+def builtin_modules() -> list[str]:
+    """The modules whose ``@register`` decorators add the built-in analyses, one family per
+    package: found in the source by :mod:`deqbench.core.index` (an analysis in a new file of any
+    family package is registered with no list to edit)."""
+    from ..core.index import modules
+
+    return modules("analyses")
+
 
 register = registry.register
 names = registry.names

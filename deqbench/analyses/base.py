@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..run.data import DataBundle
+    from ..data.base import DataBundle
 
 
 @dataclass
@@ -53,6 +53,41 @@ class Row:
             self.value = float(self.value)
         except (TypeError, ValueError):
             self.value = math.nan
+
+    @classmethod
+    def skipped(cls, metric: str, why: str, **kw: Any) -> Row:
+        """A row saying ``metric`` does not apply here, and ``why`` (value NaN)."""
+        return cls(metric, math.nan, status="skipped", note=why, **kw)
+
+    @classmethod
+    def failed(cls, metric: str, exc: BaseException, **kw: Any) -> Row:
+        """A row saying measuring ``metric`` raised ``exc`` (status ``oom`` for out-of-memory,
+        else ``error``; value NaN): the run goes on and the cell is flagged."""
+        text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+        oom = "out of memory" in str(exc).lower() or isinstance(exc, MemoryError)
+        return cls(metric, math.nan, status="oom" if oom else "error", note=text, **kw)
+
+
+def mean_max(
+    metric: str, values: Iterable[float], *, step: int | None = None, note: str = "", unit: str = ""
+) -> list[Row]:
+    """Rows ``metric`` with variants ``mean`` and ``max`` over the finite ``values`` (a
+    skipped row when none is finite), e.g. a per-layer or per-sample quantity."""
+    vals = [float(v) for v in values]
+    finite = [v for v in vals if math.isfinite(v)]
+    if not finite:
+        why = f"no finite value among {len(vals)}" if vals else "nothing to measure"
+        return [Row.skipped(metric, why, variant="mean", step=step, unit=unit)]
+    extra = (
+        f"{len(vals) - len(finite)} of {len(vals)} non-finite, left out"
+        if len(finite) < len(vals)
+        else ""
+    )
+    text = "; ".join(t for t in (note, extra) if t)
+    return [
+        Row(metric, sum(finite) / len(finite), variant="mean", step=step, unit=unit, note=text),
+        Row(metric, max(finite), variant="max", step=step, unit=unit, note=text),
+    ]
 
 
 @dataclass
@@ -113,7 +148,7 @@ class CellContext:
         return p
 
     def evaluate(self, split: str = "test", max_samples: int | None = None) -> dict[str, float]:
-        from ..run.evaluation import evaluate
+        from ..core.evaluation import evaluate
 
         X, y = self.data.test if split == "test" else self.data.train
         if max_samples is not None:
@@ -129,12 +164,36 @@ class CellContext:
 
 
 class Analysis:
-    """Base class of analyses. Override any hook; each returns an iterable of :class:`Row`."""
+    """Base class of analyses.
+
+    Two ways to write one:
+
+    * **declarative** (most analyses): override :meth:`measure` (``ctx, step -> rows``); the base
+      runs it on its schedule, :attr:`every` (or a ``Params`` field ``every``): ``"epoch"``
+      before training (step 0) and after every epoch; ``"end"`` before training and after the
+      last epoch; never twice at one step. A ``measure`` that raises gives one
+      :meth:`Row.failed` row of :attr:`metric` (the run goes on; the cell is flagged). Declare
+      the figures as :meth:`plot` (``df, run_dir -> {name: Figure}``, drawn with
+      :mod:`deqbench.plots`); :func:`mean_max` and :meth:`Row.skipped` make the usual rows;
+    * **hooks**: override any of :meth:`before_training`, :meth:`on_step`, :meth:`on_epoch`,
+      :meth:`after_training`; each returns an iterable of :class:`Row`.
+    """
 
     name: ClassVar[str] = "analysis"
     version: ClassVar[str] = "1"
-    #: set False for analyses that only measure after training and want no training epochs
+    #: whether the runner enters the training loop for this analysis when the cell trains for
+    #: ``train.epochs: 0`` (the loop evaluates epoch 0 and calls ``on_epoch(0)``). False: with 0
+    #: epochs nothing trains and only ``before_training``/``after_training`` run (measurements
+    #: of an initialised or given model); with epochs > 0 the cell trains either way
     needs_training: ClassVar[bool] = True
+    #: the schedule of :meth:`measure`: "epoch" or "end" (a ``Params`` field ``every`` wins)
+    every: ClassVar[str] = "epoch"
+    #: the metric of the error row when :meth:`measure` raises (default: the analysis name)
+    metric: ClassVar[str] = ""
+    #: the one-cell suite options ``deqbench.testing.check_analysis`` runs it on (model, data,
+    #: solver, backward, init, train, params; over ``testing.DEFAULT_EXAMPLE``: fc_deq_tiny on
+    #: 8x8 digits, one epoch)
+    example: ClassVar[dict[str, Any]] = {}
     #: the runner counts every DEQ solve an analysis hook makes as a probe solve and flags the
     #: cell when more than 1% miss tolerance (deqbench.run.solves). Set True where the analysis
     #: makes solves that are not meant to converge (fixed budgets timed, traces run to
@@ -152,17 +211,56 @@ class Analysis:
             params = self.Params(**params)
         self.params = params
 
-    def before_training(self, ctx: CellContext) -> Iterable[Row]:
+    def measure(self, ctx: CellContext, step: int) -> Iterable[Row]:
+        """The rows of the model's current state, tagged ``step`` (declarative analyses)."""
         return ()
+
+    def _scheduled(self, ctx: CellContext, when: str, step: int) -> Iterable[Row]:
+        if type(self).measure is Analysis.measure:
+            return ()
+        every = getattr(self.params, "every", None) or self.every
+        if when == "epoch" and every != "epoch":
+            return ()
+        if when == "end" and every != "end":
+            return ()
+        done: set[int] = self.__dict__.setdefault("_measured_steps", set())
+        if step in done:
+            return ()
+        done.add(step)
+        try:
+            return list(self.measure(ctx, step))
+        except Exception as exc:  # noqa: BLE001 - failure is data; the run goes on
+            from ..core.errors import DeqbenchError
+
+            if isinstance(exc, DeqbenchError):
+                raise
+            return [Row.failed(self.metric or self.name, exc, step=step)]
+
+    def before_training(self, ctx: CellContext) -> Iterable[Row]:
+        return self._scheduled(ctx, "start", 0)
 
     def on_step(self, ctx: CellContext, info: StepInfo) -> Iterable[Row]:
         return ()
 
     def on_epoch(self, ctx: CellContext, info: EpochInfo) -> Iterable[Row]:
-        return ()
+        return self._scheduled(ctx, "epoch", info.epoch)
 
     def after_training(self, ctx: CellContext) -> Iterable[Row]:
-        return ()
+        epochs = int((ctx.cell.get("train") or {}).get("epochs", 0) or 0)
+        return self._scheduled(ctx, "end", epochs)
+
+    @classmethod
+    def plot(cls, df: Any, run_dir: Path) -> dict[str, Any]:
+        """The analysis's figures, ``{figure name: Figure}`` (``df``: the run's results, every
+        analysis included; an empty dict when there is nothing to draw). Override it to
+        declare figures: ``deqbench run`` and ``deqbench plot`` save them as
+        ``plots/<figure name>.png``."""
+        return {}
+
+    @classmethod
+    def draws(cls) -> bool:
+        """Whether the class declares figures (overrides :meth:`plot`)."""
+        return cls.plot.__func__ is not Analysis.plot.__func__  # type: ignore[attr-defined]
 
     @classmethod
     def headline(cls, rows: Any) -> list[str]:

@@ -409,12 +409,13 @@ def validate(
     and solver it names (on CPU: each factory called and run on a batch of 2, each solver on a
     small test problem; deqbench/run/plugin_checks.py); list its cells."""
     with handle_errors():
-        from ..run.plugin_checks import check_suites
         from ..run.suite import format_cells, load_suites
 
         suites = load_suites(
             suite, overrides=set_ or (), device=device, seeds=_seeds_for(suite, seeds, set_ or ())
         )
+        from ..run.plugin_checks import check_suites  # imports torch: after the schema checks
+
         check_suites(suites)
         for s in suites:
             n = len(s.cells)

@@ -21,7 +21,7 @@ point (small states; the Hessian analysis).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,7 @@ from torch.func import functional_call, vjp
 
 from ..solvers.base import SolverStats, make_stats, residuals
 from . import verdict
+from .config import BackwardConfig, Runtime, SolverConfig
 
 
 def _quiet_jvp_import() -> None:
@@ -47,11 +48,33 @@ def _quiet_jvp_import() -> None:
 
 _quiet_jvp_import()
 
-if TYPE_CHECKING:
-    from .deq import DEQLayer
+
+class Layer(Protocol):
+    """What the backward modes read and write of a DEQ layer (:class:`deqbench.deq.DEQLayer`,
+    which imports this module: described here rather than imported, so that the two modules form
+    no import circle)."""
+
+    cell: nn.Module
+    solver_cfg: SolverConfig
+    backward_cfg: BackwardConfig
+    runtime: Runtime
+    last_forward_stats: SolverStats | None
+    last_backward_stats: SolverStats | None
+    f_evals_grad: int
+    vjp_bwd: int
+
+    def f(self, z: Tensor, u: Tensor) -> Tensor: ...
+
+    def solve(
+        self, u: Tensor, z0: Tensor, cfg: SolverConfig | None = None
+    ) -> tuple[Tensor, SolverStats]: ...
+
+    def graph_allowed(self, solver: Any, options: dict[str, Any], state: Tensor) -> bool: ...
+
+    def storage_key(self) -> tuple: ...
 
 
-def param_items(layer: DEQLayer) -> tuple[list[str], list[Tensor]]:
+def param_items(layer: Layer) -> tuple[list[str], list[Tensor]]:
     names: list[str] = []
     params: list[Tensor] = []
     for n, p in layer.cell.named_parameters():
@@ -110,7 +133,7 @@ class GraphAdjoint:
     are the cell's own (training), first-order backward, no direct solver.
     """
 
-    def __init__(self, layer: DEQLayer, names: list[str], params: list[Tensor], z: Tensor,
+    def __init__(self, layer: Layer, names: list[str], params: list[Tensor], z: Tensor,
                  u: Tensor, u_grad: bool) -> None:  # fmt: skip
         self.u_grad = u_grad
         self.key: tuple = ()
@@ -172,7 +195,7 @@ GRAPH_ADJOINTS = 2
 
 
 def graph_adjoint(
-    layer: DEQLayer, names: list[str], params: list[Tensor], z: Tensor, u: Tensor, cfg: Any
+    layer: Layer, names: list[str], params: list[Tensor], z: Tensor, u: Tensor, cfg: Any
 ) -> GraphAdjoint | None:
     """The layer's captured adjoint for this backward, or None for the eager path."""
     from .. import solvers
@@ -208,7 +231,7 @@ def graph_adjoint(
     return ga
 
 
-def forget_graph_adjoint(layer: DEQLayer, ga: GraphAdjoint, why: str) -> None:
+def forget_graph_adjoint(layer: Layer, ga: GraphAdjoint, why: str) -> None:
     from ..solvers.base import drop_graphs
 
     drop_graphs([ga.map])
@@ -328,7 +351,7 @@ def _linear_solve(
 
 
 def _direct(
-    layer: DEQLayer,
+    layer: Layer,
     names: list[str],
     z: Tensor,
     u: Tensor,
@@ -380,7 +403,7 @@ class _ImplicitFunction(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         from .. import solvers
 
-        layer: DEQLayer = ctx.layer
+        layer: Layer = ctx.layer
         z, u, *params = ctx.saved_tensors
         names, _ = param_items(layer)
         cell = layer.cell
@@ -518,7 +541,7 @@ class _AdjointFunction(torch.autograd.Function):
 
         from .. import solvers
 
-        layer: DEQLayer = ctx.layer
+        layer: Layer = ctx.layer
         w, z, u, *params = ctx.saved_tensors
         names, _ = param_items(layer)
         cell = layer.cell
@@ -570,13 +593,13 @@ class _AdjointFunction(torch.autograd.Function):
         return (None, None, v, *grads)
 
 
-def _ift(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
+def _ift(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
     _, params = param_items(layer)
     layer.f_evals_grad = 0
     return _ImplicitFunction.apply(layer, z0.detach(), u, *params)
 
 
-def _unrolled(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
+def _unrolled(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
     k = max(1, int(layer.backward_cfg.k))
     from .. import solvers
 
@@ -614,7 +637,7 @@ def _unrolled(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
     return z
 
 
-def _phantom(layer: DEQLayer, u: Tensor, z0: Tensor, k: int, tau: float) -> Tensor:
+def _phantom(layer: Layer, u: Tensor, z0: Tensor, k: int, tau: float) -> Tensor:
     zs, _ = layer.solve(u, z0)
     z = zs.detach()
     for _ in range(k):
@@ -625,7 +648,7 @@ def _phantom(layer: DEQLayer, u: Tensor, z0: Tensor, k: int, tau: float) -> Tens
     return z
 
 
-def apply(layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor:
+def apply(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
     """Run ``layer``'s forward with its configured backward mode (grad enabled)."""
     cfg = layer.backward_cfg
     if cfg.name == "ift":

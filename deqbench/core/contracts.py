@@ -1,4 +1,4 @@
-"""The plugin contracts: what deqbench asks of a model, solver, init or analysis.
+"""The plugin contracts: what deqbench asks of a model, solver, init, analysis or dataset.
 
 Every contract is a :class:`typing.Protocol`; its docstring is the reference, the way pytest
 documents its hookspecs. Built-ins and plugins follow the same contracts, and
@@ -14,8 +14,8 @@ The clauses (:data:`CLAUSES`) are written in brackets in the docstrings below.
 
 A plugin is an installed distribution declaring entry points in the groups ``deqbench.models``
 (:class:`ModelFactory`), ``deqbench.solvers`` (:class:`Solver`), ``deqbench.inits``
-(:class:`Init`) and ``deqbench.analyses`` (:class:`AnalysisPlugin`). ``deqbench new-plugin
-NAME`` writes a package that follows them.
+(:class:`Init`), ``deqbench.analyses`` (:class:`AnalysisPlugin`) and ``deqbench.datasets``
+(:class:`DatasetLoader`). ``deqbench new-plugin NAME`` writes a package that follows them.
 
 Example:
     >>> import deqbench, torch
@@ -36,8 +36,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from .weights import cell_weights, injection_parameters  # noqa: F401 - re-exported
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..analyses.base import CellContext, EpochInfo, Row, StepInfo
+    from ..data.base import DataBundle
     from ..solvers.base import SolverStats
     from .deq import DEQLayer
 
@@ -49,6 +52,8 @@ CLAUSES: dict[str, str] = {
     "model.forward": "model(x) on a batch of 2 inputs of in_shape returns a tensor of 2 rows of "
     "num_outputs values each",
     "model.cell": "each DEQLayer's cell is an nn.Module whose forward(z, u) keeps z's shape",
+    "model.cell_pure": "an f-evaluation (the cell's forward under no_grad, in training mode) "
+    "changes no buffer of the model (e.g. no BatchNorm running statistics inside the cell)",
     "model.declared": "the model's declaration (declare_defaults) admits the cell's solver and "
     "backward mode",
     "model.solve_stats": "a model without DEQ layers that has last_solve_stats() returns, after "
@@ -66,6 +71,12 @@ CLAUSES: dict[str, str] = {
     "structure.cell": "a solver with needs_structure only runs on models whose every cell "
     "implements its structure (e.g. MonotoneCell)",
     "init.call": "init(model, *, seed, **params) modifies the model in place and returns None",
+    "dataset.import": "the entry point imports and names a callable",
+    "dataset.load": "loader(**params) returns a deqbench.data.base.DataBundle: train and test "
+    "(x, y) tensor pairs, in_shape a tuple of ints, num_outputs a positive int, task "
+    "classification or regression",
+    "dataset.declared": "a declared loader.shape(params) returns (in_shape, num_outputs): a "
+    "tuple of positive ints and a positive int",
 }
 
 
@@ -112,7 +123,8 @@ class ModelFactory(Protocol):
 
     Checked by ``deqbench validate``: the factory is called with ``in_shape``/``num_outputs`` and
     the suite's params [model.factory], the model runs a forward pass on a batch of 2 on CPU
-    [model.forward], its cells keep z's shape [model.cell].
+    [model.forward], its cells keep z's shape [model.cell] and their f-evaluations change no
+    buffer [model.cell_pure] (each cell is called on its layer's (u, z0) before it solves).
 
     Example:
         >>> import math
@@ -136,7 +148,10 @@ class Cell(Protocol):
     :meth:`EquilibriumModel.inject` returned). It must be a pure function of (z, u) and its
     parameters: solvers call it many times, backward modes differentiate it with
     ``torch.func`` (parameters bound by ``functional_call``), so no in-place updates of its
-    parameters or buffers inside ``forward``.
+    parameters or buffers inside ``forward`` [model.cell_pure]: e.g. no BatchNorm in training
+    mode inside the map (its running statistics would move on every f-evaluation; use
+    GroupNorm/LayerNorm, or keep BatchNorm outside the cell). A cell over a method of a
+    third-party network: :func:`deqbench.adapters.cell_from_method`.
 
     The cell's parameters are "the cell weights": the ``normal``/``small``/``spectral`` inits
     rescale its weight tensors, ``spectral`` and ``landscape`` report their norms, the IFT
@@ -215,6 +230,10 @@ class OwnSolverModel(Protocol):
       says ``own:<backward_name>`` (``own`` without it). Declare the same names on the factory
       (``declare_defaults(own_solver=..., own_backward=...)``) so that cells are named before
       the model is built.
+
+    :class:`deqbench.adapters.OwnLoop` adds the hook to a network without touching its code:
+    it intercepts the map its loop calls and reports every f-evaluation, the residual traces
+    and the returned iterate's residual.
 
     Each solve is read after every forward (and own backward) and counts like a DEQ layer's:
     training, evaluation and the analyses' passes report its f-evaluations and residuals
@@ -469,11 +488,18 @@ class AnalysisPlugin(Protocol):
     * ``name``, ``version``: the registered name and a version written with the results.
     * ``Params``: a pydantic model (``extra="forbid"``); the suite's ``analyses: [{name:
       {...}}]`` is validated against it before anything runs; the instance gets ``params``.
-    * ``needs_training``: False for analyses that only measure after training.
-    * hooks, each returning (or yielding) :class:`deqbench.analyses.base.Row`:
+    * ``needs_training``: False for analyses that need no training loop when the cell trains
+      for 0 epochs (they measure a given or initialised model).
+    * either ``measure(ctx, step)``, which the base class runs on its schedule (``every``:
+      "epoch" = before training and after each epoch, "end" = before and after training; a
+      ``Params`` field ``every`` overrides the class's), turning an exception into an error
+      row; or hooks, each returning (or yielding) :class:`deqbench.analyses.base.Row`:
       ``before_training(ctx)``, ``on_step(ctx, info)``, ``on_epoch(ctx, info)``,
       ``after_training(ctx)``; ``ctx`` is a :class:`deqbench.analyses.base.CellContext` (model,
       data, device, dtype, seed, the resolved cell).
+    * ``plot(df, run_dir)`` (classmethod, optional): the figures, ``{name: Figure}``, drawn
+      with :mod:`deqbench.plots`; ``example`` (optional): the tiny cell
+      ``deqbench.testing.check_analysis`` runs it on.
     * a measurement that could not be made is a Row with ``status="skipped"`` (or "error") and a
       note, never a 0: NaN is "not measured"; one whose own quality checks failed has
       ``status="flagged"`` and a one-line note (cause and fix).
@@ -492,6 +518,56 @@ class AnalysisPlugin(Protocol):
     def after_training(self, ctx: CellContext) -> Iterable[Row]: ...
 
 
+# -- datasets --------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class DatasetLoader(Protocol):
+    """A dataset: the callable an entry point of ``deqbench.datasets`` names.
+
+    ``loader(**params) -> DataBundle`` [dataset.load]. Every parameter is a keyword with a
+    default; a suite sets them beside the name (``data: {name: blobs, dim: 16}``) and the schema
+    checks the keys against the signature (and annotated int, float and bool values) before
+    anything runs. It returns a :class:`deqbench.data.base.DataBundle` on CPU:
+
+    * ``train``, ``test``: pairs ``(x, y)`` of tensors; ``x`` floating point, shaped
+      ``(N, *in_shape)``; ``y`` long class labels in ``[0, num_outputs)`` (the default
+      ``task="classification"``) or float targets of ``num_outputs`` values each
+      (``task="regression"``, trained with squared loss);
+    * ``in_shape`` (one sample's shape, e.g. ``(1, 8, 8)`` or ``(64,)``) and ``num_outputs``:
+      what the runner hands the model factory (:class:`ModelFactory`);
+    * ``name``; ``meta``: a dict written with the results.
+
+    The same params give the same data (seed it from a ``seed`` param); the runner casts and
+    moves the tensors and caches the bundle per process.
+
+    Optional attribute ``shape``: ``loader.shape(params) -> (in_shape, num_outputs)``, where
+    ``params`` is the loader's defaults updated with the suite's keys [dataset.declared]. With
+    it, ``deqbench validate`` builds and checks the suite's models without loading the data;
+    without it, validate loads the data once per distinct params to learn the shape.
+    ``deqbench.testing.check_dataset`` checks that the declared shape is the loaded one.
+
+    Checked by ``deqbench validate``: the entry point imports [dataset.import]; the declared
+    shape, or else the loaded bundle [dataset.load]. The tensors themselves (shapes, labels in
+    range) are checked by ``deqbench.testing.check_dataset``.
+
+    Example:
+        >>> import torch
+        >>> from deqbench.data.base import DataBundle
+        >>> def blobs(n_train: int = 256, n_test: int = 64, dim: int = 8, seed: int = 0):
+        ...     g = torch.Generator().manual_seed(seed)
+        ...     x = torch.randn(n_train + n_test, dim, generator=g)
+        ...     y = (x.sum(1) > 0).long()
+        ...     tr, te = (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+        ...     return DataBundle("blobs", tr, te, in_shape=(dim,), num_outputs=2)
+        >>> blobs.shape = lambda p: ((p["dim"],), 2)
+    """
+
+    def __call__(self, **params: Any) -> DataBundle:
+        """Load the data (on CPU)."""
+        ...
+
+
 #: The contracts in the order the reference renders them.
 CONTRACTS: tuple[type, ...] = (
     ModelFactory,
@@ -506,21 +582,8 @@ CONTRACTS: tuple[type, ...] = (
     MonotoneCell,
     Init,
     AnalysisPlugin,
+    DatasetLoader,
 )
-
-
-def injection_parameters(cell: nn.Module) -> list[nn.Parameter]:
-    """The parameters ``cell`` declares as injection (``cell.injection_parameters()``; none by
-    default): they sit in the cell module but are not cell weights."""
-    fn = getattr(cell, "injection_parameters", None)
-    return list(fn()) if callable(fn) else []
-
-
-def cell_weights(cell: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``cell.named_parameters()`` without its :func:`injection_parameters`: what inits rescale,
-    spectral and landscape norms measure and Lipschitz bounds multiply."""
-    skip = {id(p) for p in injection_parameters(cell)}
-    return [(n, p) for n, p in cell.named_parameters() if id(p) not in skip]
 
 
 def structure_of(solver: Any) -> type | None:

@@ -1,9 +1,10 @@
-"""Registries of models, solvers, inits and analyses, with entry-point plugin discovery.
+"""Registries of models, solvers, inits, analyses and datasets, with entry-point plugin discovery.
 
 Built-ins register themselves with a decorator in their own module; the registry imports every
 module of its built-in package on first use (so ``deqbench --help`` never imports torch).
 Third-party packages add names through the entry-point groups ``deqbench.models``,
-``deqbench.solvers``, ``deqbench.inits`` and ``deqbench.analyses`` (value ``package.module:attr``).
+``deqbench.solvers``, ``deqbench.inits``, ``deqbench.analyses`` and ``deqbench.datasets`` (value
+``package.module:attr``).
 
 Example:
     >>> import deqbench
@@ -20,7 +21,7 @@ import importlib
 import os
 import pkgutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Generic, TypeVar
@@ -74,17 +75,38 @@ class Registry(Generic[T]):
         self.plugin_errors: list[str] = []
 
     # -- registration ---------------------------------------------------------------------
-    def register(self, name: str | None = None) -> Callable[[T], T]:
-        """Decorator registering a built-in factory or class under ``name``."""
+    def register(self, name: str | None = None, **attrs: Any) -> Callable[[T], T]:
+        """Decorator registering a built-in factory or class under ``name``; ``attrs`` are set on
+        it (a dataset's ``shape``)."""
 
         def deco(obj: T) -> T:
             key = name or getattr(obj, "name", None) or obj.__name__  # type: ignore[attr-defined]
+            for k, v in attrs.items():
+                setattr(obj, k, v)
             if key in self._entries and self._entries[key].obj is not obj:
                 raise PluginError(f"{self.kind}: built-in name '{key}' registered twice")
             self._entries[key] = Entry(name=key, obj=obj)
             return obj
 
         return deco
+
+    @property
+    def builtins_loaded(self) -> bool:
+        """Whether the built-in modules have been imported (or the built-ins given)."""
+        return self._builtins_loaded
+
+    @classmethod
+    def from_names(cls, kind: str, names: Iterable[str], entry_points: Any = None) -> Registry[Any]:
+        """A registry of ``kind`` whose built-ins are just ``names``, not imported (their objects
+        are None), and whose plugins come from the entry points as usual (``entry_points``: the
+        group's, already read; None: read on first use): ``deqbench ls`` without importing the
+        built-in modules (:mod:`deqbench.core.index`)."""
+        reg: Registry[Any] = cls(kind, builtin_package="")
+        reg._entries = {n: Entry(name=n) for n in names}
+        reg._builtins_loaded = True
+        if entry_points is not None:
+            reg._scan_plugins(entry_points)
+        return reg
 
     def add(self, name: str, obj: T, origin: str = "runtime") -> None:
         """Register an object at run time (notebooks, tests). Refuses to shadow any name."""
@@ -105,8 +127,11 @@ class Registry(Generic[T]):
             return
         self._builtins_loaded = True
         pkg = importlib.import_module(self.builtin_package)
-        listed = getattr(pkg, "BUILTINS", None)  # dotted modules, where they live elsewhere
-        if listed is not None:
+        find = getattr(pkg, "builtin_modules", None)  # dotted modules, where they live elsewhere
+        if find is not None:
+            listed = find()
+            if not listed:
+                raise PluginError(f"{self.kind}: no built-in module found (deqbench.core.index)")
             for name in listed:
                 importlib.import_module(name)
             return
@@ -114,14 +139,15 @@ class Registry(Generic[T]):
             if not info.name.startswith("_"):
                 importlib.import_module(f"{self.builtin_package}.{info.name}")
 
-    def _scan_plugins(self) -> None:
+    def _scan_plugins(self, eps: Any = None) -> None:
         if self._plugins_scanned:
             return
         self._plugins_scanned = True
         if os.environ.get("DEQBENCH_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
             return
         try:
-            eps = metadata.entry_points(group=self.group)
+            if eps is None:
+                eps = metadata.entry_points(group=self.group)
         except Exception as exc:  # pragma: no cover - broken metadata
             self.plugin_errors.append(f"reading entry points of {self.group}: {exc}")
             return
@@ -236,12 +262,15 @@ models: Registry[Callable[..., Any]] = Registry("models", "deqbench.models")
 solvers: Registry[Callable[..., Any]] = Registry("solvers", "deqbench.solvers")
 inits: Registry[Callable[..., Any]] = Registry("inits", "deqbench.inits")
 analyses: Registry[Any] = Registry("analyses", "deqbench.analyses")
+#: dataset loaders ``fn(**params) -> DataBundle`` (:class:`deqbench.contracts.DatasetLoader`)
+datasets: Registry[Callable[..., Any]] = Registry("datasets", "deqbench.data")
 
 REGISTRIES: dict[str, Registry[Any]] = {
     "models": models,
     "solvers": solvers,
     "inits": inits,
     "analyses": analyses,
+    "datasets": datasets,
 }
 
 

@@ -1,3 +1,9 @@
 """Dataset machinery (:mod:`deqbench.data.base`) and the image datasets
-(:mod:`deqbench.data.images`). :mod:`deqbench.run.data` registers every built-in dataset and
+(:mod:`deqbench.data.images`). :mod:`deqbench.run.data` registers the other built-in datasets and
 re-exports these names; use ``deqbench.run.data.load_data``."""
+
+
+def builtin_modules() -> list[str]:
+    """The modules whose ``@dataset`` decorators add the built-in datasets (imported by the
+    registry ``deqbench.core.registry.datasets`` on first use)."""
+    return ["deqbench.data.images", "deqbench.run.data"]

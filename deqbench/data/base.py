@@ -1,21 +1,29 @@
-"""The dataset registry: :class:`DataBundle`, :data:`DATASETS`, the :func:`dataset` decorator,
-:func:`load_data` and the split helpers every loader shares.
+"""Datasets: :class:`DataBundle`, the :func:`dataset` decorator, :func:`load_data`, the
+:data:`DATASETS` mapping and the split helpers every loader shares.
 
-The built-in datasets are registered by :mod:`deqbench.run.data` (which re-exports all of this);
-import that module, not this one, to see every dataset.
+Datasets live in the registry ``deqbench.core.registry.datasets`` (kind ``datasets``): the
+built-ins register with ``@dataset("name", shape=fn)`` (in :mod:`deqbench.run.data` and
+:mod:`deqbench.data.images`), plugins through the entry-point group ``deqbench.datasets``
+(the contract: :class:`deqbench.contracts.DatasetLoader`). :data:`DATASETS` is that registry seen
+as a dict ``name -> loader`` (for older callers).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, PluginError
+from ..core.registry import datasets
+
+#: a dataset's declared shape: ``shape(params) -> (in_shape, num_outputs)``, ``params`` the
+#: loader's defaults updated with the suite's ``data`` keys
+ShapeFn = Callable[[dict[str, Any]], tuple[tuple[int, ...], int]]
 
 
 @dataclass
@@ -47,40 +55,132 @@ class DataBundle:
         )
 
 
-DATASETS: dict[str, Callable[..., DataBundle]] = {}
+class _DatasetMap(MutableMapping[str, Callable[..., DataBundle]]):
+    """The dataset registry as a dict ``name -> loader``: reading imports a plugin's loader,
+    setting adds a loader at run time (``datasets.add``), deleting removes it."""
+
+    def __getitem__(self, name: str) -> Callable[..., DataBundle]:
+        if name not in datasets:
+            raise KeyError(name)
+        return datasets.get(name)
+
+    def __setitem__(self, name: str, fn: Callable[..., DataBundle]) -> None:
+        datasets.add(name, fn)
+
+    def __delitem__(self, name: str) -> None:
+        if name not in datasets:
+            raise KeyError(name)
+        datasets.remove(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in datasets
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(datasets.names())
+
+    def __len__(self) -> int:
+        return len(datasets.names())
 
 
-def dataset(name: str):
-    def deco(fn):
-        DATASETS[name] = fn
-        return fn
+#: every dataset, built-in and plugin, by name (a view of ``deqbench.core.registry.datasets``)
+DATASETS: MutableMapping[str, Callable[..., DataBundle]] = _DatasetMap()
 
-    return deco
+
+def dataset(
+    name: str, *, shape: ShapeFn | None = None
+) -> Callable[[Callable[..., DataBundle]], Callable[..., DataBundle]]:
+    """Decorator registering a built-in dataset loader under ``name``; ``shape`` declares
+    (in_shape, num_outputs) from the params, so that ``deqbench validate`` need not load it."""
+    register = datasets.register  # the source index reads the literal names at the call sites
+    return register(name, **({"shape": shape} if shape is not None else {}))
+
+
+def declared_shape(
+    fn: Callable[..., Any], params: dict[str, Any]
+) -> tuple[tuple[int, ...], int] | None:
+    """``fn.shape(p)`` with ``p`` the loader's defaults updated with ``params``, checked to be
+    (a tuple of ints, an int); None when the loader declares no shape. Raises what the shape
+    function raises, and TypeError for a malformed result."""
+    shape_fn = getattr(fn, "shape", None)
+    if shape_fn is None:
+        return None
+    try:
+        full = {
+            k: v.default
+            for k, v in inspect.signature(fn).parameters.items()
+            if v.default is not inspect.Parameter.empty
+        }
+    except (TypeError, ValueError):
+        full = {}
+    full.update(params)
+    out = shape_fn(full)
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError(f"shape(params) returned {out!r}, not (in_shape, num_outputs)")
+    in_shape, num_outputs = out
+    if not (
+        isinstance(in_shape, tuple | list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in in_shape)
+        and isinstance(num_outputs, int)
+        and not isinstance(num_outputs, bool)
+        and num_outputs > 0
+    ):
+        raise TypeError(
+            f"shape(params) returned {out!r}: in_shape must be a tuple of positive ints and "
+            "num_outputs a positive int"
+        )
+    return tuple(in_shape), int(num_outputs)
+
+
+def bundle_problem(d: Any) -> str | None:
+    """Why a loader's return value is not a usable :class:`DataBundle` (None when it is)."""
+    if not isinstance(d, DataBundle):
+        return f"returned a {type(d).__name__}, not a deqbench.data.base.DataBundle"
+    for split in ("train", "test"):
+        pair = getattr(d, split)
+        if not (
+            isinstance(pair, tuple | list)
+            and len(pair) == 2
+            and all(isinstance(t, Tensor) for t in pair)
+        ):
+            return f"DataBundle.{split} is not a pair of tensors (x, y)"
+    shape = d.in_shape
+    if not (isinstance(shape, tuple | list) and all(isinstance(n, int) for n in shape)):
+        return f"DataBundle.in_shape is {shape!r}, not a tuple of ints"
+    if isinstance(d.num_outputs, bool) or not isinstance(d.num_outputs, int) or d.num_outputs < 1:
+        return f"DataBundle.num_outputs is {d.num_outputs!r}, not a positive int"
+    if d.task not in ("classification", "regression"):
+        return f"DataBundle.task is {d.task!r}, not 'classification' or 'regression'"
+    return None
 
 
 def load_data(name: str, **params: Any) -> DataBundle:
-    """Load dataset ``name`` with its ``params`` (unknown params are a ConfigError)."""
-    if name not in DATASETS:
-        import difflib
+    """Load dataset ``name`` with its ``params`` (an unknown name or param is a ConfigError; a
+    plugin loader that does not return a :class:`DataBundle` is a PluginError)."""
+    if name not in datasets:
+        raise ConfigError(str(datasets.unknown(name)))
+    fn = datasets.get(name)
+    try:
+        sig: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        bad = [k for k in params if k not in sig.parameters]
+        if bad:
+            import difflib
 
-        close = difflib.get_close_matches(name, list(DATASETS), n=2)
-        hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-        raise ConfigError(
-            f"unknown dataset '{name}'; {hint}datasets: {', '.join(sorted(DATASETS))}"
-        )
-    fn = DATASETS[name]
-    sig = inspect.signature(fn)
-    bad = [k for k in params if k not in sig.parameters]
-    if bad:
-        import difflib
-
-        close = difflib.get_close_matches(bad[0], list(sig.parameters), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(
-            f"data.{bad[0]}: unknown option for dataset '{name}'{hint}; options: "
-            + ", ".join(sig.parameters)
-        )
-    return fn(**params)
+            close = difflib.get_close_matches(bad[0], list(sig.parameters), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(
+                f"data.{bad[0]}: unknown option for dataset '{name}'{hint}; options: "
+                + ", ".join(sig.parameters)
+            )
+    out = fn(**params)
+    problem = bundle_problem(out)
+    if problem is not None:
+        origin = datasets.origin(name)
+        who = "built-in" if origin == "built-in" else f"plugin {origin}"
+        raise PluginError(f"{who}: dataset '{name}': [dataset.load] {problem}")
+    return out
 
 
 def _check_split(split: float) -> None:

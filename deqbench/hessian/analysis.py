@@ -48,7 +48,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -117,6 +117,10 @@ class Hessian(Analysis):
 
     judges_own_solves = True  # see Analysis.judges_own_solves
     name = "hessian"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {
+        "params": {"samples": 32, "top_k": 1, "trace_max_samples": 20, "slq_steps": 16}
+    }
     version = "1"
 
     class Params(BaseModel):

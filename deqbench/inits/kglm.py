@@ -408,3 +408,8 @@ def kglm_lambda(model: Any) -> float | None:
     """lam set by the last kGLM init of ``model`` (None if not kGLM-initialised)."""
     info = getattr(model, "kglm_info", None)
     return None if info is None else info.get("lam")
+
+
+# the model deqbench.testing.check_init applies each of them to (they need a kGLM model)
+for _init in (kglm_informed, kglm_naive, kglm_random):
+    _init.example_model = "kglm_deq_tiny"  # type: ignore[attr-defined]

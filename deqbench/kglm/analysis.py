@@ -37,7 +37,7 @@ import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -143,6 +143,18 @@ class KLRAgreement(Analysis):
     """kGLM DEQ vs kernel logistic regression (Newton/IRLS) per image and pixel."""
 
     name = "klr_agreement"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {
+        "model": {"name": "kglm_deq_tiny", "family": "bernoulli"},
+        "data": {"name": "digits_klr", "split": 0.5},
+        "init": {
+            "name": "kglm_informed",
+            "kernel": [{"name": "se", "lengthscale": 1.0}],
+            "scale": 0.5,
+        },
+        "train": {"epochs": 0},
+        "params": {"dtypes": ["float64"], "newton_steps": 5, "max_images": 4},
+    }
     version = "1"
     needs_training = False
     params: Params  # narrowed for type checkers
@@ -274,6 +286,11 @@ class KGLMInitCost(Analysis):
     """Initialisation cost, kGLM vs random, for fully connected and conv layers (figure 8)."""
 
     name = "kglm_init_cost"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {
+        "train": {"epochs": 0},
+        "params": {"fc_widths": [8, 16], "conv_channels": [1, 2], "conv_size": 8, "repeats": 1},
+    }
     version = "1"
     needs_training = False
     params: Params  # narrowed for type checkers

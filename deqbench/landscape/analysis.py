@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -141,6 +141,10 @@ class Landscape(Analysis):
 
     judges_own_solves = True  # see Analysis.judges_own_solves
     name = "landscape"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {
+        "params": {"grid": 5, "max_samples": 64, "progress": False}
+    }
     version = "1"
 
     class Params(BaseModel):

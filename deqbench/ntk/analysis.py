@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -114,6 +114,8 @@ class NTK(Analysis):
 
     judges_own_solves = True  # see Analysis.judges_own_solves
     name = "ntk"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {"params": {"n": 16}}
     version = "1"
 
     class Params(BaseModel):

@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -425,6 +425,10 @@ class Backward(PerfAnalysis):
 
     judges_own_solves = True  # see Analysis.judges_own_solves
     name = "backward"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {
+        "params": {"repeats": 1, "warmup": 0, "batch_size": 8, "memory_cpu": False}
+    }
     version = "1"
     needs_training = False
 

@@ -34,7 +34,7 @@ Example (plain functions):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -185,6 +185,10 @@ class Throughput(PerfAnalysis):
     """Eval/train samples per second, time per batch and peak memory (see module docstring)."""
 
     name = "throughput"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {
+        "params": {"repeats": 2, "warmup": 1, "batch_size": 16, "memory_cpu": False}
+    }
     version = "1"
     needs_training = False
 

@@ -43,7 +43,7 @@ import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -175,6 +175,10 @@ class UnrollCompare(Analysis):
     """Unrolled-K vs IFT: accuracy, inference/backprop time, residual, memory (papers/003 Table 8)."""
 
     name = "unroll_compare"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {
+        "params": {"timing_batches": 2, "repeats": 1, "warmup": 0, "memory_cpu": False}
+    }
     version = "1"
 
     class Params(Analysis.Params):
@@ -221,8 +225,9 @@ class UnrollCompare(Analysis):
             return Row(metric, value, variant=variant, unit=unit, **kw)
 
         # configuration
-        yield row("unroll_k", k if k is not None else math.nan)
-        yield row("threshold", thd if thd is not None else math.nan)
+        yield row("unroll_k", k if k is not None else math.nan, note="" if k else "not unrolled")
+        yield row("threshold", thd if thd is not None else math.nan,
+                  note="" if thd is not None else "unrolled: no tolerance")  # fmt: skip
         for attr in ("gamma", "alpha"):
             if hasattr(model, attr):
                 yield row(attr, float(getattr(model, attr)))

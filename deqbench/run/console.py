@@ -265,39 +265,40 @@ def declared_text(name: str) -> str:
 def list_names(kind: str | None, pattern: str | None, verbose: bool = False) -> list[str]:
     """``deqbench ls`` lines: ``KIND  NAME  ORIGIN`` (origin: built-in or plugin distribution
     and version); with ``verbose``, models also show their declared defaults. Plugin import
-    problems are printed on stderr."""
+    problems are printed on stderr.
+
+    The built-in names come from the source index (:mod:`deqbench.core.index`) and the plugins'
+    from their entry points, so nothing is imported (no torch) unless ``verbose``; a registry
+    this process has already loaded is listed as loaded (names added at run time too)."""
     import fnmatch
 
     from ..core.errors import UnknownNameError
+    from ..core.index import builtin_names, static_registries
     from ..core.registry import REGISTRIES
-    from .yamlio import did_you_mean
 
     kinds = list(KINDS)
     if kind is not None:
         k = {"analysis": "analyses"}.get(kind, kind)
         k = k if k in KINDS else f"{k}s"
         if k not in KINDS:
+            from .yamlio import did_you_mean  # imports yaml: only for the error
+
             hint = did_you_mean(kind, KINDS)
             raise UnknownNameError(f"unknown kind '{kind}'{hint}; kinds: {', '.join(KINDS)}")
         kinds = [k]
+    if verbose and "models" in kinds:
+        REGISTRIES["models"].names()  # -v reads the models' declarations: import them (torch)
+    index = builtin_names()
+    static = static_registries(kinds, index)
     rows: list[tuple[str, str, str]] = []
     for k in kinds:
-        reg = REGISTRIES.get(k)
-        if k == "kernels":  # the kGLM kernels (their own entry-point group)
-            from ..kglm.kernels import kernels as reg
+        reg = _loaded_registry(k, REGISTRIES) or static.get(k)
         if reg is not None:
             rows += [(k, n, reg.origin(n)) for n in reg.names(pattern)]
             for e in reg.plugin_errors:
                 err_console().print(f"[yellow]warning:[/yellow] {esc(e)}", markup=True)
             continue
-        if k == "datasets":
-            from .data import DATASETS
-
-            names: list[str] = list(DATASETS)
-        else:
-            from .plots import names as plot_names
-
-            names = plot_names()
+        names = set(index[k]) | set(_loaded_names(k))
         rows += [
             (k, n, "built-in")
             for n in sorted(names)
@@ -311,6 +312,26 @@ def list_names(kind: str | None, pattern: str | None, verbose: bool = False) -> 
         + (f"  {declared_text(n)}" if verbose and k == "models" else "")
         for k, n, o in rows
     ]
+
+
+def _loaded_registry(kind: str, registries: dict[str, Any]) -> Any:
+    """The registry of ``kind`` when this process has already loaded its built-ins (or, for the
+    kernels, imported their module), else None: ``ls`` lists it as it is."""
+    if kind == "kernels":
+        mod = sys.modules.get("deqbench.kglm.kernels")
+        return getattr(mod, "kernels", None)
+    reg = registries.get(kind)
+    return reg if reg is not None and reg.builtins_loaded else None
+
+
+def _loaded_names(kind: str) -> list[str]:
+    """Datasets and plots registered in this process so far (beside the indexed built-ins;
+    nothing is imported)."""
+    if kind == "datasets":
+        mod = sys.modules.get("deqbench.data.base")
+        return list(getattr(mod, "DATASETS", {}))
+    mod = sys.modules.get("deqbench.run.plots")
+    return list(mod.names()) if mod is not None else []
 
 
 def info_lines(device: str | None, as_json: bool = False) -> list[str]:

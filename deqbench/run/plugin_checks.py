@@ -3,9 +3,13 @@
 ``deqbench validate`` and ``deqbench run`` (before it starts) call :func:`check_suites`. On CPU,
 once per distinct model spec and solver of the suite(s), built-ins and plugins alike:
 
-* every model factory is called with ``in_shape``/``num_outputs`` (from the dataset's shape,
-  without loading it) and the suite's params, each init of the suite is applied to it, and it
-  runs a forward pass on a batch of 2 with each forward solver the suite gives it (at most
+* every dataset's (in_shape, num_outputs) comes from the shape its loader declares
+  (``loader.shape(params)``), without loading it; a dataset that declares none is loaded (a
+  plugin's import, its loader and its return value are checked: [dataset.import],
+  [dataset.load], [dataset.declared]);
+* every model factory is called with ``in_shape``/``num_outputs`` (the dataset's) and the
+  suite's params, each init of the suite is applied to it, and it runs a forward pass on a
+  batch of 2 with each forward solver the suite gives it (at most
   :data:`FORWARD_STEPS` f-evaluations: a contract check, not a convergence test); a model that
   runs its own solver (``last_solve_stats()``) reports that forward's solve;
 * every solver (forward, and as adjoint solver for ``ift``) runs on a small contraction, with
@@ -35,7 +39,7 @@ import json
 import math
 import os
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,7 +56,7 @@ BATCH, WIDTH = 2, 6
 class Violation:
     """One broken clause of one registered name."""
 
-    kind: str  # "model" | "solver" | "init"
+    kind: str  # "model" | "solver" | "init" | "dataset"
     name: str
     origin: str  # "built-in", "<distribution> <version>" or "runtime"
     target: str  # the entry point's value, or module:qualname
@@ -105,59 +109,53 @@ def _raised(exc: BaseException) -> str:
     return f"raised {type(exc).__name__}{': ' + text if text else ''}{where}"
 
 
-# -- dataset shapes without loading the data --------------------------------------------------
+# -- datasets: their shapes, without loading the data where they declare them -----------------
 
 
-def _digits(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
-    s = int(p["size"])
-    shape = (s * s,) if p["flatten"] else (1, s, s)
-    return shape, 1 if p["target"] == "binary" else 10
+def dataset_shape(
+    name: str, params: dict[str, Any]
+) -> tuple[tuple[tuple[int, ...], int] | None, tuple[str, str] | None]:
+    """``((in_shape, num_outputs), None)`` of dataset ``name`` with ``params``: from the shape
+    its loader declares (``loader.shape(params)``), else by loading it; ``(None, (clause,
+    message))`` when the dataset breaks its contract (:class:`deqbench.contracts.DatasetLoader`);
+    ``(None, None)`` for an unknown name (the schema reports it)."""
+    import torch
 
+    from ..core.registry import datasets
+    from ..data.base import bundle_problem, declared_shape
 
-def _denoise(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
-    if p["source"] == "cifar10":  # the CIFAR files or their smooth stand-in: 3 x 32 x 32
-        shape: tuple[int, ...] = (3, 32, 32)
-    else:
-        shape = (int(p["channels"]), int(p["size"]), int(p["size"]))
-    return shape, math.prod(shape)
-
-
-_SHAPES: dict[str, Callable[[dict[str, Any]], tuple[tuple[int, ...], int]]] = {
-    "digits": _digits,
-    "synthetic": lambda p: ((int(p["dim"]),), int(p["num_classes"])),
-    "gp_sequence": lambda p: ((int(p["length"]),), int(p["length"])),
-    "mnist": lambda p: ((1, 28, 28), 10),
-    "cifar10": lambda p: ((3, 32, 32), 10),
-    "svhn": lambda p: ((3, 32, 32), 10),
-    "digits_klr": lambda p: ((64,) if p["flatten"] else (1, 8, 8), 64),
-    "denoise": _denoise,
-}
+    if name not in datasets:
+        return None, None
+    try:
+        fn = datasets.get(name)
+    except PluginError as exc:
+        return None, ("dataset.import", datasets.entry(name).error or str(exc))
+    if not callable(fn):
+        return None, ("dataset.import", f"names a {type(fn).__name__}, not a callable")
+    try:
+        shape = declared_shape(fn, params)
+    except Exception as exc:
+        return None, ("dataset.declared", f"shape({params}) {_raised(exc)}")
+    if shape is not None:
+        return shape, None
+    call = f"{name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
+    try:
+        with torch.random.fork_rng(devices=[]):
+            d = fn(**params)
+    except ConfigError as exc:
+        return None, ("dataset.load", f"{call}: {exc}")
+    except Exception as exc:
+        return None, ("dataset.load", f"{call} {_raised(exc)}")
+    problem = bundle_problem(d)
+    if problem is not None:
+        return None, ("dataset.load", f"{call} {problem}")
+    return (tuple(d.in_shape), int(d.num_outputs)), None
 
 
 def data_shape(name: str, params: dict[str, Any]) -> tuple[tuple[int, ...], int] | None:
-    """(in_shape, num_outputs) of dataset ``name`` with ``params``; built-in datasets from their
-    parameters, others by loading them; None when that fails."""
-    from .data import DATASETS, load_data
-
-    fn = DATASETS.get(name)
-    if fn is None:
-        return None
-    if name in _SHAPES:
-        full = {
-            k: v.default
-            for k, v in inspect.signature(fn).parameters.items()
-            if v.default is not inspect.Parameter.empty
-        }
-        full.update(params)
-        try:
-            return _SHAPES[name](full)
-        except (KeyError, TypeError, ValueError):
-            return None
-    try:
-        d = load_data(name, **params)
-    except Exception:
-        return None
-    return tuple(d.in_shape), int(d.num_outputs)
+    """(in_shape, num_outputs) of dataset ``name`` with ``params`` (:func:`dataset_shape`); None
+    when it cannot be had."""
+    return dataset_shape(name, params)[0]
 
 
 # -- test problems for solvers ----------------------------------------------------------------
@@ -617,9 +615,13 @@ class _Checks:
                 return
         g = torch.Generator().manual_seed(0)
         x = torch.rand(2, *in_shape, generator=g).to(dtype)
+        # the first forward of a model checks each DEQ layer's cell before the layer solves
+        hooks = self._cell_hooks(model, name) if is_deq and self.once(("cell", id(model))) else []
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 out = model(x)
+        except _CellBroken:  # reported under [model.cell]; the forward pass is not judged
+            return
         except Exception as exc:
             if isinstance(exc, PluginError) and deq.own_solver(model) is not None:
                 # raised by the hook reading the model's own solve after its forward
@@ -634,6 +636,9 @@ class _Checks:
                 c.id if is_deq else "",
             )
             return
+        finally:
+            for h in hooks:
+                h.remove()
         if not isinstance(out, torch.Tensor):
             self.add(
                 "model",
@@ -662,6 +667,38 @@ class _Checks:
             except PluginError as exc:
                 self.add("model", name, "model.solve_stats", str(exc))
         self._own_names(name, model)
+
+    def _cell_hooks(self, model: Any, name: str) -> list[Any]:
+        """Forward pre-hooks on ``model``'s DEQ layers that check each cell once, on the
+        layer's own (u, z0), before it solves: the output keeps z's shape [model.cell] (else
+        :class:`_CellBroken` stops the forward), and an f-evaluation, as the solver makes it
+        (no_grad, training mode), changes no buffer of the model [model.cell_pure]."""
+        from ..core import deq
+
+        paths = {id(m): p for p, m in model.named_modules()}
+        done: set[int] = set()
+
+        def check(layer: Any, args: tuple, kwargs: dict) -> None:
+            if id(layer) in done:
+                return
+            done.add(id(layer))
+            u = args[0] if args else kwargs.get("u")
+            z0 = args[1] if len(args) > 1 else kwargs.get("z0")
+            if not hasattr(u, "shape"):
+                return  # the forward pass reports it
+            where = paths.get(id(layer), "")
+            problem = _check_cell(model, layer, u, z0, f"{where}.cell" if where else "cell")
+            if problem is None:
+                return
+            clause, message = problem
+            self.add("model", name, clause, message)
+            if clause == "model.cell":
+                raise _CellBroken(message)
+
+        return [
+            layer.register_forward_pre_hook(check, with_kwargs=True)
+            for layer in deq.deq_layers(model)
+        ]
 
     def _own_names(self, name: str, model: Any) -> None:
         """A model's declaration (what cell ids say before it is built) and the built model
@@ -697,6 +734,87 @@ class _Checks:
             )
 
 
+class _CellBroken(Exception):
+    """A cell broke [model.cell]: the check's forward pass stops there."""
+
+
+def _buffer_changed(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return True
+    if a.is_floating_point() or a.is_complex():
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        return not bool(same.all())
+    return not torch.equal(a, b)
+
+
+def _check_cell(model: Any, layer: Any, u: Any, z0: Any, where: str) -> tuple[str, str] | None:
+    """(clause, message) of what the cell of DEQ ``layer`` (at ``where`` in ``model``) breaks
+    when called on the layer's (u, z0), or None. Two f-evaluations under no_grad with the cell
+    in training mode (the mode the solver evaluates it in while training): the first checks the
+    output's shape, the second that no buffer of the model changes (after the first, so that a
+    cache filled once, e.g. lazily refreshed singular vectors, passes). The buffers are put back
+    as they were before the second."""
+    import torch
+
+    if z0 is None:
+        z0 = torch.zeros_like(u)
+    u, z0 = layer.state_dtype(u), layer.state_dtype(z0)
+    cell = layer.cell
+    modes = [(m, m.training) for m in cell.modules()]
+    cell.train()
+    try:
+        with torch.no_grad():
+            out = cell(z0, u)
+            if not isinstance(out, torch.Tensor):
+                return (
+                    "model.cell",
+                    f"{where}(z, u) returned a {type(out).__name__}, not a tensor: a cell "
+                    "returns the next iterate, shaped like z",
+                )
+            if out.shape != z0.shape:
+                return (
+                    "model.cell",
+                    f"{where}(z, u) returned shape {tuple(out.shape)} for z of shape "
+                    f"{tuple(z0.shape)}: a cell must keep z's shape",
+                )
+            before = {n: b.detach().clone() for n, b in model.named_buffers()}
+            cell(z0, u)
+            after = dict(model.named_buffers())
+            changed = [n for n, b in before.items() if n in after and _buffer_changed(b, after[n])]
+            for n in changed:  # put them back
+                if after[n].shape == before[n].shape:
+                    after[n].copy_(before[n])
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    if not changed:
+        return None
+    owners: dict[str, list[str]] = {}
+    for n in changed:
+        mod, _, buf = n.rpartition(".")
+        owners.setdefault(mod, []).append(buf)
+    mods = dict(model.named_modules())
+    parts = []
+    for mod, bufs in owners.items():
+        m = mods.get(mod)
+        kind = type(m).__name__
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            parts.append(
+                f"{mod} ({kind} in training mode) updates its running statistics on every "
+                "f-evaluation: use GroupNorm/LayerNorm inside the cell, or keep BatchNorm "
+                "outside the map"
+            )
+        else:
+            parts.append(
+                f"{mod} ({kind}) changes its buffer(s) {', '.join(bufs)} on every f-evaluation: "
+                "the solver evaluates the cell many times per forward; update such state once "
+                "per forward or per optimiser step, outside the cell's forward"
+            )
+    return "model.cell_pure", f"an f-evaluation of {where}: " + "; ".join(parts)
+
+
 def _key(d: Any) -> str:
     return json.dumps(d, sort_keys=True, default=str)
 
@@ -718,6 +836,7 @@ def check_all(suites: Iterable[Any]) -> list[Violation]:
     import torch
 
     checks = _Checks()
+    shapes: dict[tuple[str, str], Any] = {}  # (dataset, params) -> (in_shape, num_outputs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny problems: one thread is fastest, and never oversubscribed
     try:
@@ -730,7 +849,13 @@ def check_all(suites: Iterable[Any]) -> list[Violation]:
                     checks.solver(bcfg.solver, bcfg.options, adjoint=True)
             groups: dict[Any, list[Any]] = {}
             for c in suite.cells:
-                shape = data_shape(*c.data_params())
+                dname, dparams = c.data_params()
+                dkey = (dname, _key(dparams))
+                if dkey not in shapes:  # each dataset spec once, over all the suites
+                    shapes[dkey], broken = dataset_shape(dname, dparams)
+                    if broken is not None:
+                        checks.add("dataset", dname, *broken)
+                shape = shapes[dkey]
                 if shape is None:
                     continue
                 key = (_key(c.model), shape, suite.dtype)

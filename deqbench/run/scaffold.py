@@ -1,8 +1,9 @@
 """``deqbench new-plugin NAME``: write a ready plugin package.
 
 The package has a ``pyproject.toml`` with the ``deqbench.models`` and ``deqbench.solvers``
-entry points, a model and a solver written to the contracts (:mod:`deqbench.contracts`), and a
-test that runs ``deqbench validate`` and a one-cell suite. It passes right after
+entry points, a model and a solver written to the contracts (:mod:`deqbench.contracts`), and
+tests that run deqbench's conformance checks (:mod:`deqbench.testing`), ``deqbench validate``
+and a one-cell suite. It passes right after
 ``pip install -e 'NAME[test]'`` (its ``test`` extra brings pytest), run by
 ``python -m pytest`` (the interpreter pip installed into, not another environment's ``pytest``)::
 
@@ -222,7 +223,8 @@ output: results
 """
 
 TEST = '''\
-"""The plugin is registered, passes `deqbench validate` and runs a one-cell suite."""
+"""The plugin is registered, conforms to deqbench's contracts (deqbench.testing: the clauses
+`deqbench validate` checks, and more), passes `deqbench validate` and runs a one-cell suite."""
 
 from __future__ import annotations
 
@@ -232,6 +234,7 @@ from typer.testing import CliRunner
 
 import deqbench
 from deqbench.cli import app
+from deqbench.testing import check_model, check_solver
 
 SUITE = Path(__file__).with_name("suite.yaml")
 
@@ -239,6 +242,14 @@ SUITE = Path(__file__).with_name("suite.yaml")
 def test_registered_through_entry_points():
     assert deqbench.models.origin("{model}") == "{dist} 0.1.0"
     assert deqbench.solvers.origin("{solver}") == "{dist} 0.1.0"
+
+
+def test_solver_conforms():
+    check_solver("{solver}", options={{"omega": 0.9}})
+
+
+def test_model_conforms():
+    check_model("{model}", params={{"width": 16}})
 
 
 def test_validate():
@@ -267,7 +278,7 @@ registered through entry points (see `pyproject.toml`), written to deqbench's co
 
 ```bash
 pip install -e '.[test]'                 # the test extra brings pytest
-python -m pytest                         # validate + a one-cell suite
+python -m pytest                         # conformance, validate, a one-cell suite
 deqbench ls models {short}               # {model}  {dist} 0.1.0
 deqbench validate tests/suite.yaml       # the contract checks
 ```

@@ -974,3 +974,317 @@ def graph_loop(
         while not eager_step():
             pass
     return nstep
+
+
+# -- declaring a solver: its options model and the decorator -------------------------------------
+
+
+class SolverOptions(BaseModel):
+    """Base of a solver's options model: unknown options are errors, values are checked
+    strictly (no bool for a number, no string for a number, an integer option takes no float)
+    and the validated object is frozen (one object serves every solve with the same options).
+
+    Subclass :class:`CommonOptions` (or :class:`GraphOptions`) for a solver built on
+    :class:`Tracker`; subclass this for one that takes none of them.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class CommonOptions(SolverOptions):
+    """The options every solver built on :class:`Tracker` takes (its bookkeeping reads them)."""
+
+    returns: Literal["lowest", "last"] = Field(
+        "lowest",
+        description="'lowest': per sample, the iterate x with the lowest measured residual; "
+        "'last': the last measured iterate. The reported residual is that of x.",
+    )
+    check_every: Annotated[int, Gt(0)] | None = Field(
+        None,
+        description="read the convergence test on the host exactly every k f-evaluations "
+        "(None: every step on CPU; on CUDA one step late without stalling the GPU, exactly "
+        "near convergence).",
+    )
+    protect_thres: float = Field(
+        1e6,
+        gt=1,
+        description="stop as diverged when the batch max abs residual exceeds this factor times "
+        "the first one (non-finite residuals always stop as diverged).",
+    )
+
+
+class GraphOptions(CommonOptions):
+    """:class:`CommonOptions` plus the CUDA-graph options (``@solver(..., cuda_graph=True)``)."""
+
+    cuda_graph: StrictBool | Literal["cache"] | None = Field(
+        False,
+        description="True: capture the solver step (f and the bookkeeping, on static buffers) "
+        "in a CUDA graph after one eager step and replay it; 'cache': also keep the graph for "
+        "later solves with the same f object, shapes and options. f must be capturable (no host "
+        "syncs, fixed shapes). On CPU the static step runs eagerly. See deqbench.solvers.base.",
+    )
+    graph_steps: Literal["auto"] | Annotated[int, Ge(1), Le(GRAPH_STEPS_MAX)] = Field(
+        "auto",
+        description="steps per captured graph ('auto': 2 for states of at most 2M elements, "
+        "else 1); the host reads the residuals once per replay, so up to graph_steps - 1 steps "
+        "past convergence may be made (extra['nstep_to_tol']).",
+    )
+
+
+#: options every built-in solver built on :class:`Tracker` accepts
+COMMON_OPTIONS = frozenset(CommonOptions.model_fields)
+
+_Opts = TypeVar("_Opts", bound=SolverOptions)
+#: distinct option dicts validated per solver before its cache is cleared
+OPTIONS_CACHE_SIZE = 256
+
+
+def _bound_text(meta: Any, integer: bool) -> str:
+    lo = hi = None
+    lo_in = hi_in = False
+    for m in meta:
+        for attr, incl, upper in (("gt", False, False), ("ge", True, False),
+                                  ("lt", False, True), ("le", True, True)):  # fmt: skip
+            v = getattr(m, attr, None)
+            if v is None or type(m).__name__.lower() not in (attr, "fieldinfo"):
+                continue
+            if upper:
+                hi, hi_in = v, incl
+            else:
+                lo, lo_in = v, incl
+    if integer and hi is None and lo is not None and (lo == 0 and not lo_in or lo == 1 and lo_in):
+        return "a positive integer"
+    what = "an integer" if integer else "a number"
+    if lo is not None and hi is not None:
+        return f"{what} in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+    if lo is not None:
+        return f"{what} {'>=' if lo_in else '>'} {lo}"
+    if hi is not None:
+        return f"{what} {'<=' if hi_in else '<'} {hi}"
+    return what
+
+
+def _domain_parts(tp: Any, meta: tuple[Any, ...] = ()) -> list[str]:
+    origin = get_origin(tp)
+    if origin is Annotated:
+        base, *more = get_args(tp)
+        return _domain_parts(base, (*meta, *more))
+    if origin in (Union, types.UnionType):
+        return [p for a in get_args(tp) for p in _domain_parts(a, meta)]
+    if origin is Literal:
+        return [repr(a) for a in get_args(tp)]
+    if tp is type(None):
+        return ["None"]
+    if tp is bool:
+        return ["False", "True"]
+    if tp in (int, float):
+        return [_bound_text(meta, tp is int)]
+    if tp is str:
+        return ["a string"]
+    if tp is dict or origin is dict:
+        return ["a mapping"]
+    return [] if tp is Any else [getattr(tp, "__name__", str(tp))]
+
+
+def option_domain(options: type[SolverOptions], name: str) -> str:
+    """What option ``name`` of an options model takes, in words (errors and the docs' tables):
+    ``'lowest' or 'last'``, ``a number in (0, 1]``, ``'auto' or an integer in [1, 16]``."""
+    f = options.model_fields[name]
+    parts = _domain_parts(f.annotation, tuple(f.metadata))
+    if not parts:
+        return "any value"
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def option_problems(options: type[SolverOptions], given: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(option, problem)`` for each option of ``given`` that ``options`` rejects, the option
+    '' for a problem of several together; unknown names are left to :func:`check_options`."""
+    try:
+        options.model_validate({k: v for k, v in given.items() if k in options.model_fields})
+    except ValidationError as exc:
+        out: list[tuple[str, str]] = []
+        for e in exc.errors(include_url=False):
+            key = str(e["loc"][0]) if e["loc"] else ""
+            if any(k == key for k, _ in out):  # a union reports each member: one line
+                continue
+            if e["type"] == "value_error":
+                msg = str(e["ctx"]["error"])
+            elif key in options.model_fields:
+                msg = f"{key} must be {option_domain(options, key)}, got {given[key]!r}"
+            else:
+                msg = e["msg"]
+            out.append((key, msg))
+        return out
+    return []
+
+
+def _freeze(v: Any) -> Any:
+    """A hashable key of an option value (its type included: True, 1 and 1.0 are equal keys)."""
+    if isinstance(v, dict):
+        return (dict, tuple(sorted((str(k), _freeze(x)) for k, x in v.items())))
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_freeze(x) for x in v))
+    hash(v)  # TypeError: not cached
+    return (type(v), v)
+
+
+def parse_options(solver: str, options: type[_Opts], given: dict[str, Any]) -> _Opts:
+    """The validated options object, or a SolverOptionError naming the solver and the option
+    (an unknown one with "did you mean")."""
+    check_options(solver, given, set(options.model_fields))
+    problems = option_problems(options, given)
+    if problems:
+        raise option_error(solver, problems[0][1])
+    return options.model_validate(given)
+
+
+def solver(
+    options: type[SolverOptions],
+    *,
+    name: str | None = None,
+    cuda_graph: bool = False,
+    graph_numel: int | None = None,
+    needs_structure: Any = False,
+    solves_tangent: bool = False,
+    unroll: Callable[..., Any] | None = None,
+) -> Callable[[Callable[..., tuple[Tensor, SolverStats]]], Callable[..., tuple[Tensor, SolverStats]]]:
+    """Declare a solver: ``impl(f, z0, opts, *, max_iter, tol, stop_mode)`` becomes the contract
+    ``solve(f, z0, *, max_iter, tol, stop_mode="rel", **options) -> (z, SolverStats)``.
+
+    The returned function validates ``**options`` with the pydantic model ``options`` once per
+    distinct option dict (a small cache keyed by the frozen values: a solve in a training loop
+    does no validation after the first), checks ``max_iter``, ``tol`` and ``stop_mode``, and
+    calls ``impl`` under ``torch.no_grad`` with the validated object ``opts``; ``impl`` checks
+    nothing itself. ``max_iter`` and ``tol`` default to ``impl``'s own defaults.
+
+    Declared on the returned function (what suites, the docs and the DEQ layer read):
+    ``Options`` (the model), ``OPTIONS`` (its field names), ``supports_cuda_graph``
+    (``cuda_graph=True``: ``options`` must subclass :class:`GraphOptions`), ``graph_numel``
+    (the largest state the DEQ layer's automatic graph path captures; default
+    :data:`AUTO_NUMEL`), ``needs_structure``, ``solves_tangent`` and ``unroll`` (see
+    :class:`deqbench.contracts.Solver`).
+
+    Example:
+        >>> from pydantic import Field
+        >>> class HalfOptions(CommonOptions):
+        ...     omega: float = Field(0.5, gt=0, lt=2, description="relaxation")
+        >>> @solver(HalfOptions)
+        ... def half(f, z0, opts, *, max_iter=50, tol=1e-4, stop_mode="rel"):
+        ...     tracker = Tracker("half", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode,
+        ...                       common=opts)
+        ...     z, nstep = z0, 0
+        ...     while True:
+        ...         fz = f(z)
+        ...         nstep += 1
+        ...         tracker.record(z, fz, None)
+        ...         if tracker.stop() or nstep >= max_iter:
+        ...             return tracker.finish(nstep, {"omega": opts.omega})
+        ...         z = (1 - opts.omega) * z + opts.omega * fz
+        >>> z, st = half(lambda z: 0.5 * z + 1, torch.zeros(2, 3), tol=1e-6)
+        >>> st.status, half.OPTIONS == {"omega", "returns", "check_every", "protect_thres"}
+        ('converged', True)
+        >>> half(lambda z: z, torch.zeros(2, 3), omega=2)
+        Traceback (most recent call last):
+        ...
+        deqbench.solvers.base.SolverOptionError: solver 'half': omega must be a number in (0, 2), got 2
+    """
+    if cuda_graph and not issubclass(options, GraphOptions):
+        raise TypeError("@solver(cuda_graph=True) needs an options model subclassing GraphOptions")
+
+    def wrap(impl: Callable[..., tuple[Tensor, SolverStats]]) -> Callable[..., Any]:
+        sname = name or impl.__name__
+        params = inspect.signature(impl).parameters
+        max_iter_default = params["max_iter"].default if "max_iter" in params else 50
+        tol_default = params["tol"].default if "tol" in params else 1e-4
+        cache: dict[Any, Any] = {}
+        default = options()
+
+        def solve(
+            f: Callable[[Tensor], Tensor],
+            z0: Tensor,
+            *,
+            max_iter: int = max_iter_default,
+            tol: float = tol_default,
+            stop_mode: str = "rel",
+            **kw: Any,
+        ) -> tuple[Tensor, SolverStats]:
+            if not kw:
+                opts = default
+            else:
+                try:
+                    key: Any = tuple((k, _freeze(v)) for k, v in kw.items())
+                    opts = cache.get(key)
+                except TypeError:  # an unhashable value: validated every call
+                    key, opts = None, None
+                if opts is None:
+                    opts = parse_options(sname, options, kw)
+                    if key is not None:
+                        if len(cache) >= OPTIONS_CACHE_SIZE:
+                            cache.clear()
+                        cache[key] = opts
+            check_budget(sname, max_iter, tol, stop_mode)
+            with torch.no_grad():
+                return impl(f, z0, opts, max_iter=max_iter, tol=tol, stop_mode=stop_mode)
+
+        functools.update_wrapper(solve, impl)
+        P = inspect.Parameter
+        solve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [
+                P("f", P.POSITIONAL_OR_KEYWORD, annotation="Callable[[Tensor], Tensor]"),
+                P("z0", P.POSITIONAL_OR_KEYWORD, annotation="Tensor"),
+                P("max_iter", P.KEYWORD_ONLY, default=max_iter_default, annotation="int"),
+                P("tol", P.KEYWORD_ONLY, default=tol_default, annotation="float"),
+                P("stop_mode", P.KEYWORD_ONLY, default="rel", annotation="str"),
+                P("options", P.VAR_KEYWORD, annotation="Any"),
+            ],
+            return_annotation="tuple[Tensor, SolverStats]",
+        )
+        s: Any = solve
+        s.Options = options
+        s.OPTIONS = frozenset(options.model_fields)
+        s.supports_cuda_graph = bool(cuda_graph)
+        if graph_numel is not None:
+            s.graph_numel = int(graph_numel)
+        if needs_structure:
+            s.needs_structure = needs_structure
+        if solves_tangent:
+            s.solves_tangent = True
+        if unroll is not None:
+            s.unroll = unroll
+        return solve
+
+    return wrap
+
+
+def solver_options_model(fn: Any) -> type[SolverOptions] | None:
+    """The options model a solver declares with :func:`solver` (``fn.Options``), else None."""
+    m = getattr(fn, "Options", None)
+    return m if isinstance(m, type) and issubclass(m, BaseModel) else None
+
+
+def options_markdown(names: list[str] | None = None) -> str:
+    """The options tables of the registered solvers (``names``: default every built-in that
+    declares an options model), one ``#### name`` section each: option, what it takes, default,
+    description. The docs' ``<!-- deqbench:solver-options -->`` marker renders this."""
+    from ..core.registry import solvers as registry
+
+    if names is None:
+        names = [n for n in registry.names() if str(registry.origin(n)).startswith("built")]
+    parts = []
+    for n in names:
+        fn = registry.get(n)
+        model = solver_options_model(fn)
+        if model is None:
+            continue
+        graph = " Supports CUDA graphs (`cuda_graph`)." if supports_graph(fn) else ""
+        rows = ["| option | takes | default | what |", "|---|---|---|---|"]
+        for key, f in model.model_fields.items():
+            cells = [
+                f"`{key}`",
+                option_domain(model, key),
+                f"`{f.default!r}`",
+                " ".join((f.description or "").split()),
+            ]
+            rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        parts.append(f"#### `{n}`\n\n`{model.__name__}`.{graph}\n\n" + "\n".join(rows) + "\n")
+    return "\n".join(parts)

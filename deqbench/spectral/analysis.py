@@ -35,7 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from ..analyses.base import Analysis, CellContext, EpochInfo, Row
+from ..analyses.base import Analysis, CellContext, Row, mean_max
 from ..core.deq import deq_layers, is_deq
 from ..core.registry import analyses
 from . import norms as sp
@@ -194,10 +194,6 @@ class SpectralAnalysis(Analysis):
         jacobian_batch: int = Field(16, ge=1)
         hutchinson_vectors: int = Field(8, ge=1)
 
-    def __init__(self, params: Any = None) -> None:
-        super().__init__(params)
-        self._steps: set[int] = set()
-
     def measure(self, ctx: CellContext, step: int) -> Iterable[Row]:
         """All rows for the model's current weights, tagged ``step``."""
         p = self.params
@@ -216,19 +212,12 @@ class SpectralAnalysis(Analysis):
         vals = []
         for layer, metric, value, note in norms:
             rows.append(Row(metric, value, variant=layer, step=step, note=note))
-            if metric == "sigma_max" and math.isfinite(value):
+            if metric == "sigma_max":
                 vals.append(value)
         if vals:
-            rows.append(
-                Row(
-                    "sigma_max",
-                    sum(vals) / len(vals),
-                    variant="mean",
-                    step=step,
-                    note=f"mean over {len(vals)} layers ({p.scope})",
-                )
+            rows += mean_max(
+                "sigma_max", vals, step=step, note=f"over {len(vals)} layers ({p.scope})"
             )
-            rows.append(Row("sigma_max", max(vals), variant="max", step=step))
         for k, v in family_quantities(model).items():
             rows.append(Row(k, v, variant="family", step=step))
         if p.jacobian:
@@ -242,12 +231,8 @@ class SpectralAnalysis(Analysis):
         if not is_deq(model) or len(layers) != 1 or not hasattr(model, "equilibrium"):
             why = "not a DEQ" if not is_deq(model) else "several DEQ layers"
             return [
-                Row(
-                    "jacobian_spectral_radius",
-                    math.nan,
-                    step=step,
-                    status="skipped",
-                    note=f"{why}: no single cell Jacobian",
+                Row.skipped(
+                    "jacobian_spectral_radius", f"{why}: no single cell Jacobian", step=step
                 )
             ]
         rows: list[Row] = []
@@ -260,19 +245,9 @@ class SpectralAnalysis(Analysis):
                 seed=ctx.seed,
             )
         except Exception as exc:  # a cell the Jacobian tools cannot handle: say so, go on
-            return [
-                Row(
-                    "jacobian_spectral_radius",
-                    math.nan,
-                    step=step,
-                    status="error",
-                    note=f"{type(exc).__name__}: {exc}",
-                )
-            ]
+            return [Row.failed("jacobian_spectral_radius", exc, step=step)]
         for k, v in js.items():
-            v = v.double()
-            rows.append(Row(k, float(v.mean()), variant="mean", step=step))
-            rows.append(Row(k, float(v.max()), variant="max", step=step))
+            rows += mean_max(k, v.double().tolist(), step=step)
         cell = layers[0].cell
         try:
             if p.input_size:
@@ -290,40 +265,19 @@ class SpectralAnalysis(Analysis):
             status = "ok" if math.isfinite(bound) else "skipped"  # NaN: not available
             rows.append(Row("lipschitz_bound", bound, step=step, status=status, note=note))
         except Exception as exc:
-            rows.append(
-                Row(
-                    "lipschitz_bound",
-                    math.nan,
-                    step=step,
-                    status="error",
-                    note=f"{type(exc).__name__}: {exc}",
-                )
-            )
+            rows.append(Row.failed("lipschitz_bound", exc, step=step))
         return rows
 
-    def before_training(self, ctx: CellContext) -> Iterable[Row]:
-        self._steps.add(0)
-        return self.measure(ctx, 0)
-
-    def on_epoch(self, ctx: CellContext, info: EpochInfo) -> Iterable[Row]:
-        if self.params.every != "epoch" or info.epoch in self._steps:
-            return ()
-        self._steps.add(info.epoch)
-        return self.measure(ctx, info.epoch)
-
-    def after_training(self, ctx: CellContext) -> Iterable[Row]:
-        if self.params.every != "end":
-            return ()
-        epochs = int((ctx.cell.get("train") or {}).get("epochs", 0))
-        if epochs in self._steps:
-            return ()
-        return self.measure(ctx, epochs)
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        fig = spectral_plot(df)
+        return {"spectral_norms": fig} if fig is not None else {}
 
 
 def spectral_plot(df: Any) -> Any | None:
     """Mean layer sigma_max per epoch (one line per cell; min-max band over seeds) and, when
     measured, the mean Jacobian spectral radius."""
-    from ..run.plots import _legend, _lines, new_figure
+    from ..plots import legend, lines, new_figure
 
     d = df[(df["analysis"] == "spectral") & (df["status"] == "ok") & df["step"].notna()]
     if d.empty:
@@ -338,20 +292,8 @@ def spectral_plot(df: Any) -> Any | None:
     if s.empty and j.empty:
         return None
     fig = new_figure(5.0, 4.0, ncols=2 if not j.empty else 1)
-    _lines(fig.axes[0], s, "epoch", title, "sigma_max")
+    lines(fig.axes[0], s, "epoch", title, "sigma_max")
     if not j.empty:
-        _lines(fig.axes[1], j, "epoch", "cell Jacobian at z*", "spectral radius (mean)")
-    _legend(fig, fig.axes[0])
+        lines(fig.axes[1], j, "epoch", "cell Jacobian at z*", "spectral radius (mean)")
+    legend(fig, fig.axes[0])
     return fig
-
-
-def _register_plot() -> None:
-    from ..run import plots
-
-    @plots.register("spectral")
-    def _spectral_plots(df: Any, run_dir: Any) -> dict[str, Any]:
-        fig = spectral_plot(df)
-        return {"spectral_norms": fig} if fig is not None else {}
-
-
-_register_plot()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -120,6 +120,11 @@ class SplittingSweep(Analysis):
 
     judges_own_solves = True  # see Analysis.judges_own_solves
     name = "splitting_sweep"
+    #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
+    example: ClassVar[dict[str, Any]] = {
+        "model": "mondeq_fc_tiny",
+        "params": {"alphas": [1.0, 0.5], "samples": 16},
+    }
     version = "1"
     needs_training = False
 

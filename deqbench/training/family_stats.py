@@ -158,6 +158,17 @@ class FamilyStats(Analysis):
             rows += spectral_rows(ctx.model, info.epoch)
         return rows
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        out = {}
+        fig = iterations_plot(df)
+        if fig is not None:
+            out["family_iterations"] = fig
+        fig = sigma_plot(df)
+        if fig is not None:
+            out["family_spectral"] = fig
+        return out
+
 
 # -- plots (papers/002 figures 3 and 4) ----------------------------------------------------
 
@@ -170,7 +181,7 @@ def _family(df: Any) -> Any:
 def iterations_plot(df: Any) -> Any | None:
     """Forward and backward iterations per layer solve (mean over layers) per epoch, one line
     per cell (papers/002 figure 3)."""
-    from ..run.plots import _legend, _lines, new_figure
+    from ..plots import legend, lines, new_figure
 
     d = _family(df)
     fw = d[(d.metric == "forward_nstep") & (d.variant.fillna("") == "")]
@@ -179,52 +190,34 @@ def iterations_plot(df: Any) -> Any | None:
         return None
     fig = new_figure(5.0, 4.0, ncols=2 if not bw.empty else 1)
     ids = d["cell_id"].unique()
-    _lines(fig.axes[0], fw, "epoch", "forward iterations", "f-evals per layer solve", all_ids=ids)
+    lines(fig.axes[0], fw, "epoch", "forward iterations", "f-evals per layer solve", all_ids=ids)
     if not bw.empty:
-        _lines(
+        lines(
             fig.axes[1], bw, "epoch", "backward iterations", "f-evals per layer solve", all_ids=ids
         )
-    _legend(fig, fig.axes[0])
+    legend(fig, fig.axes[0])
     return fig
 
 
 def sigma_plot(df: Any) -> Any | None:
     """Largest singular value of W (max over pcDEQ layers) per epoch, or monDEQ's
     lambda_max((W + W^T)/2) and ||I - W|| (papers/002 figure 4)."""
-    from ..run.plots import _legend, _lines, new_figure
+    from ..plots import legend, lines, new_figure
 
     d = _family(df)
     s = d[(d.metric == "sigma_max") & (d.variant == "max")]
     if not s.empty:
         fig = new_figure(7.5, 4.0)
-        _lines(fig.axes[0], s, "epoch", "sigma_max(W), max over layers", "sigma_max(W)")
+        lines(fig.axes[0], s, "epoch", "sigma_max(W), max over layers", "sigma_max(W)")
         fig.axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
-        _legend(fig, fig.axes[0])
+        legend(fig, fig.axes[0])
         return fig
     lam = d[d.metric == "lambda_max_sym_W"]
     lip = d[d.metric == "lipschitz_I_minus_W"]
     if lam.empty:
         return None
     fig = new_figure(5.0, 4.0, ncols=2)
-    _lines(fig.axes[0], lam, "epoch", "monotonicity: lambda_max((W+W^T)/2) <= 1-m", "lambda_max")
-    _lines(fig.axes[1], lip, "epoch", "||I - W||", "spectral norm")
-    _legend(fig, fig.axes[0])
+    lines(fig.axes[0], lam, "epoch", "monotonicity: lambda_max((W+W^T)/2) <= 1-m", "lambda_max")
+    lines(fig.axes[1], lip, "epoch", "||I - W||", "spectral norm")
+    legend(fig, fig.axes[0])
     return fig
-
-
-def _register_plot() -> None:
-    from ..run import plots
-
-    @plots.register("family_stats")
-    def _family_plots(df: Any, run_dir: Any) -> dict[str, Any]:
-        out = {}
-        fig = iterations_plot(df)
-        if fig is not None:
-            out["family_iterations"] = fig
-        fig = sigma_plot(df)
-        if fig is not None:
-            out["family_spectral"] = fig
-        return out
-
-
-_register_plot()
