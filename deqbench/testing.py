@@ -160,7 +160,7 @@ def check_solver(name: str, *, options: dict[str, Any] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - reported as a violation
         lines.append(
             f"{_who('solver', name)}: [solver.options] an unknown option raised "
-            f"{type(exc).__name__}: {exc} (use deqbench.solvers.base.check_options)"
+            f"{type(exc).__name__}: {exc} (declare an options model: deqbench.solvers.base.solver)"
         )
     _raise(lines)
 

@@ -27,6 +27,9 @@
                                shows the members that have no docstring
   ``solver-api``               mkdocstrings blocks of every built-in solver function, under
                                its registry name
+  ``solver-options``           the options table of every built-in solver (option, what it
+                               takes, default, description), from its pydantic options model
+                               (``deqbench.solvers.base.options_markdown``)
   ``where NAME [DIR]``         "`NAME` in `deqbench.pkg.module`": the module (under DIR, if
                                given) that defines NAME at top level, found by parsing the live
                                tree (ambiguous or missing: a warning)
@@ -782,6 +785,7 @@ GENERATORS: dict[str, Any] = {
     "datasets": lambda arg, st: datasets_markdown(),
     "api": lambda arg, st: api_markdown(arg),
     "solver-api": lambda arg, st: solver_api_markdown(),
+    "solver-options": lambda arg, st: _locate("deqbench.solvers.base", "options_markdown")(),
     "where": lambda arg, st: where_markdown(arg),
     "families": lambda arg, st: families_markdown(),
     "layout": lambda arg, st: layout_markdown(),

@@ -300,6 +300,72 @@ def test_bad_option_values(name, opts):
         get(name)(f, z0, max_iter=5, tol=1e-3, **opts)
 
 
+def test_bad_option_value_names_solver_option_and_domain():
+    f, z0 = tanh_cell()
+    with pytest.raises(
+        ConfigError, match=r"solver 'anderson': m must be a positive integer, got 0"
+    ):
+        get("anderson")(f, z0, max_iter=5, tol=1e-3, m=0)
+    with pytest.raises(
+        ConfigError, match=r"fixed_point': tau must be a number in \(0, 1\], got 0.0"
+    ):
+        get("fixed_point")(f, z0, max_iter=5, tol=1e-3, tau=0.0)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_options_declared_and_validated_once(name, monkeypatch):
+    """Every built-in declares a pydantic options model (deqbench.solvers.base.solver); a call
+    validates a given option dict once (cached), never again inside later solves."""
+    from deqbench.solvers import base
+
+    fn = get(name)
+    model = base.solver_options_model(fn)
+    assert model is not None and fn.OPTIONS == set(model.model_fields)
+    assert base.COMMON_OPTIONS <= fn.OPTIONS or name in ("forward_backward", "peaceman_rachford")
+    calls = []
+    real = base.parse_options
+    monkeypatch.setattr(base, "parse_options", lambda *a: calls.append(a) or real(*a))
+    if structure_of(fn) is not None:  # a structured solver rejects a plain map after validation
+        for _ in range(3):
+            with pytest.raises(ConfigError, match="needs a model with a monotone"):
+                fn(lambda z: z, torch.zeros(2, 3), max_iter=3, tol=1e-3, protect_thres=1234.5)
+    else:
+        for _ in range(3):
+            fn(lambda z: 0.5 * z, torch.zeros(2, 3), max_iter=3, tol=1e-3, protect_thres=1234.5)
+    assert len(calls) == 1
+
+
+def test_options_tables_cover_every_solver_and_option():
+    """The docs' options tables (<!-- deqbench:solver-options -->) are generated from the
+    models: every built-in solver has a section, every option a row with its description."""
+    from deqbench.solvers.base import option_domain, options_markdown, solver_options_model
+
+    text = options_markdown()
+    for name in BUILTINS:
+        model = solver_options_model(get(name))
+        section = text.split(f"#### `{name}`\n", 1)[1].split("####", 1)[0]
+        for key, field in model.model_fields.items():
+            (row,) = [r for r in section.splitlines() if r.startswith(f"| `{key}` |")]
+            assert option_domain(model, key) in row and field.description, (name, key)
+
+
+def test_suite_checks_solver_option_values_when_built(tmp_path):
+    from deqbench.run.suite import load_suite
+
+    p = tmp_path / "s.yaml"
+    p.write_text(
+        "schema: 1\nname: t\ndevice: cpu\nseeds: [0]\n"
+        "data: {name: digits, flatten: true, train_subset: 64, test_subset: 32}\n"
+        "defaults:\n  model: {name: fc_deq_tiny}\n  solver: {name: anderson, m: 0}\n"
+        "  backward: {name: ift, solver: broyden, on_full: drop}\n"
+        "  train: {epochs: 1, batch_size: 32}\nanalyses: [metrics]\n"
+    )
+    with pytest.raises(ConfigError) as exc:
+        load_suite(p)
+    assert "defaults.solver.m: must be a positive integer, got 0" in str(exc.value)
+    assert "defaults.backward.on_full: must be 'restart' or 'ring', got 'drop'" in str(exc.value)
+
+
 def test_reference_counts_small_conv_like():
     """REFERENCE.md 2.2: a relative lambda keeps Anderson well below fixed point at tight tol."""
     f, z0 = tanh_cell()

@@ -357,10 +357,12 @@ class Solver(Protocol):
         tol, stop_mode: stop when the batch max of the residual of the returned iterate is
             below ``tol``; ``stop_mode`` "rel" (``||f(z) - z|| / ||f(z)||`` per sample) or "abs"
             (``||f(z) - z||``). Norms over every non-batch dim; divide by ``||f(z)|| + 1e-9``.
-        **options: the solver's own options from the suite (``solver: {name: s, m: 5}``). Reject
-            unknown ones (``deqbench.solvers.base.check_options``); declare their names in an
-            ``OPTIONS`` set (attribute of the function or its module) so that suites are checked
-            before anything runs.
+        **options: the solver's own options from the suite (``solver: {name: s, m: 5}``).
+            Declare them as a pydantic model with ``@deqbench.solvers.base.solver(Options)``:
+            suites are checked against it before anything runs, unknown options are an error
+            naming them [solver.options], and the solver gets the validated ``opts`` (a plain
+            function may instead reject unknown ones with ``check_options`` and declare an
+            ``OPTIONS`` set of names).
 
     Returns:
         ``(z, stats)`` [solver.returns]: z shaped like z0 (the iterate whose residual was
@@ -375,12 +377,17 @@ class Solver(Protocol):
           return, never raise) or "stagnated"; ``converged`` is ``status == "converged"``;
         * ``solver``, ``tol``, ``stop_mode``: what was asked; ``lowest_step``: the trace row of z.
 
-        :func:`deqbench.solvers.base.make_stats` builds it from lists of (B,) residuals and
-        :func:`deqbench.solvers.base.residuals` computes them.
+        A :class:`deqbench.solvers.base.Tracker` records each measured iterate
+        (``record(z, fz)``), applies the stop rule (``stop()``) and builds the stats
+        (``finish(nstep)``); :func:`deqbench.solvers.base.make_stats` builds them from lists of
+        (B,) residuals for a solve someone else ran.
 
     Optional attributes:
 
-    * ``OPTIONS``: set of option names (also accepted as a module-level ``OPTIONS``).
+    * ``Options`` (set by ``@solver``): the pydantic options model; ``OPTIONS``: the set of
+      option names (also accepted as a module-level ``OPTIONS``);
+    * ``supports_cuda_graph`` (``@solver(Options, cuda_graph=True)``): the solver can replay
+      one captured CUDA-graph step (options ``cuda_graph``, ``graph_steps``).
     * ``needs_structure``: True when the solver reads the monotone structure of ``f.cell``
       (:class:`MonotoneCell`), or a runtime-checkable Protocol class the cell must implement
       [structure.cell]; such a solver must accept both a :class:`ForwardMap` and an

@@ -135,76 +135,52 @@ def {model}(in_shape=(64,), num_outputs: int = 10, width: int = 32) -> Model:
 SOLVERS = '''\
 """Solver {solver}: over-relaxed Picard iteration z <- (1 - omega) z + omega f(z).
 
-Written to deqbench's solver contract (deqbench.contracts.Solver):
-``solve(f, z0, *, max_iter, tol, stop_mode="rel", **options) -> (z, SolverStats)``; it returns
-the iterate whose residual it measured, counts every f-evaluation in ``nstep``, records one
-trace row per measured iterate, never raises on divergence, and rejects unknown options.
+Written to deqbench's solver contract (deqbench.contracts.Solver) with
+``deqbench.solvers.base.solver``: the options are a pydantic model, validated once per distinct
+option dict (an unknown option or a bad value is a ConfigError naming it, and suites are checked
+against the model before anything runs); ``Tracker`` records the statistics (a trace row per
+measured iterate, the lowest-residual iterate, divergence) and builds the SolverStats.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-import torch
+from pydantic import Field
 from torch import Tensor
 
-from deqbench.solvers.base import (
-    SolverStats,
-    check_budget,
-    check_options,
-    make_stats,
-    option_error,
-    residuals,
-)
-
-#: the options this solver accepts (suites are checked against them before anything runs)
-OPTIONS = {{"omega"}}
+from deqbench.solvers.base import CommonOptions, SolverStats, Tracker, solver
 
 
-@torch.no_grad()
+class Options(CommonOptions):
+    """The options (plus returns, check_every, protect_thres, which Tracker reads)."""
+
+    omega: float = Field(0.9, gt=0, lt=2, description="relaxation factor")
+
+
+@solver(Options)
 def {solver}(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,
+    opts: Options,
     *,
     max_iter: int = 50,
     tol: float = 1e-4,
     stop_mode: str = "rel",
-    **options: Any,
 ) -> tuple[Tensor, SolverStats]:
-    """Over-relaxed Picard iteration; ``omega`` in (0, 2), default 0.9."""
-    check_options("{solver}", options, OPTIONS)
-    check_budget("{solver}", max_iter, tol, stop_mode)
-    omega = float(options.get("omega", 0.9))
-    if not 0 < omega < 2:
-        raise option_error("{solver}", f"omega must be in (0, 2), got {{omega}}")
-    z = z0
-    abs_tr: list[Tensor] = []
-    rel_tr: list[Tensor] = []
-    diverged = False
-    for k in range(max_iter):
-        fz = f(z)  # one f-evaluation: it measures the residual of z
-        a, r = residuals(fz, z)
-        abs_tr.append(a)
-        rel_tr.append(r)
-        res = float((r if stop_mode == "rel" else a).max())
-        diverged = res != res or res == float("inf")
-        if res < tol or diverged or k == max_iter - 1:
-            break  # return z: the iterate whose residual was measured
-        z = (1 - omega) * z + omega * fz
-    return z, make_stats(
-        "{solver}",
-        len(abs_tr),
-        abs_tr,
-        rel_tr,
-        abs_tr[-1],
-        rel_tr[-1],
-        tol,
-        stop_mode,
-        diverged=diverged,
-        lowest_step=len(abs_tr) - 1,
-        extra={{"omega": omega}},
+    """Over-relaxed Picard iteration (called as solve(f, z0, *, max_iter, tol, stop_mode,
+    **options))."""
+    tracker = Tracker(
+        "{solver}", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=opts
     )
+    z, nstep = z0, 0
+    while True:
+        fz = f(z)  # one f-evaluation: it measures the residual of z
+        nstep += 1
+        tracker.record(z, fz, None)
+        if tracker.stop() or nstep >= max_iter:  # converged, diverged or out of budget
+            return tracker.finish(nstep, {{"omega": opts.omega}})
+        z = (1 - opts.omega) * z + opts.omega * fz  # a new tensor: the tracker keeps z
 '''
 
 SUITE = """\

@@ -2,7 +2,8 @@
 
 Sections: ``model``/``init``/``data`` are ``{name, **params}`` (params checked against the
 factory's signature); ``solver`` is :class:`~deqbench.deq.SolverConfig`'s fields plus solver
-options (checked against the solver's ``OPTIONS`` where it declares them); ``backward`` is
+options (names checked against the solver's ``OPTIONS`` where it declares them, values against
+its pydantic ``Options`` model: :func:`deqbench.solvers.base.solver`); ``backward`` is
 :class:`~deqbench.deq.BackwardConfig`'s fields plus adjoint solver options; ``train`` is
 :class:`~deqbench.run.train.TrainConfig` (unknown keys forbidden); ``runtime`` is
 :class:`~deqbench.deq.Runtime` (unknown keys forbidden; a ``compile`` backend name is checked
@@ -205,6 +206,17 @@ def solver_options(fn: Any) -> set[str] | None:
     return set(opts) if opts is not None else None
 
 
+def _check_solver_values(ck: _Checker, section: str, fn: Any, params: dict[str, Any]) -> None:
+    """The values of a solver's options, checked once here with the pydantic options model it
+    declares (:func:`deqbench.solvers.base.solver`), so a suite fails before anything runs."""
+    from ..solvers.base import option_problems, solver_options_model
+
+    model = solver_options_model(fn) if fn is not None else None
+    if model is not None:
+        for key, msg in option_problems(model, params):
+            ck.add(section, key or None, msg)
+
+
 class _Checker:
     """Collects error lines for one cell; paths resolve through the draft's provenance."""
 
@@ -392,6 +404,7 @@ def check_cell(
         fn = ck.lookup("solver", "name", solvers, name)
         if fn is not None and (opts := solver_options(fn)) is not None:
             ck.kwargs("solver", fn, extras["solver"], f"solver '{name}'", allowed=opts)
+        _check_solver_values(ck, "solver", fn, extras["solver"])
         _check_values(ck, "solver", fn, extras["solver"])
     if "backward" in values:
         bw = values["backward"]
@@ -408,6 +421,7 @@ def check_cell(
             ck.kwargs(
                 "backward", fn, extras["backward"], f"adjoint solver '{bw['solver']}'", allowed=opts
             )
+        _check_solver_values(ck, "backward", fn, extras["backward"])
     if "data" in values:
         name = values["data"]["name"]
         if name not in datasets:

@@ -27,18 +27,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..core.registry import solvers
 from . import fused
 from .base import (
-    COMMON_OPTIONS,
     LARGE_NUMEL,
-    CommonOptions,
+    GraphOptions,
     SolverStats,
     Tracker,
-    check_budget,
-    check_options,
     check_output,
     chunking,
     flat,
@@ -46,42 +44,45 @@ from .base import (
     graph_mode,
     graph_state,
     graph_steps,
-    option_error,
-    positive_int,
+    solver,
 )
 
-OPTIONS = COMMON_OPTIONS | {"m", "beta", "lam", "lam_abs", "cuda_graph", "graph_steps"}
+
+class AndersonOptions(GraphOptions):
+    m: int = Field(6, gt=0, description="history size.")
+    beta: float = Field(1.0, gt=0, le=2, description="mixing; 1 uses the mixed images only.")
+    lam: float = Field(
+        1e-8,
+        ge=0,
+        description="regulariser relative to the residual scale, lam_eff = lam * max_i "
+        "||G_i||^2 per sample.",
+    )
+    lam_abs: float = Field(
+        0.0,
+        ge=0,
+        description="absolute regulariser added to lam_eff (TorchDEQ's lam is lam=0, "
+        "lam_abs=1e-4).",
+    )
 
 
 @solvers.register("anderson")
-@torch.no_grad()
+# the eager step is host-bound on large cells too (conv64: ~25 small kernels and a batched
+# solve per step against a ~1 ms f), so the DEQ layer captures it up to LARGE_NUMEL elements
+@solver(AndersonOptions, cuda_graph=True, graph_numel=LARGE_NUMEL)
 def anderson(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,
+    opts: AndersonOptions,
     *,
     max_iter: int = 50,
     tol: float = 1e-4,
     stop_mode: str = "rel",
-    **options,
 ) -> tuple[Tensor, SolverStats]:
     """Anderson acceleration (type II) of the fixed-point iteration z = f(z).
 
-    Args:
-        f: batched map (B, ...) -> (B, ...).
-        z0: initial iterate (the first measured iterate; returned if nothing beats it).
-        max_iter: maximum number of f-evaluations.
-        tol: stop when the batch max residual (``stop_mode``) of the returned iterates is below
-            ``tol``.
-        stop_mode: "rel" or "abs".
-        m: history size (default 6).
-        beta: mixing, 1 (default) uses the mixed images only.
-        lam: regulariser relative to the residual scale, lam_eff = lam * max_i ||G_i||^2 per
-            sample (default 1e-8).
-        lam_abs: absolute regulariser added to lam_eff (default 0; TorchDEQ's ``lam`` is
-            ``lam=0, lam_abs=1e-4``).
-        returns, check_every, protect_thres, cuda_graph, graph_steps: as for ``fixed_point``. With
-            ``cuda_graph`` every step works on all m slots (unused ones are masked out of the
-            least-squares problem), so one captured step serves the whole solve.
+    z0 is the first measured iterate (returned if nothing beats it). With ``cuda_graph`` every
+    step works on all m slots (unused ones are masked out of the least-squares problem), so one
+    captured step serves the whole solve. Options: :class:`AndersonOptions`.
 
     Returns:
         (z, SolverStats); ``extra["fallbacks"]`` counts per-sample plain steps taken because a
@@ -95,21 +96,10 @@ def anderson(
         >>> st.status, st.nstep
         ('converged', 10)
     """
-    check_options("anderson", options, OPTIONS)
-    check_budget("anderson", max_iter, tol, stop_mode)
-    common = CommonOptions.parse("anderson", options)
-    m = positive_int("anderson", "m", options.get("m", 6))
-    beta = float(options.get("beta", 1.0))
-    if not 0 < beta <= 2:
-        raise option_error("anderson", f"beta must be in (0, 2], got {beta}")
-    lam = float(options.get("lam", 1e-8))
-    lam_abs = float(options.get("lam_abs", 0.0))
-    if not (lam >= 0 and lam_abs >= 0):
-        raise option_error("anderson", f"lam and lam_abs must be >= 0, got {lam}, {lam_abs}")
-
-    gmode = graph_mode("anderson", options)
+    m, beta, lam, lam_abs = opts.m, opts.beta, opts.lam, opts.lam_abs
+    gmode = graph_mode(opts)
     tracker = Tracker(
-        "anderson", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=common,
+        "anderson", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=opts,
         static=gmode is not None,
     )  # fmt: skip
     shape = z0.shape
@@ -119,13 +109,13 @@ def anderson(
     m = min(m, max_iter)
     dev, dt = z0.device, z0.dtype
     if gmode is not None:
-        steps = graph_steps("anderson", options, z0)
+        steps = graph_steps(opts, z0)
         nstep, fallbacks = _static_steps(
             f,
             z0,
             tracker,
             gmode,
-            common.returns,
+            opts.returns,
             stop_mode,
             m,
             nc,
@@ -312,9 +302,3 @@ def _static_steps(
         steps=steps,
     )
     return nstep, fallbacks.clone()
-
-
-anderson.supports_cuda_graph = True  # type: ignore[attr-defined]
-# the eager step is host-bound on large cells too (conv64: ~25 small kernels and a batched
-# solve per step against a ~1 ms f), so the DEQ layer captures it up to LARGE_NUMEL elements
-anderson.graph_numel = LARGE_NUMEL  # type: ignore[attr-defined]

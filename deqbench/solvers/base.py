@@ -14,24 +14,80 @@ Conventions (REFERENCE.md section 1):
 * a non-finite residual or an abs residual blow-up (``protect_thres`` times the first) stops the
   solver with ``status="diverged"``; nothing is raised.
 
-The shared bookkeeping lives in :class:`Tracker`: per-sample traces in a preallocated buffer,
-per-sample lowest iterate, and the stop decisions. It never synchronises with the GPU in the hot
-loop: each step's batch summaries are copied asynchronously to pinned host memory and read one
-step late (the GPU is then busy with the next step), with an exact read only when the residual
-trend predicts convergence at the current step, so the f-evaluation count is not inflated.
+**Writing a solver.** :func:`solver` declares one: a pydantic options model (subclass of
+:class:`CommonOptions`, or :class:`GraphOptions` for CUDA-graph support; fields with defaults,
+constraints such as ``Field(gt=0)`` and a ``description``) and a body
+``impl(f, z0, opts, *, max_iter, tol, stop_mode)`` that receives the validated options object
+and checks nothing itself. The decorated function is the contract above; it validates each
+distinct option dict once (a suite validates its cells' options when it is built, a call
+through a small cache keyed by the frozen values, so a solve in a training loop does no
+validation after the first) and raises :class:`SolverOptionError` naming the solver and the
+option. The docs' options tables are generated from the models (:func:`options_markdown`)::
+
+    class Options(CommonOptions):
+        omega: float = Field(0.9, gt=0, lt=2, description="relaxation factor")
+
+    @solver(Options)
+    def picard(f, z0, opts, *, max_iter=50, tol=1e-4, stop_mode="rel"):
+        tracker = Tracker("picard", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode,
+                          common=opts)
+        z, nstep = z0, 0
+        while True:
+            fz = f(z)
+            nstep += 1
+            tracker.record(z, fz, None)
+            if tracker.stop() or nstep >= max_iter:
+                return tracker.finish(nstep, {"omega": opts.omega})
+            z = (1 - opts.omega) * z + opts.omega * fz
+
+**Recording statistics: Tracker.** The one way a solver records what it did:
+``Tracker.record(x, f(x), f(x) - x or None)`` for each measured iterate, ``Tracker.stop()``
+after it (converged, diverged, stagnated; ``check_every`` and ``protect_thres`` applied), and
+``Tracker.finish(nstep, extra)``, which returns the iterate to return (``returns``: the lowest
+residual per sample or the last) and its :class:`SolverStats`. :func:`make_stats` is
+``finish``'s last step; call it directly only to wrap a solve someone else ran (an adapter of
+an external solver that hands over its residuals). The tracker keeps per-sample traces in a
+preallocated buffer, the per-sample lowest iterate and the stop decisions. It never
+synchronises with the GPU in the hot loop: each step's batch summaries are copied
+asynchronously to pinned host memory and read one step late (the GPU is then busy with the next
+step), with an exact read only when the residual trend predicts convergence at the current
+step, so the f-evaluation count is not inflated.
+
+**CUDA graphs.** A solver declared with ``@solver(Options, cuda_graph=True)`` (``Options``
+subclassing :class:`GraphOptions`; built-ins: ``fixed_point``, ``anderson``, ``broyden``;
+:func:`supports_graph` tells) takes the option ``cuda_graph``: ``False`` (default) runs
+eagerly; ``True`` runs one or a few eager steps, then *captures* the solver step (f and the
+tracker's :meth:`Tracker.device_record`, all on static buffers) in a CUDA graph and replays it,
+one launch per replay instead of one per kernel (for launch- or host-bound cells); ``"cache"``
+also keeps the captured graph (and its buffers) for later solves with the same f object,
+shapes and options and replays it from the first step (valid only while f reads the same
+tensors at the same addresses). ``graph_steps`` (``"auto"`` or 1-16) is the number of steps per
+captured graph: the host reads the residuals once per replay, so up to ``graph_steps - 1``
+steps past convergence may be made (``extra["nstep_to_tol"]``). f must be capturable (no host
+syncs, fixed shapes); otherwise :class:`GraphCaptureError` is raised. On CPU the static step
+runs eagerly (the same iterates). The DEQ layer uses ``cuda_graph="cache"`` by itself on CUDA
+(``Runtime.cuda_graph="auto"``) for states of at most ``graph_numel`` elements (declared with
+``@solver(..., graph_numel=N)``; default :data:`AUTO_NUMEL`); a solver's body implements the
+static path with :func:`graph_mode`, :func:`graph_steps`, :func:`graph_state` and
+:func:`graph_loop`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
+import types
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Annotated, Any, Literal, TypeVar, Union, cast, get_args, get_origin
 
 import torch
+from annotated_types import Ge, Gt, Le
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from torch import Tensor
 
 from ..core.errors import ConfigError
@@ -39,9 +95,6 @@ from . import fused
 
 EPS = 1e-9
 STATUSES = ("converged", "max_iter", "diverged", "stagnated")
-
-#: options every built-in solver accepts
-COMMON_OPTIONS = {"returns", "check_every", "protect_thres"}
 
 
 class SolverOptionError(ConfigError, ValueError):
@@ -242,28 +295,6 @@ def make_stats(
     )
 
 
-@dataclass
-class CommonOptions:
-    """Options shared by the built-in solvers, validated."""
-
-    returns: str = "lowest"
-    check_every: int | None = None
-    protect_thres: float = 1e6
-
-    @classmethod
-    def parse(cls, solver: str, options: dict[str, Any]) -> CommonOptions:
-        returns = options.get("returns", "lowest")
-        if returns not in ("lowest", "last"):
-            raise option_error(solver, f"returns must be 'lowest' or 'last', got {returns!r}")
-        ce = options.get("check_every", None)
-        if ce is not None:
-            ce = positive_int(solver, "check_every", ce)
-        protect = float(options.get("protect_thres", 1e6))
-        if not protect > 1:
-            raise option_error(solver, f"protect_thres must be > 1, got {protect}")
-        return cls(returns=returns, check_every=ce, protect_thres=protect)
-
-
 def check_budget(solver: str, max_iter: int, tol: float, stop_mode: str) -> None:
     check_stop_mode(stop_mode)
     positive_int(solver, "max_iter", max_iter)
@@ -414,6 +445,8 @@ class Tracker:
         :mod:`deqbench.solvers.fused` (two launches, the ring writes included; ``d``, which must
         equal f(x) - x, is recomputed in registers instead of read)."""
         k = self.k
+        if k == 0:
+            check_output(self.solver, z, fz)
         ring = () if slots is None else slots[:2]
         if z.shape == fz.shape and fused.usable(z, fz, self.trace, *ring):
             fused.record_eager(self, z, fz, k, slots=slots, eps=EPS)
@@ -816,28 +849,19 @@ def drop_graphs(fs: list[Any]) -> None:
         _GRAPH_BYTES.pop(key, None)
 
 
-def graph_mode(solver: str, options: dict[str, Any]) -> str | None:
-    """The validated ``cuda_graph`` option: None (off), "capture" (True) or "cache"."""
-    v = options.get("cuda_graph", False)
-    if v is False or v is None:
-        return None
-    if v is True:
-        return "capture"
-    if v == "cache":
-        return "cache"
-    raise option_error(solver, f"cuda_graph must be False, True or 'cache', got {v!r}")
+def graph_mode(opts: GraphOptions) -> str | None:
+    """The ``cuda_graph`` option as a mode: None (off), "capture" (True) or "cache"."""
+    v = opts.cuda_graph
+    return None if not v else "capture" if v is True else "cache"
 
 
-def graph_steps(solver: str, options: dict[str, Any], z0: Tensor) -> int:
-    """The validated ``graph_steps`` option: steps per replayed graph ("auto": AUTO_STEPS for
-    states of at most AUTO_NUMEL elements, else 1)."""
-    v = options.get("graph_steps", "auto")
+def graph_steps(opts: GraphOptions, z0: Tensor) -> int:
+    """Steps per replayed graph (``graph_steps``; "auto": AUTO_STEPS for states of at most
+    AUTO_NUMEL elements, else 1)."""
+    v = opts.graph_steps
     if v == "auto":
         return AUTO_STEPS if z0.numel() <= AUTO_NUMEL else 1
-    k = positive_int(solver, "graph_steps", v)
-    if k > GRAPH_STEPS_MAX:
-        raise option_error(solver, f"graph_steps must be at most {GRAPH_STEPS_MAX}, got {k}")
-    return k
+    return int(v)
 
 
 def graph_state(mode: str | None, key: tuple) -> tuple[Any, dict[str, Any]]:
@@ -1046,7 +1070,7 @@ def _bound_text(meta: Any, integer: bool) -> str:
         for attr, incl, upper in (("gt", False, False), ("ge", True, False),
                                   ("lt", False, True), ("le", True, True)):  # fmt: skip
             v = getattr(m, attr, None)
-            if v is None or type(m).__name__.lower() not in (attr, "fieldinfo"):
+            if v is None or type(m).__name__.lower() != attr:
                 continue
             if upper:
                 hi, hi_in = v, incl
@@ -1097,8 +1121,10 @@ def option_domain(options: type[SolverOptions], name: str) -> str:
 
 
 def option_problems(options: type[SolverOptions], given: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(option, problem)`` for each option of ``given`` that ``options`` rejects, the option
-    '' for a problem of several together; unknown names are left to :func:`check_options`."""
+    """``(option, problem)`` for each option of ``given`` whose value ``options`` rejects
+    (``("tau", "must be a number in (0, 1], got 0.0")``; option '' for a problem of several
+    together); unknown names are left to :func:`check_options`. Suites report these at build
+    time (``defaults.solver.tau: must be ...``), a direct call raises the first."""
     try:
         options.model_validate({k: v for k, v in given.items() if k in options.model_fields})
     except ValidationError as exc:
@@ -1110,12 +1136,19 @@ def option_problems(options: type[SolverOptions], given: dict[str, Any]) -> list
             if e["type"] == "value_error":
                 msg = str(e["ctx"]["error"])
             elif key in options.model_fields:
-                msg = f"{key} must be {option_domain(options, key)}, got {given[key]!r}"
+                msg = f"must be {option_domain(options, key)}, got {given[key]!r}"
             else:
                 msg = e["msg"]
             out.append((key, msg))
         return out
     return []
+
+
+def problem_text(key: str, problem: str) -> str:
+    """One line for an :func:`option_problems` entry: ``tau must be ...``, ``prior: ...``."""
+    if not key:
+        return problem
+    return f"{key} {problem}" if problem.startswith("must be") else f"{key}: {problem}"
 
 
 def _freeze(v: Any) -> Any:
@@ -1134,7 +1167,7 @@ def parse_options(solver: str, options: type[_Opts], given: dict[str, Any]) -> _
     check_options(solver, given, set(options.model_fields))
     problems = option_problems(options, given)
     if problems:
-        raise option_error(solver, problems[0][1])
+        raise option_error(solver, problem_text(*problems[0]))
     return options.model_validate(given)
 
 
@@ -1147,7 +1180,9 @@ def solver(
     needs_structure: Any = False,
     solves_tangent: bool = False,
     unroll: Callable[..., Any] | None = None,
-) -> Callable[[Callable[..., tuple[Tensor, SolverStats]]], Callable[..., tuple[Tensor, SolverStats]]]:
+) -> Callable[
+    [Callable[..., tuple[Tensor, SolverStats]]], Callable[..., tuple[Tensor, SolverStats]]
+]:
     """Declare a solver: ``impl(f, z0, opts, *, max_iter, tol, stop_mode)`` becomes the contract
     ``solve(f, z0, *, max_iter, tol, stop_mode="rel", **options) -> (z, SolverStats)``.
 
@@ -1208,14 +1243,20 @@ def solver(
             stop_mode: str = "rel",
             **kw: Any,
         ) -> tuple[Tensor, SolverStats]:
+            opts: SolverOptions | None
             if not kw:
                 opts = default
             else:
+                # the key holds each value's type: True, 1 and 1.0 are equal dict keys
+                key: Any = tuple([(k, v.__class__, v) for k, v in kw.items()])
                 try:
-                    key: Any = tuple((k, _freeze(v)) for k, v in kw.items())
                     opts = cache.get(key)
-                except TypeError:  # an unhashable value: validated every call
-                    key, opts = None, None
+                except TypeError:  # a dict or list value (sam's prior): frozen
+                    try:
+                        key = tuple([(k, _freeze(v)) for k, v in kw.items()])
+                        opts = cache.get(key)
+                    except TypeError:  # not hashable even frozen: validated every call
+                        key, opts = None, None
                 if opts is None:
                     opts = parse_options(sname, options, kw)
                     if key is not None:
@@ -1259,7 +1300,7 @@ def solver(
 def solver_options_model(fn: Any) -> type[SolverOptions] | None:
     """The options model a solver declares with :func:`solver` (``fn.Options``), else None."""
     m = getattr(fn, "Options", None)
-    return m if isinstance(m, type) and issubclass(m, BaseModel) else None
+    return m if isinstance(m, type) and issubclass(m, SolverOptions) else None
 
 
 def options_markdown(names: list[str] | None = None) -> str:

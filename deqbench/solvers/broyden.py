@@ -42,21 +42,19 @@ make the eager path's iterates up to rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from ..core.registry import solvers
 from . import fused
 from .base import (
-    COMMON_OPTIONS,
-    CommonOptions,
+    GraphOptions,
     SolverStats,
     Tracker,
     batch_norm,
-    check_budget,
-    check_options,
     check_output,
     chunking,
     flat,
@@ -64,20 +62,36 @@ from .base import (
     graph_mode,
     graph_state,
     graph_steps,
-    option_error,
-    positive_int,
+    solver,
 )
 
-OPTIONS = COMMON_OPTIONS | {
-    "memory",
-    "on_full",
-    "line_search",
-    "ls_max_trials",
-    "ls_c1",
-    "stagnation",
-    "cuda_graph",
-    "graph_steps",
-}
+
+class BroydenOptions(GraphOptions):
+    memory: int = Field(20, gt=0, description="number of rank-one pairs kept.")
+    on_full: Literal["restart", "ring"] = Field(
+        "restart",
+        description="when memory pairs are stored: 'restart' drops them all (B = -I again); "
+        "'ring' overwrites the oldest pair (TorchDEQ's LBFGS_thres), cheaper per restart but "
+        "not a Broyden matrix any more, and can diverge on long solves.",
+    )
+    line_search: bool = Field(
+        False,
+        description="Armijo backtracking on ||g||^2; each trial is one f-evaluation, and "
+        "deciding whether to backtrack reads one flag on the host (on the device with "
+        "cuda_graph).",
+    )
+    ls_max_trials: int = Field(4, gt=0, description="trials per step, step size halved each time.")
+    ls_c1: float = Field(
+        1e-4,
+        ge=0,
+        lt=1,
+        description="Armijo constant: accept when ||g(x + s p)||^2 <= (1 - c1 s) ||g(x)||^2.",
+    )
+    stagnation: bool = Field(
+        True,
+        description="stop as stagnated (more than 30 steps, lowest residual below 3 tol, "
+        "max/min of the last 30 residuals below 1.3).",
+    )
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
@@ -86,47 +100,27 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 @solvers.register("broyden")
-@torch.no_grad()
+@solver(BroydenOptions, cuda_graph=True)
 def broyden(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,
+    opts: BroydenOptions,
     *,
     max_iter: int = 50,
     tol: float = 1e-4,
     stop_mode: str = "rel",
-    **options,
 ) -> tuple[Tensor, SolverStats]:
     """Limited-memory Broyden (first method) root finding on g(x) = f(x) - x.
 
-    Args:
-        f: batched map (B, ...) -> (B, ...).
-        z0: initial iterate.
-        max_iter: maximum number of f-evaluations (line-search trials included).
-        tol: stop when the batch max residual (``stop_mode``) of the returned iterates is below
-            ``tol``.
-        stop_mode: "rel" or "abs".
-        memory: number of rank-one pairs kept (default 20).
-        on_full: what happens when ``memory`` pairs are stored: "restart" (default) drops
-            them all (B = -I again); "ring" overwrites the oldest pair (TorchDEQ's
-            ``LBFGS_thres``), which is cheaper per restart but not a Broyden matrix any more and
-            can diverge on long solves.
-        line_search: Armijo backtracking on ||g||^2 (default False). Each trial is one
-            f-evaluation, and deciding whether to backtrack reads one flag on the host (on the
-            device with ``cuda_graph``).
-        ls_max_trials: trials per step, step size halved each time (default 4).
-        ls_c1: Armijo constant: accept when ||g(x + s p)||^2 <= (1 - c1 s) ||g(x)||^2
-            (default 1e-4).
-        stagnation: stop as stagnated, see the module docstring (default True).
-        returns, check_every, protect_thres, cuda_graph, graph_steps: as for ``fixed_point``.
-            With ``cuda_graph`` a step works on the pairs that can be in use by then (those
-            not in use get zero coefficients; one captured graph per bucket of pairs) and
-            the restart or ring rule is applied on the device, so a few captured steps serve
-            the whole solve, with the eager path's iterates up to
-            rounding. With ``line_search`` each trial is one step and the backtracking decision
-            is made on the device; a rejected trial is recorded as the accepted point again, so
-            the traces have one row per f-evaluation (the eager path's one per accepted point)
-            while the stop decisions and the returned iterate are the eager path's (the
-            stagnation window counts rows, repeats included).
+    ``max_iter`` counts line-search trials too (each one f-evaluation). With ``cuda_graph`` a
+    step works on the pairs that can be in use by then (those not in use get zero
+    coefficients; one captured graph per bucket of pairs) and the restart or ring rule is
+    applied on the device, so a few captured steps serve the whole solve, with the eager path's
+    iterates up to rounding. With ``line_search`` each trial is one step and the backtracking
+    decision is made on the device; a rejected trial is recorded as the accepted point again,
+    so the traces have one row per f-evaluation (the eager path's one per accepted point) while
+    the stop decisions and the returned iterate are the eager path's (the stagnation window
+    counts rows, repeats included). Options: :class:`BroydenOptions`.
 
     Returns:
         (z, SolverStats); ``extra["skipped_updates"]`` counts per-sample rejected updates.
@@ -139,21 +133,11 @@ def broyden(
         >>> st.status
         'converged'
     """
-    check_options("broyden", options, OPTIONS)
-    check_budget("broyden", max_iter, tol, stop_mode)
-    common = CommonOptions.parse("broyden", options)
-    memory = positive_int("broyden", "memory", options.get("memory", 20))
-    line_search = bool(options.get("line_search", False))
-    ls_trials = positive_int("broyden", "ls_max_trials", options.get("ls_max_trials", 4))
-    c1 = float(options.get("ls_c1", 1e-4))
-    if not 0 <= c1 < 1:
-        raise option_error("broyden", f"ls_c1 must be in [0, 1), got {c1}")
-    on_full = options.get("on_full", "restart")
-    if on_full not in ("restart", "ring"):
-        raise option_error("broyden", f"on_full must be 'restart' or 'ring', got {on_full!r}")
-    stagnation = (30, 1.3, 3.0) if options.get("stagnation", True) else None
-    gmode = graph_mode("broyden", options)
-    steps = graph_steps("broyden", options, z0)
+    memory, line_search, on_full = opts.memory, opts.line_search, opts.on_full
+    ls_trials, c1 = opts.ls_max_trials, opts.ls_c1
+    stagnation = (30, 1.3, 3.0) if opts.stagnation else None
+    gmode = graph_mode(opts)
+    steps = graph_steps(opts, z0)
 
     tracker = Tracker(
         "broyden",
@@ -161,7 +145,7 @@ def broyden(
         max_iter=max_iter,
         tol=tol,
         stop_mode=stop_mode,
-        common=common,
+        common=opts,
         stagnation=stagnation,
         static=gmode is not None,
     )
@@ -173,7 +157,7 @@ def broyden(
     cap = max(1, min(memory, max_iter - 2))  # pairs ever stored
     if gmode is not None:
         nstep, counts, skipped = _static_steps(
-            f, z0, tracker, gmode, common.returns, stop_mode, cap, nc, cd, on_full,
+            f, z0, tracker, gmode, opts.returns, stop_mode, cap, nc, cd, on_full,
             line_search, ls_trials, c1, max_iter, steps,
         )  # fmt: skip
         info: dict[str, Any] = {"memory": memory}
@@ -576,6 +560,3 @@ def _static_steps(
         return pr[0], pr[1]
 
     return nstep, counts, skipped
-
-
-broyden.supports_cuda_graph = True  # type: ignore[attr-defined]

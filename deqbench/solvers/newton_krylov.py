@@ -42,44 +42,60 @@ per product (one synchronisation per product on CUDA).
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from annotated_types import Gt, Lt
+from pydantic import Field
 from torch import Tensor
 
 from ..core.registry import solvers
 from .base import (
-    COMMON_OPTIONS,
     EPS,
     CommonOptions,
     SolverStats,
     Tracker,
-    check_budget,
-    check_options,
     check_output,
     option_error,
-    positive_int,
+    solver,
 )
 
-OPTIONS = COMMON_OPTIONS | {
-    "jvp",
-    "restart",
-    "max_restarts",
-    "forcing",
-    "eta0",
-    "eta_max",
-    "ew_gamma",
-    "ew_alpha",
-    "line_search",
-    "ls_max_trials",
-    "ls_c1",
-    "max_jvp",
-    "fd_eps",
-}
+
+class NewtonKrylovOptions(CommonOptions):
+    """``check_every`` is accepted; the host reads every step anyway (GMRES syncs)."""
+
+    jvp: Literal["auto", "forward", "fd", "affine"] = Field(
+        "auto", description="how products J v are made; see the module docstring."
+    )
+    restart: int = Field(20, gt=0, description="GMRES restart length m.")
+    max_restarts: int = Field(
+        2, ge=0, description="GMRES restarts per Newton step (2: at most 3 cycles)."
+    )
+    forcing: Literal["ew"] | Annotated[float, Gt(0), Lt(1)] = Field(
+        "ew", description="'ew' (Eisenstat-Walker choice 2) or a constant eta."
+    )
+    eta0: float = Field(0.5, gt=0, le=1, description="Eisenstat-Walker: the first forcing term.")
+    eta_max: float = Field(0.9, gt=0, le=1, description="Eisenstat-Walker: cap of eta.")
+    ew_gamma: float = Field(0.9, gt=0, le=1, description="Eisenstat-Walker gamma.")
+    ew_alpha: float = Field(2.0, ge=1, le=2, description="Eisenstat-Walker alpha.")
+    line_search: bool = Field(True, description="backtracking on ||g||; off: full Newton steps.")
+    ls_max_trials: int = Field(
+        8, gt=0, description="trials per Newton step, each one f-evaluation."
+    )
+    ls_c1: float = Field(1e-4, ge=0, lt=1, description="sufficient-decrease constant.")
+    max_jvp: Annotated[int, Gt(0)] | None = Field(
+        None, description="separate cap on JVPs (None: max_iter bounds f-evals + JVPs)."
+    )
+    fd_eps: Annotated[float, Gt(0)] | None = Field(
+        None,
+        description="relative step of the finite-difference product (None: sqrt(machine eps) "
+        "of z0's dtype).",
+    )
+
+
 JVP_MODES = ("auto", "forward", "fd", "affine")
 
 
@@ -278,37 +294,20 @@ def _known_constant(f: Any, shape: torch.Size) -> Tensor | None:
 
 
 @solvers.register("newton_krylov")
-@torch.no_grad()
+@solver(NewtonKrylovOptions)
 def newton_krylov(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,
+    opts: NewtonKrylovOptions,
     *,
     max_iter: int = 200,
     tol: float = 1e-4,
     stop_mode: str = "rel",
-    **options,
 ) -> tuple[Tensor, SolverStats]:
     """Jacobian-free Newton-Krylov on g(z) = f(z) - z (GMRES(m), Eisenstat-Walker, line search).
 
-    Args:
-        f: batched map (B, ...) -> (B, ...).
-        z0: initial iterate.
-        max_iter: budget of f-evaluations plus JVPs (see ``max_jvp``).
-        tol: stop when the batch max residual (``stop_mode``) of the returned iterates is below
-            ``tol``.
-        stop_mode: "rel" or "abs".
-        jvp: "auto" (default), "forward", "fd" or "affine"; see the module docstring.
-        restart: GMRES restart length m (default 20).
-        max_restarts: GMRES restarts per Newton step (default 2: at most 3 cycles).
-        forcing: "ew" (default, Eisenstat-Walker choice 2) or a constant eta in (0, 1).
-        eta0, eta_max, ew_gamma, ew_alpha: the forcing parameters (0.5, 0.9, 0.9, 2).
-        line_search: backtracking on ||g|| (default True); off: full Newton steps.
-        ls_max_trials: trials per Newton step (default 8), each one f-evaluation.
-        ls_c1: sufficient-decrease constant (default 1e-4).
-        max_jvp: separate cap on JVPs (default None: ``max_iter`` bounds f-evals + JVPs).
-        fd_eps: relative step of the finite-difference product (default sqrt(machine eps)).
-        returns, protect_thres: as for ``fixed_point``; check_every is accepted and ignored
-            (the host reads every step).
+    ``max_iter`` is the budget of f-evaluations plus JVPs (see ``max_jvp``). Options:
+    :class:`NewtonKrylovOptions`.
 
     Returns:
         (z, SolverStats); ``njvp`` counts JVPs, ``extra`` has ``newton_steps``,
@@ -323,45 +322,19 @@ def newton_krylov(
         ('converged', True)
     """
     name = "newton_krylov"
-    check_options(name, options, OPTIONS)
-    check_budget(name, max_iter, tol, stop_mode)
-    common = CommonOptions.parse(name, options)
-    mode = options.get("jvp", "auto")
-    if mode not in JVP_MODES:
-        raise option_error(name, f"jvp must be one of {', '.join(JVP_MODES)}, got {mode!r}")
-    m = positive_int(name, "restart", options.get("restart", 20))
-    restarts = options.get("max_restarts", 2)
-    if isinstance(restarts, bool) or int(restarts) != restarts or restarts < 0:
-        raise option_error(name, f"max_restarts must be an integer >= 0, got {restarts!r}")
-    forcing = options.get("forcing", "ew")
-    if forcing != "ew":
-        try:
-            forcing = float(forcing)
-        except (TypeError, ValueError):
-            forcing = math.nan
-        if not 0 < forcing < 1:
-            raise option_error(name, f"forcing must be 'ew' or a number in (0, 1), got {forcing}")
-    eta0 = float(options.get("eta0", 0.5))
-    eta_max = float(options.get("eta_max", 0.9))
-    gamma = float(options.get("ew_gamma", 0.9))
-    alpha = float(options.get("ew_alpha", 2.0))
-    for key, v, lo, hi in (("eta0", eta0, 0, 1), ("eta_max", eta_max, 0, 1),
-                           ("ew_gamma", gamma, 0, 1), ("ew_alpha", alpha, 1, 2)):  # fmt: skip
-        if not lo < v <= hi and not (key == "ew_alpha" and v == lo):
-            raise option_error(name, f"{key} must be in ({lo}, {hi}], got {v}")
-    line_search = bool(options.get("line_search", True))
-    trials = positive_int(name, "ls_max_trials", options.get("ls_max_trials", 8))
-    c1 = float(options.get("ls_c1", 1e-4))
-    if not 0 <= c1 < 1:
-        raise option_error(name, f"ls_c1 must be in [0, 1), got {c1}")
-    max_jvp = options.get("max_jvp", None)
-    if max_jvp is not None:
-        max_jvp = positive_int(name, "max_jvp", max_jvp)
+    mode, m, restarts, forcing = opts.jvp, opts.restart, opts.max_restarts, opts.forcing
+    eta0, eta_max, gamma, alpha = opts.eta0, opts.eta_max, opts.ew_gamma, opts.ew_alpha
+    line_search, trials, c1, max_jvp = (
+        opts.line_search,
+        opts.ls_max_trials,
+        opts.ls_c1,
+        opts.max_jvp,
+    )
     if not z0.is_floating_point():
         raise option_error(name, f"z0 must be a floating-point tensor, got {z0.dtype}")
-    fd_eps = float(options.get("fd_eps", torch.finfo(z0.dtype).eps ** 0.5))
+    fd_eps = opts.fd_eps if opts.fd_eps is not None else torch.finfo(z0.dtype).eps ** 0.5
 
-    tracker = Tracker(name, z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=common)
+    tracker = Tracker(name, z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=opts)
     shape, B = z0.shape, int(z0.shape[0])
     dt, dev = z0.dtype, z0.device
     budget = _Budget(max_iter, max_jvp)

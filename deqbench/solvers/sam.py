@@ -22,9 +22,10 @@ differentiable k-step iteration the ``unrolled`` backward mode uses instead of p
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
-import torch
+from annotated_types import Gt
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 
 from ..core.registry import solvers
@@ -33,68 +34,87 @@ from .base import (
     CommonOptions,
     SolverStats,
     Tracker,
-    check_budget,
-    check_options,
     check_output,
-    option_error,
+    parse_options,
     residuals,
+    solver,
 )
 
-OPTIONS = COMMON_OPTIONS | {
-    "prior",
-    "rho",
-    "c",
-    "eta",
-    "lam_scale",
-    "prior_step",
-    "min_iter",
-    "polish",
-}
+
+def _prior(spec: Any) -> Any:
+    from ..core.regularizers import get_regularizer
+
+    return get_regularizer(spec)
+
+
+class SamOptions(CommonOptions):
+    returns: Literal["lowest", "last"] = Field(
+        "last", description="'last' (the selection needs the last iterate) or 'lowest'."
+    )
+    prior: Any = Field(
+        "l2",
+        description="the regulariser R: a name (l2, l1, incay, decorrelation, hsic) or a dict "
+        "with its name and parameters, e.g. {name: l1, weight: 1}.",
+    )
+    rho: float = Field(0.5, gt=0, le=1, description="beta_k = lambda_k = rho / k^c.")
+    c: float = Field(0.2, gt=0, description="the schedule's exponent (rho + 2c < 1: Theorem 5).")
+    eta: Annotated[float, Gt(0)] | None = Field(
+        None,
+        description="step of S (None: 1 / (2 L) with L the prior's gradient Lipschitz "
+        "constant, 0.5 when unknown).",
+    )
+    lam_scale: float = Field(1.0, description="lambda_k = lam_scale * beta_k.")
+    prior_step: Literal["auto", "grad", "prox"] = Field(
+        "auto", description="'auto' (prox when closed form), 'grad' (the paper's S) or 'prox'."
+    )
+    min_iter: int = Field(
+        0, ge=0, description="do not stop on the residual before this many steps."
+    )
+    polish: int = Field(
+        0,
+        ge=0,
+        description="make the last polish of the max_iter steps plain iterations z = T(z) "
+        "(beta = 0): they land on Fix(T) near the selected point.",
+    )
+
+    @field_validator("prior", mode="plain")
+    @classmethod
+    def _known_prior(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError(
+                "SAM needs a prior: a regularizer's name (l2, l1, incay, decorrelation, hsic) "
+                "or a dict with its name"
+            )
+        try:
+            _prior(v)
+        except Exception as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _prox_exists(self) -> SamOptions:
+        if self.prior_step == "prox" and not _prior(self.prior).has_prox:
+            raise ValueError(f"prior '{_prior(self.prior).name}' has no closed-form prox")
+        return self
 
 
 class _Schedule:
-    """Parsed SAM options: the prior and the beta_k / lambda_k / eta schedule."""
+    """The prior and the beta_k / lambda_k / eta schedule of validated SAM options."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        from ..core.regularizers import get_regularizer
-
-        prior = options.get("prior", "l2")
-        if prior is None:
-            raise option_error(
-                "sam",
-                "needs a prior: option 'prior' naming a regularizer "
-                "(l2, l1, incay, decorrelation, hsic) or a dict with its name",
-            )
-        try:
-            reg = get_regularizer(prior)
-        except Exception as exc:
-            raise option_error("sam", f"prior: {exc}") from None
+    def __init__(self, opts: SamOptions) -> None:
+        reg = _prior(opts.prior)
         assert reg is not None
         self.prior = reg
-        self.rho = float(options.get("rho", 0.5))
-        self.c = float(options.get("c", 0.2))
-        if not 0 < self.rho <= 1:
-            raise option_error("sam", f"rho must be in (0, 1], got {self.rho}")
-        if not self.c > 0:
-            raise option_error("sam", f"c must be > 0, got {self.c}")
-        eta = options.get("eta")
+        self.rho, self.c = opts.rho, opts.c
+        eta = opts.eta
         if eta is None:
             L = self.prior.lipschitz
             eta = 1.0 / (2.0 * L) if L else 0.5
         self.eta = float(eta)
-        if not self.eta > 0:
-            raise option_error("sam", f"eta must be > 0, got {self.eta}")
-        self.lam_scale = float(options.get("lam_scale", 1.0))
-        mode = options.get("prior_step", "auto")
-        if mode not in ("auto", "grad", "prox"):
-            raise option_error("sam", f"prior_step must be auto|grad|prox, got {mode!r}")
-        if mode == "prox" and not self.prior.has_prox:
-            raise option_error("sam", f"prior '{self.prior.name}' has no closed-form prox")
+        self.lam_scale = opts.lam_scale
+        mode = opts.prior_step
         self.prox = mode == "prox" or (mode == "auto" and self.prior.has_prox)
-        self.min_iter = int(options.get("min_iter", 0))
-        self.polish = int(options.get("polish", 0))
-        if self.min_iter < 0 or self.polish < 0:
-            raise option_error("sam", "min_iter and polish must be >= 0")
+        self.min_iter, self.polish = opts.min_iter, opts.polish
 
     def beta(self, k: int) -> float:
         return self.rho / k**self.c
@@ -111,39 +131,44 @@ class _Schedule:
         return b * s + (1.0 - b) * tz
 
 
+def unroll(
+    f: Callable[[Tensor], Tensor], z0: Tensor, k: int, **options
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """k differentiable SAM steps from z0 (papers/003 Eq. 12): returns z_k and the canonical
+    (abs, rel) residuals of T at z_0 ... z_{k-1} (one (B,) tensor per step, detached)."""
+    opts = {key: v for key, v in options.items() if key not in COMMON_OPTIONS}
+    sch = _Schedule(parse_options("sam", SamOptions, opts))
+    z = z0
+    abs_tr: list[Tensor] = []
+    rel_tr: list[Tensor] = []
+    for step in range(1, int(k) + 1):
+        tz = f(z)
+        a, r = residuals(tz.detach(), z.detach())
+        abs_tr.append(a)
+        rel_tr.append(r)
+        z = tz if step > int(k) - sch.polish else sch.step(z, tz, step)
+    return z, abs_tr, rel_tr
+
+
 @solvers.register("sam")
-@torch.no_grad()
+@solver(SamOptions, unroll=unroll)
 def sam(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,
+    opts: SamOptions,
     *,
     max_iter: int = 200,
     tol: float = 1e-4,
     stop_mode: str = "rel",
-    **options,
 ) -> tuple[Tensor, SolverStats]:
     """SAM iteration selecting argmin R over Fix(f) (papers/003 Eq. 11, Theorem 5).
 
-    Args:
-        f: the map T, batched (B, ...) -> (B, ...).
-        z0: initial iterate.
-        max_iter: maximum number of T-evaluations.
-        tol: stop when the batch max canonical residual of T is below ``tol`` (after
-            ``min_iter`` steps); 0 runs ``max_iter`` steps.
-        stop_mode: "rel" or "abs".
-        prior: the regulariser R (name or dict, e.g. ``{name: l1, weight: 1}``); default "l2".
-        rho, c: beta_k = lambda_k = rho / k^c (defaults 0.5, 0.2: rho + 2c = 0.9 < 1, as Theorem 5 wants).
-        eta: step of S (default 1 / (2 L) with L the prior's gradient Lipschitz constant, 0.5
-            when unknown).
-        lam_scale: lambda_k = lam_scale * beta_k (default 1, as in Theorem 5).
-        prior_step: "auto" (prox when closed form), "grad" (the paper's S) or "prox".
-        min_iter: do not stop on the residual before this many steps.
-        polish: make the last ``polish`` of the ``max_iter`` steps plain iterations z = T(z)
-            (beta = 0). SAM's distance to Fix(T) decays only like beta_k; a few plain steps from
-            a SAM iterate whose selection has converged land on Fix(T) near the selected point
-            (T nonexpansive: they never move away from it).
-        returns: "last" (default: the selection needs the last iterate) or "lowest".
-        check_every, protect_thres: as for the other solvers.
+    f is the map T; ``max_iter`` bounds its evaluations; the solve stops when the batch max
+    canonical residual of T is below ``tol`` (after ``min_iter`` steps; ``tol=0`` runs
+    ``max_iter`` steps). SAM's distance to Fix(T) decays only like beta_k; a few plain steps
+    (``polish``) from a SAM iterate whose selection has converged land on Fix(T) near the
+    selected point (T nonexpansive: they never move away from it). Options:
+    :class:`SamOptions`.
 
     Returns:
         (z, SolverStats); the residual reported is that of T at the returned iterate.
@@ -156,14 +181,9 @@ def sam(
         >>> [round(v, 4) for v in z[0].tolist()]             # the minimum-norm fixed point
         [0.0, 1.0]
     """
-    check_options("sam", options, OPTIONS)
-    check_budget("sam", max_iter, tol, stop_mode)
-    options = dict(options)
-    options.setdefault("returns", "last")
-    common = CommonOptions.parse("sam", options)
-    sch = _Schedule(options)
+    sch = _Schedule(opts)
 
-    tracker = Tracker("sam", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=common)
+    tracker = Tracker("sam", z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=opts)
     z = z0
     nstep = 0
     while True:
@@ -188,26 +208,3 @@ def sam(
             "beta_last": sch.beta(max(nstep - 1, 1)),
         },
     )
-
-
-def unroll(
-    f: Callable[[Tensor], Tensor], z0: Tensor, k: int, **options
-) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """k differentiable SAM steps from z0 (papers/003 Eq. 12): returns z_k and the canonical
-    (abs, rel) residuals of T at z_0 ... z_{k-1} (one (B,) tensor per step, detached)."""
-    opts = {key: v for key, v in options.items() if key not in COMMON_OPTIONS}
-    check_options("sam", opts, OPTIONS)
-    sch = _Schedule(opts)
-    z = z0
-    abs_tr: list[Tensor] = []
-    rel_tr: list[Tensor] = []
-    for step in range(1, int(k) + 1):
-        tz = f(z)
-        a, r = residuals(tz.detach(), z.detach())
-        abs_tr.append(a)
-        rel_tr.append(r)
-        z = tz if step > int(k) - sch.polish else sch.step(z, tz, step)
-    return z, abs_tr, rel_tr
-
-
-sam.unroll = unroll  # type: ignore[attr-defined]

@@ -38,24 +38,46 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from annotated_types import Gt
+from pydantic import Field
 from torch import Tensor
 
 # the monotone-cell protocol and its operators are contracts (deqbench.contracts); re-exported
 from ..core.contracts import MonotoneCell, SplittingOps  # noqa: F401
 from ..core.registry import solvers
 from .base import (
+    SolverOptions,
     SolverStats,
-    check_options,
-    check_stop_mode,
     make_stats,
-    option_error,
     residuals,
+    solver,
 )
 
-OPTIONS = {"alpha", "returns", "check_every", "residual", "tune_every", "protect_thres"}
+
+class SplittingOptions(SolverOptions):
+    alpha: Annotated[float, Gt(0)] | Literal["auto"] = Field(
+        1.0, description="the step, or 'auto' (halving search, cached on the cell)."
+    )
+    returns: Literal["lowest", "last"] = Field("lowest", description="'lowest' or 'last'.")
+    residual: Literal["canonical", "splitting"] = Field(
+        "canonical",
+        description="'canonical' (||f(z) - z|| / ||f(z)||) or 'splitting' (the successive "
+        "difference of monotone_op_net).",
+    )
+    check_every: int = Field(1, gt=0, description="host convergence check every k iterations.")
+    tune_every: int = Field(
+        0, ge=0, description="with alpha 'auto', retune every k forward solves (0: once)."
+    )
+    protect_thres: float = Field(
+        1e6,
+        gt=1,
+        description="diverged when the residual exceeds this factor times the first.",
+    )
+
+
 TUNE_ALPHAS = tuple(2.0**-k for k in range(7))  # 1 ... 1/64
 _NAMES = {"fb": "forward_backward", "pr": "peaceman_rachford"}
 
@@ -182,43 +204,24 @@ def _solve(
     method: str,
     f: Any,
     z0: Tensor,
+    opts: SplittingOptions,
     max_iter: int,
     tol: float,
     stop_mode: str,
-    options: dict[str, Any],
 ) -> tuple[Tensor, SolverStats]:
     name = _NAMES[method]
-    check_options(name, options, OPTIONS)
-    check_stop_mode(stop_mode)
     cell = monotone_cell(f, name)
-    returns = options.get("returns", "lowest")
-    residual = options.get("residual", "canonical")
-    if residual not in ("canonical", "splitting"):
-        raise ValueError(f"{name}: residual must be 'canonical' or 'splitting', got {residual!r}")
-    if returns not in ("lowest", "last"):
-        raise ValueError(f"{name}: returns must be 'lowest' or 'last', got {returns!r}")
-    check_every = max(1, int(options.get("check_every", 1)))
-    protect = float(options.get("protect_thres", 1e6))
-    alpha_opt = options.get("alpha", 1.0)
-    if alpha_opt != "auto":
-        try:
-            alpha_opt = float(alpha_opt)
-        except (TypeError, ValueError):
-            alpha_opt = math.nan
-        if not alpha_opt > 0:
-            raise option_error(
-                name, f"alpha must be a number > 0 or 'auto', got {options.get('alpha')!r}"
-            )
+    alpha_opt = opts.alpha
     adjoint = hasattr(f, "g") and hasattr(f, "z")
     tangent = hasattr(f, "c") and hasattr(f, "z")  # backward.TangentMap (double backward)
-    kw = dict(
+    kw: dict[str, Any] = dict(
         max_iter=max_iter,
         tol=tol,
         stop_mode=stop_mode,
-        returns=returns,
-        check_every=check_every,
-        residual=residual,
-        protect=protect,
+        returns=opts.returns,
+        check_every=opts.check_every,
+        residual=opts.residual,
+        protect=opts.protect_thres,
     )
 
     def run(alpha: float) -> tuple[Tensor, SolverStats]:
@@ -238,14 +241,11 @@ def _solve(
         delta, st = _run(method, ops.WT, ops.VT, lambda x: D * x, f.g, delta0, alpha, **kw)
         return ops.WT(delta) + f.g, st
 
-    with torch.no_grad():
-        if alpha_opt == "auto":
-            alpha = _auto_alpha(
-                cell, method, run, adjoint or tangent, int(options.get("tune_every", 0))
-            )
-        else:
-            alpha = float(alpha_opt)
-        return run(alpha)
+    if alpha_opt == "auto":
+        alpha = _auto_alpha(cell, method, run, adjoint or tangent, opts.tune_every)
+    else:
+        alpha = float(alpha_opt)
+    return run(alpha)
 
 
 def _auto_alpha(cell: Any, method: str, run, adjoint: bool, tune_every: int) -> float:
@@ -270,44 +270,42 @@ def _auto_alpha(cell: Any, method: str, run, adjoint: bool, tune_every: int) -> 
 
 
 @solvers.register("forward_backward")
+# they need the monotone structure behind the map they are given (a CellMap or an AdjointMap;
+# generic maps go to a generic solver) and solve the tangent system of a double backward
+# (backward.TangentMap) too
+@solver(SplittingOptions, needs_structure=True, solves_tangent=True)
 def forward_backward(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,
+    opts: SplittingOptions,
     *,
     max_iter: int = 50,
     tol: float = 1e-4,
     stop_mode: str = "rel",
-    **options: Any,
 ) -> tuple[Tensor, SolverStats]:
     """Forward-backward splitting ``z <- prox((1 - alpha) z + alpha (W z + c))`` on a monotone
     cell (forward solve or, given an AdjointMap, the IFT adjoint system).
 
-    Args:
-        f: a CellMap/AdjointMap whose ``cell`` implements :class:`MonotoneCell`.
-        z0: initial iterate (adjoint: initial guess of w; it is projected with D).
-        max_iter, tol, stop_mode: budget and tolerance (canonical residual by default).
-        alpha: step (default 1.0) or "auto" (halving search, cached on the cell).
-        returns: "lowest" (default) or "last".
-        residual: "canonical" (default) or "splitting" (successive difference).
-        check_every: host convergence check every k iterations.
-        tune_every: with alpha "auto", retune every k forward solves (0: once).
-        protect_thres: diverged when the residual exceeds this factor times the first.
+    f is a CellMap/AdjointMap whose ``cell`` implements :class:`MonotoneCell`; z0 the initial
+    iterate (adjoint: initial guess of w; it is projected with D). Options:
+    :class:`SplittingOptions`.
 
     Returns:
         (z, SolverStats); ``stats.extra`` holds alpha and the iteration count.
     """
-    return _solve("fb", f, z0, max_iter, tol, stop_mode, options)
+    return _solve("fb", f, z0, opts, max_iter, tol, stop_mode)
 
 
 @solvers.register("peaceman_rachford")
+@solver(SplittingOptions, needs_structure=True, solves_tangent=True)
 def peaceman_rachford(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,
+    opts: SplittingOptions,
     *,
     max_iter: int = 50,
     tol: float = 1e-4,
     stop_mode: str = "rel",
-    **options: Any,
 ) -> tuple[Tensor, SolverStats]:
     """Peaceman-Rachford splitting with ``V = (I + alpha (I - W))^-1`` on a monotone cell;
     converges for every alpha > 0. Options as :func:`forward_backward`.
@@ -316,13 +314,4 @@ def peaceman_rachford(
         >>> z, st = peaceman_rachford(CellMap(cell, u), torch.zeros_like(u), tol=1e-6,
         ...                           alpha=0.5)                           # doctest: +SKIP
     """
-    return _solve("pr", f, z0, max_iter, tol, stop_mode, options)
-
-
-# These solvers need the monotone structure behind the map they are given (a CellMap or an
-# AdjointMap); generic maps (e.g. the tangent map of a double backward) go to a generic solver.
-forward_backward.needs_structure = True  # type: ignore[attr-defined]
-peaceman_rachford.needs_structure = True  # type: ignore[attr-defined]
-# ... and they solve the tangent system of a double backward (backward.TangentMap) too
-forward_backward.solves_tangent = True  # type: ignore[attr-defined]
-peaceman_rachford.solves_tangent = True  # type: ignore[attr-defined]
+    return _solve("pr", f, z0, opts, max_iter, tol, stop_mode)
