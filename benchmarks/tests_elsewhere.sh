@@ -7,6 +7,7 @@
 #      machine-dependent test from a parallel-run artefact;
 #   2. pytest -m gpu on the GPU, when there is one.
 #   OUT=/some/dir bash benchmarks/tests_elsewhere.sh
+# CPU_TESTS / GPU_TESTS: the test paths of each part (default: tests); WORKERS: xdist workers.
 set -u
 OUT=${OUT:-/tmp/tests_elsewhere}
 mkdir -p "$OUT"
@@ -14,6 +15,10 @@ export PYTHONUNBUFFERED=1
 VENV=$(mktemp -d)/venv
 python3 -m venv --system-site-packages "$VENV"
 PY=$VENV/bin/python
+# the machine's python3 may itself be a venv (torch in its site-packages, not the system's):
+# the new venv sees those packages through a .pth file
+PARENT=$(python3 -c "import site; print(site.getsitepackages()[0])")
+echo "$PARENT" > "$("$PY" -c "import site; print(site.getsitepackages()[0])")/_machine_packages.pth"
 "$PY" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl > "$OUT/install.log" 2>&1
 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 \
   || echo "editable install failed: PYTHONPATH fallback" | tee -a "$OUT/install.log"
@@ -25,10 +30,10 @@ XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n $N"
 t0=$(date +%s)
 CUDA_VISIBLE_DEVICES="" timeout ${CPU_TIMEOUT:-420} "$PY" -m pytest -q -m "not gpu" $XDIST \
-  -p no:cacheprovider -o junit_family=xunit1 --junitxml="$OUT/cpu.xml" tests > "$OUT/cpu.log" 2>&1
+  -p no:cacheprovider -o junit_family=xunit1 --junitxml="$OUT/cpu.xml" ${CPU_TESTS:-tests} > "$OUT/cpu.log" 2>&1
 echo "cpu tests exit $? in $(($(date +%s) - t0)) s ($XDIST)" | tee -a "$OUT/machine.txt"
 tail -n 3 "$OUT/cpu.log" | tee -a "$OUT/machine.txt"
-FAILED=$(grep -E "^(FAILED|ERROR) " "$OUT/cpu.log" | sed -E 's/^(FAILED|ERROR) //; s/ - .*//' | sort -u)
+FAILED=$(grep -E "^(FAILED|ERROR) tests/" "$OUT/cpu.log" | awk '{print $2}' | sort -u)
 if [[ -n $FAILED ]]; then
   echo "re-running $(echo "$FAILED" | wc -l) failed tests serially" | tee -a "$OUT/machine.txt"
   CUDA_VISIBLE_DEVICES="" timeout ${RERUN_TIMEOUT:-120} "$PY" -m pytest -q -p no:cacheprovider $FAILED \
@@ -38,7 +43,7 @@ if [[ -n $FAILED ]]; then
 fi
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   t0=$(date +%s)
-  timeout ${GPU_TIMEOUT:-150} "$PY" -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu.log" 2>&1
+  timeout ${GPU_TIMEOUT:-480} "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs ${GPU_TESTS:-tests} > "$OUT/gpu.log" 2>&1
   echo "gpu tests exit $? in $(($(date +%s) - t0)) s" | tee -a "$OUT/machine.txt"
   tail -n 5 "$OUT/gpu.log" | tee -a "$OUT/machine.txt"
 fi
