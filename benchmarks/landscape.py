@@ -20,7 +20,28 @@ on the same points), and merged:
 
 Prints a markdown table row and writes JSON (``--json``). Synthetic images (seeded N(0, 1), random
 labels) are used: only the cost is measured, which depends on the solver's iteration counts
-(reported for both passes so one can check they did the same work).
+(reported for both passes so one can check they did the same work). The landscape of this mode is
+solved cold (``--warm-start off``, the floor's own start) unless ``--warm-start`` says otherwise.
+
+**Warm vs cold** (``--warm``, issue 31): the same grid, directions, weights (the model's seeded
+initialisation, ``torch.manual_seed(0)``: not trained) and examples solved twice in one process,
+cold (every point from the model's own initial state) and warm (``warm_start="neighbour"``: every
+point from its solved grid neighbours' fixed points, per example), same solver, tolerance and
+stop rule. Reports the mean f-evaluations per point and the wall time of both and their ratios,
+the converged share of both, the points that converged cold but not warm (target: none), the
+largest relative loss difference warm vs cold (over the points both converged, and over all
+points at their measured loss) and every point above ``--rel-threshold`` (1e-4) with both
+losses and convergence: where both solves met the tolerance and the losses still differ, the
+model has several fixed points there and the two starts found different ones. Target:
+``conv_deq`` 51 x 51, 256 examples on an H100: warm <= 0.5 x cold f-evaluations, <= 0.6 x
+cold time.
+
+    python benchmarks/landscape.py --warm --examples 256 --out results_dir    # GPU, conv_deq
+    python benchmarks/landscape.py --warm --quick                            # CPU wiring check
+
+Writes ``warm_vs_cold.json`` (the summary; ``cold`` part written as soon as the cold pass is
+done) and ``warm_vs_cold_points.csv`` (every point: cold and warm loss, convergence,
+f-evaluations, warm init and relative difference) under ``--out``.
 """
 
 from __future__ import annotations
@@ -111,10 +132,41 @@ def main() -> None:
         "--merge", nargs="+", default=None, help="merge shard JSON files and print the table"
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--warm-start",
+        default="off",
+        help="warm start of the landscape in the floor mode (neighbour | nearest | centre | off)",
+    )
+    ap.add_argument("--warm", action="store_true", help="warm (neighbour) vs cold landscape")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU wiring check: conv_deq_tiny on 1x8x8 inputs, 9 x 9, 32 examples (unless given)",
+    )
+    ap.add_argument("--rel-threshold", type=float, default=1e-4)
+    ap.add_argument(
+        "--warm-modes",
+        default="neighbour",
+        help="--warm: warm starts to time against cold, comma-separated (the first is the "
+        "headline; e.g. neighbour,nearest)",
+    )
+    ap.add_argument("--out", default=None, help="directory for the --warm mode's files")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.json)
         return
+    if args.quick:
+        given = set(sys.argv[1:])
+        for flag, attr, value in (
+            ("--model", "model", "conv_deq_tiny"),
+            ("--shape", "shape", "1,8,8"),
+            ("--grid", "grid", 9),
+            ("--examples", "examples", 32),
+            ("--device", "device", "cpu"),
+            ("--warmup", "warmup", 1),
+        ):
+            if flag not in given:
+                setattr(args, attr, value)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -155,6 +207,10 @@ def main() -> None:
         eval_pass()
     sync(device)
 
+    if args.warm:
+        warm_vs_cold(args, model, dirs, X, y, ax, betas, device)
+        return
+
     # Landscape (all points).
     df = ls.evaluate_grid(
         model,
@@ -165,6 +221,7 @@ def main() -> None:
         betas=betas,
         batch_size=args.batch_size,
         points_per_batch=args.points_per_batch,
+        warm_start=args.warm_start,
     )
     land_s = float(df.attrs["seconds"])
 
@@ -215,6 +272,186 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     table(out)
+
+
+def _env(args, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "model": args.model,
+        "weights": "initialisation (torch.manual_seed(0)), not trained",
+        "data": f"synthetic N(0, 1) images {args.shape}, random labels, seed 0",
+        "dtype": args.dtype,
+        "grid": f"{args.grid}x{args.grid}",
+        "range": args.range,
+        "shard": args.shard,
+        "examples": args.examples,
+        "batch_size": args.batch_size or args.examples,
+        "solver": f"{args.solver} tol={args.tol} max_iter={args.max_iter}",
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32) if cuda else None,
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32) if cuda else None,
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if cuda else None,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _pass(args, model, dirs, X, y, ax, betas, device, warm: str):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cpu0 = time.process_time()
+    df = ls.evaluate_grid(
+        model,
+        dirs,
+        X,
+        y,
+        alphas=ax,
+        betas=betas,
+        batch_size=args.batch_size,
+        points_per_batch=args.points_per_batch,
+        warm_start=warm,
+        spec_norm=False,
+    )
+    conv = df["converged"].astype(bool)
+    info = {
+        "warm_start": df.attrs["warm_start"],
+        "seconds": float(df.attrs["seconds"]),
+        "cpu_seconds": time.process_time() - cpu0,
+        "ms_per_point": 1e3 * float(df.attrs["seconds"]) / len(df),
+        "f_evals_per_point": float(df["f_nstep"].mean()),
+        "f_evals_per_point_converged": float(df.loc[conv, "f_nstep"].mean()),
+        "converged_points": int(conv.sum()),
+        "converged_share": float(conv.mean()),
+        "converged_examples_share": float(df["f_converged_frac"].mean()),
+        "init": {str(k): int(v) for k, v in df["init"].value_counts().items()},
+        "peak_memory_gib": (
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        ),
+    }
+    if "warm_frac" in df:
+        info["warm_examples_share"] = float(df["warm_frac"].mean())
+        info["predicted_examples_share"] = float(df["predicted_frac"].mean())
+        info["retried_points"] = int(df["warm_retried"].astype(bool).sum())
+    return df, info
+
+
+def compare(cold, warm, c: dict, w: dict, threshold: float):
+    """The warm pass against the cold one: ratios, convergence, loss differences, the points
+    above ``threshold`` (with why); and the merged per-point frame."""
+    out: dict = {"warm": w}
+    out["f_evals_ratio"] = w["f_evals_per_point"] / c["f_evals_per_point"]
+    out["time_ratio"] = w["seconds"] / c["seconds"]
+    keys = ["alpha", "beta"]
+    cols = ["loss_raw", "converged", "f_nstep", "f_converged_frac", "f_residual", "status"]
+    extra = [
+        k for k in ("init", "warm_frac", "predicted_frac", "init_alpha", "init_beta") if k in warm
+    ]
+    m = cold[keys + cols].merge(warm[keys + cols + extra], on=keys, suffixes=("_cold", "_warm"))
+    m["converged_cold"] = m["converged_cold"].astype(bool)
+    m["converged_warm"] = m["converged_warm"].astype(bool)
+    m["rel_diff"] = (m["loss_raw_warm"] - m["loss_raw_cold"]).abs() / m["loss_raw_cold"].abs()
+    both = m["converged_cold"] & m["converged_warm"]
+    out["cold_converged_not_warm"] = int((m["converged_cold"] & ~m["converged_warm"]).sum())
+    out["warm_converged_not_cold"] = int((~m["converged_cold"] & m["converged_warm"]).sum())
+    out["max_rel_loss_diff_both_converged"] = float(m.loc[both, "rel_diff"].max())
+    out["max_rel_loss_diff_all"] = float(m["rel_diff"].max())
+    out["rel_threshold"] = threshold
+    big = m[(m["rel_diff"] > threshold) | (m["converged_cold"] & ~m["converged_warm"])]
+
+    def why(r) -> str:
+        if r.converged_cold and r.converged_warm:
+            return "both met the tolerance: different fixed points (the model has several there)"
+        if not r.converged_cold and not r.converged_warm:
+            return "neither met the tolerance"
+        return "cold did not meet the tolerance" if not r.converged_cold else "warm did not"
+
+    out["points_above_threshold"] = [
+        {
+            "alpha": float(r.alpha),
+            "beta": float(r.beta),
+            "rel_diff": float(r.rel_diff),
+            "loss_cold": float(r.loss_raw_cold),
+            "loss_warm": float(r.loss_raw_warm),
+            "converged_cold": bool(r.converged_cold),
+            "converged_warm": bool(r.converged_warm),
+            "examples_converged_cold": float(r.f_converged_frac_cold),
+            "examples_converged_warm": float(r.f_converged_frac_warm),
+            "f_evals_cold": float(r.f_nstep_cold),
+            "f_evals_warm": float(r.f_nstep_warm),
+            "warm_init": str(getattr(r, "init", "")),
+            "why": why(r),
+        }
+        for r in big.sort_values("rel_diff", ascending=False).itertuples()
+    ]
+    out["several_fixed_points"] = any(
+        q["converged_cold"] and q["converged_warm"] for q in out["points_above_threshold"]
+    )
+    return out, m
+
+
+def warm_vs_cold(args, model, dirs, X, y, ax, betas, device) -> None:
+    """Cold and warm (neighbour) passes over the same grid; the comparison (module docstring)."""
+    import pandas as pd
+
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    res = {**_env(args, device), "points": len(ax) * len(betas)}
+
+    def write() -> None:
+        if out_dir is not None:
+            (out_dir / "warm_vs_cold.json").write_text(json.dumps(res, indent=1))
+
+    cold, res["cold"] = _pass(args, model, dirs, X, y, ax, betas, device, "off")
+    write()
+    print(f"cold: {json.dumps(res['cold'])}", flush=True)
+    modes = [m.strip() for m in args.warm_modes.split(",") if m.strip()]
+    res["modes"] = {}
+    for k, mode in enumerate(modes):
+        warm, info = _pass(args, model, dirs, X, y, ax, betas, device, mode)
+        cmp, m = compare(cold, warm, res["cold"], info, args.rel_threshold)
+        res["modes"][mode] = cmp
+        if k == 0:
+            res["warm"] = info
+            res.update({k2: v for k2, v in cmp.items() if k2 != "warm"})
+            if out_dir is not None:
+                m.to_csv(out_dir / "warm_vs_cold_points.csv", index=False)
+        elif out_dir is not None:
+            m.to_csv(out_dir / f"warm_vs_cold_points_{mode}.csv", index=False)
+        write()
+        print(f"{mode}: {json.dumps(cmp)}", flush=True)
+    c = res["cold"]
+    print(
+        "| card | model | grid | examples | dtype | warm start | cold s | warm s | time ratio | "
+        "f-evals/point cold | warm | ratio | converged cold | warm | cold-not-warm | "
+        "max rel loss diff (both conv.) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, cmp in res["modes"].items():
+        w = cmp["warm"]
+        print(
+            f"| {res['device']} | {res['model']} | {res['grid']} | {res['examples']} | "
+            f"{res['dtype']} | {mode} | {c['seconds']:.2f} | {w['seconds']:.2f} | "
+            f"{cmp['time_ratio']:.3f} | {c['f_evals_per_point']:.2f} | "
+            f"{w['f_evals_per_point']:.2f} | {cmp['f_evals_ratio']:.3f} | "
+            f"{c['converged_share']:.3f} | {w['converged_share']:.3f} | "
+            f"{cmp['cold_converged_not_warm']} | {cmp['max_rel_loss_diff_both_converged']:.2e} |"
+        )
+    for mode, cmp in res["modes"].items():
+        big = cmp["points_above_threshold"]
+        print(
+            f"{mode}: {len(big)} points with rel loss diff > {args.rel_threshold:g} or "
+            "converged cold only"
+        )
+        if big:
+            print(pd.DataFrame(big).to_string(index=False))
+        if cmp["several_fixed_points"]:
+            print(
+                f"NOTE ({mode}): at some points both solves met the tolerance with different "
+                "losses: the model has several fixed points there and the warm start found "
+                "another one."
+            )
+    print(json.dumps(res, indent=1))
 
 
 def table(out: dict) -> None:

@@ -296,9 +296,9 @@ def test_warm_start_same_fixed_point_for_a_contraction():
     X, y = _data()
     dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=0))
     ax = ls.axis(3, -0.3, 0.3)
-    cold = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax)
+    cold = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start="off")
     warm = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start=True, batch_size=16)
-    assert warm.attrs["warm_start"] and not cold.attrs["warm_start"]
+    assert warm.attrs["warm_start"] == "centre" and cold.attrs["warm_start"] == "off"
     assert (cold["init"] == "model").all()
     assert (warm["init"] == "centre").sum() == 8 and ls.centre_row(warm)["init"] == "model"
     assert warm["converged"].all() and cold["converged"].all()
@@ -306,7 +306,7 @@ def test_warm_start_same_fixed_point_for_a_contraction():
     assert warm["f_nstep"].sum() < cold["f_nstep"].sum()
     assert ls.centre_row(warm)["loss"] == pytest.approx(ls.centre_row(cold)["loss"], rel=1e-12)
     # the evaluation budget override is applied during the evaluation only
-    starved = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, max_iter=2)
+    starved = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, max_iter=2)  # neighbour
     assert (starved["f_nstep"] <= 2).all() and not starved["converged"].astype(bool).any()
     assert all(layer.solver_cfg.max_iter == 200 for layer in deqbench.deq.deq_layers(m))
 
@@ -448,3 +448,189 @@ def test_library_call_takes_the_directions_settings_unless_given(tmp_path):
     assert not other["loss"].equals(df0["loss"])
     with pytest.raises(ConfigError, match="renormalize=True"):
         ls.landscape(m, X, y, grid=3, dims=1, directions=path, norm="layer", renormalize=False)
+
+
+# -- warm starts from solved neighbours (issue 31) ---------------------------------------------
+
+
+def _is_neighbour(p, q):
+    return p != q and max(abs(p[0] - q[0]), abs(p[1] - q[1])) == 1
+
+
+@pytest.mark.parametrize(
+    ("na", "nb", "start"), [(7, 7, (3, 3)), (5, 4, (0, 3)), (6, 1, (2, 0)), (1, 5, (0, 1))]
+)
+def test_visit_order_has_the_neighbour_property(na, nb, start):
+    order = ls.visit_order(na, nb, start)
+    points = [pt for pt, _ in order]
+    assert sorted(points) == sorted((i, j) for i in range(na) for j in range(nb))
+    assert order[0] == (start, [])
+    seen = {}
+    for v, (pt, src) in enumerate(order):
+        if v:
+            assert src, pt  # every point but the start has a solved neighbour
+            assert src[0][0] == pt[0] or src[0][1] == pt[1]  # the first is an axis neighbour
+        for q in src:
+            assert q in seen and _is_neighbour(pt, q), (pt, q)
+        for combo in ls.warm_candidates(pt, start, src):
+            assert all(q in seen and max(abs(q[0] - pt[0]), abs(q[1] - pt[1])) <= 2
+                       for q, _ in combo)  # fmt: skip
+            assert sum(w for _, w in combo) == pytest.approx(1.0)  # predictors are affine
+        seen[pt] = v
+    # the fixed points kept at once: at most three rows (the start row waits for the rows below)
+    last = {}
+    for v, (pt, src) in enumerate(order):
+        for combo in ls.warm_candidates(pt, start, src):
+            for q, _ in combo:
+                last[q] = v
+    alive = max(sum(1 for q, u in last.items() if seen[q] <= v <= u) for v in range(len(order)))
+    assert alive <= 3 * na
+
+
+def test_warm_start_values():
+    from deqbench.landscape.analysis import Landscape
+
+    assert Landscape.Params().warm_start == "off"  # the default: every point as the model runs
+    for given, want in [(True, "centre"), (False, "off"), ("neighbor", "neighbour"),
+                        ("center", "centre"), ("nearest", "nearest"), ("off", "off")]:  # fmt: skip
+        assert Landscape.Params(warm_start=given).warm_start == want
+        assert ls.warm_start_mode(given) == want
+    with pytest.raises(ValueError, match="warm_start"):
+        Landscape.Params(warm_start="neighbours")
+    with pytest.raises(ConfigError, match="warm_start"):
+        ls.warm_start_mode("ring")
+
+
+def _rel(a, b):
+    return float(((a - b).abs() / b.abs()).max())
+
+
+@pytest.mark.parametrize("mode", ["neighbour", "nearest"])
+def test_neighbour_warm_start_equals_cold_for_a_contraction(mode):
+    """A contractive cell (||W|| <= 0.8 over the plane) has one fixed point: warm-started points
+    land on the cold ones to within what the tolerance allows (|dz| <= tol |f| / (1 - L) per
+    example), every point converges, and with fewer f-evaluations."""
+    m = _fc_deq(max_iter=300, tol=1e-10, scale=0.5)
+    X, y = _data(24)
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=0))
+    ax = ls.axis(9, -0.8, 0.8)
+    cold = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start="off")
+    warm = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start=mode, batch_size=16)
+    assert (cold["w_spec_norm"] < 0.9).all()
+    assert warm.attrs["warm_start"] == mode and cold.attrs["warm_start"] == "off"
+    assert cold["converged"].all() and warm["converged"].all()
+    assert _rel(warm["loss"], cold["loss"]) <= 1e-8
+    assert (warm["accuracy"] == cold["accuracy"]).all()
+    # the centre is solved cold (here in two evaluation batches: its own stop per batch)
+    assert ls.centre_row(warm)["loss"] == pytest.approx(ls.centre_row(cold)["loss"], rel=1e-9)
+    assert ls.centre_row(warm)["init"] == "model" and (warm["init"] == mode).sum() == len(warm) - 1
+    assert (warm["warm_frac"] == 1.0).sum() == len(warm) - 1
+    assert (warm["predicted_frac"] > 0).any() == (mode == "neighbour")
+    assert warm["f_nstep"].sum() < cold["f_nstep"].sum()
+    assert (warm["f_nstep"] <= cold["f_nstep"]).mean() > 0.9
+    # where a point starts from: an already solved grid neighbour
+    nb = warm.dropna(subset=["init_alpha"])
+    step = ax[1] - ax[0]
+    assert len(nb) == len(warm) - 1
+    assert ((nb["init_alpha"] - nb["alpha"]).abs().max() <= step + 1e-12) and (
+        (nb["init_beta"] - nb["beta"]).abs().max() <= step + 1e-12
+    )
+
+
+def test_neighbour_warm_start_conv_cell_and_1d_slice():
+    """The same on a conv cell (4-D states, GroupNorm) in float64 and on a 1-D slice of
+    directions that perturb biases and norm layers too (include_1d)."""
+    torch.manual_seed(0)
+    m = deqbench.models.create("conv_deq_tiny").double().eval()
+    configure(m, SolverConfig("anderson", max_iter=100, tol=1e-9))
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(6, 1, 8, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (6,), generator=g)
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=0))
+    ax = ls.axis(5, -0.2, 0.2)
+    cold = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start="off")
+    warm = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax)  # neighbour by default
+    assert warm.attrs["warm_start"] == "neighbour"
+    assert cold["converged"].all()
+    assert warm["converged"].all()  # every cold-converged point converges warm
+    assert _rel(warm["loss"], cold["loss"]) <= 1e-6
+    assert warm["f_nstep"].sum() < cold["f_nstep"].sum()
+    d1 = ls.resolve_directions(m, ls.random_directions(m, 1, seed=1, include_1d=True))
+    assert any(torch.count_nonzero(d1[0][n]) for n, p in m.named_parameters() if p.dim() == 1)
+    ax1 = ls.axis(7, -0.3, 0.3)
+    cold1 = ls.evaluate_grid(m, d1, X, y, alphas=ax1, warm_start="off")
+    warm1 = ls.evaluate_grid(m, d1, X, y, alphas=ax1)
+    assert "beta" not in warm1 and "init_beta" not in warm1
+    assert cold1["converged"].all() and warm1["converged"].all()
+    assert _rel(warm1["loss"], cold1["loss"]) <= 1e-6
+    assert warm1["f_nstep"].sum() < cold1["f_nstep"].sum()
+    # every point starts from the one next to it toward the centre
+    nb = warm1.dropna(subset=["init_alpha"]).set_index("alpha")["init_alpha"]
+    assert len(nb) == 6 and all(abs(src) < abs(a) for a, src in nb.items())
+
+
+def test_example_unconverged_at_the_neighbour_starts_cold(monkeypatch):
+    """Per example: an example whose neighbour did not converge for it starts from the model's
+    own initial state; the others from the neighbour's fixed point."""
+    X, y = _data(32)
+    for max_iter in range(2, 60):  # a budget at which the centre converges for some examples
+        m = _fc_deq(max_iter=max_iter, tol=1e-8, scale=0.95)
+        m.eval()
+        with torch.no_grad():
+            m(X)
+        frac = m.deq.last_forward_stats.converged_frac
+        if 0.2 < frac < 0.8:
+            break
+    else:
+        pytest.fail("no budget with a partly converged centre")
+    layer = m.deq
+    calls = []
+    solve = layer.solve
+
+    def spy(u, z0, cfg=None):
+        z, st = solve(u, z0, cfg)
+        calls.append((z0.clone(), z.clone(), (st.residual < st.tol).clone()))
+        return z, st
+
+    monkeypatch.setattr(layer, "solve", spy, raising=False)
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 1, seed=0))
+    ax = ls.axis(3, -0.01, 0.01)
+    df = ls.evaluate_grid(m, dirs, X, y, alphas=ax, spec_norm=False, warm_retry=False)
+    assert len(calls) == 3  # centre, then +h and -h, each from the centre
+    z0c, zc, okc = calls[0]
+    assert torch.count_nonzero(z0c) == 0  # fc_deq_tiny starts from zeros
+    assert 0 < int(okc.sum()) < len(okc)
+    for z0, _, _ in calls[1:]:
+        assert torch.equal(z0[okc], zc[okc])  # converged at the centre: its fixed point
+        assert torch.count_nonzero(z0[~okc]) == 0  # not converged there: cold
+    off = df[df.alpha != 0.0]
+    assert (off["init"] == "partial").all()
+    assert off["warm_frac"].tolist() == pytest.approx([float(okc.double().mean())] * 2)
+    assert ls.centre_row(df)["init"] == "model"
+
+
+def test_warm_point_that_misses_the_tolerance_is_solved_again_cold():
+    """A non-contractive plane (far points miss the tolerance in the budget): every point that
+    converges cold converges warm, because a warm-started miss is re-solved from the model's
+    own start (f_nstep then counts both solves); without the retry it is left as it is."""
+    m = _fc_deq(max_iter=40, tol=1e-8, scale=0.5)
+    X, y = _data()
+    dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=0))
+    ax = ls.axis(7, -4.0, 4.0)
+    cold = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start="off")
+    warm = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax)
+    raw = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_retry=False)
+    c, w = cold["converged"].astype(bool), warm["converged"].astype(bool)
+    assert 0 < c.sum() < len(c) and not (c & ~w).any()
+    again = warm["warm_retried"].astype(bool)
+    assert not raw["warm_retried"].astype(bool).any()
+    assert (again == (~raw["converged"].astype(bool) & (raw["warm_frac"] > 0))).all()
+    if again.any():  # the retried rows are the cold solves, with both solves' f-evaluations
+        r = warm[again]
+        assert (r["init"] == "model").all() and (r["warm_frac"] == 0).all()
+        np.testing.assert_allclose(r["loss_raw"], cold.loss_raw[again], rtol=1e-12)
+        np.testing.assert_allclose(
+            r["f_nstep"], cold.f_nstep[again] + raw.f_nstep[again], rtol=1e-12
+        )
+    both = c & w
+    assert _rel(warm.loss[both], cold.loss[both]) <= 1e-6

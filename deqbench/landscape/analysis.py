@@ -11,6 +11,20 @@ checkpoints or models on the same plane) and yields summary rows: ``loss_center`
 ``mean_loss_increase``, ``loss_max`` (the last three over converged points only),
 ``f_nstep_max``, ``w_spec_norm_max``, ``seconds``, ``seconds_per_point``.
 
+**Warm starts.** By default (``warm_start: off``) every point is solved as the model runs, from
+its own initial state: a model with several fixed points computes that function. With
+``warm_start: neighbour`` (about half the f-evaluations) the grid is swept outward from the
+centre row by row, and every point's forward solve starts, per example, from a first-order
+prediction built from the fixed points of already solved neighbouring points that converged
+for that example (the model's own initial state for an example none converged for): only the
+initial iterate changes, the tolerance, budget and stop rule are the model's, so where the cell
+has one fixed point the loss is the one a cold start gives, at fewer f-evaluations; where it has
+several it follows the branch of its neighbours (:mod:`deqbench.landscape`: how, what was
+measured). ``nearest`` starts from a neighbour's fixed point as it is, ``centre`` from the
+centre's, ``off`` solves every point cold (the model's own initial state). A warm-started point that misses the tolerance is solved again cold (``f_nstep``
+counts both), so every point that converges cold converges warm. The series' ``init``,
+``warm_frac`` and ``warm_retried`` columns say which start each point used.
+
 **Status.** The centre (the trained weights) is the measurement's quality check: when its forward
 solve missed the tolerance (or its loss is not finite) every summary row is ``flagged`` with a
 one-line cause and fix in ``note`` (the run then exits 1). Points away from the centre that do not
@@ -145,7 +159,7 @@ class Landscape(Analysis):
     example: ClassVar[dict[str, Any]] = {
         "params": {"grid": 5, "max_samples": 64, "progress": False}
     }
-    version = "1"
+    version = "2"  # 2: warm starts from solved neighbours by default
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -167,8 +181,12 @@ class Landscape(Analysis):
         spec_norm: bool = True
         level: float = Field(0.5, gt=0, description="loss increase that bounds the low-loss area")
         progress: bool = True
-        warm_start: bool = Field(
-            False, description="start off-centre DEQ solves from the centre's fixed point"
+        warm_start: Literal["neighbour", "nearest", "centre", "off"] = Field(
+            "off",
+            description="initial iterate of the off-centre DEQ solves: neighbour (predicted "
+            "from solved grid neighbours' fixed points, per example), nearest (a neighbour's "
+            "fixed point as is), centre (the centre's) or off (the model's own); true / false "
+            "mean centre / off",
         )
         max_iter: int | None = Field(
             None, ge=1, description="forward budget during the evaluation (default: the cell's)"
@@ -176,6 +194,19 @@ class Landscape(Analysis):
         tol: float | None = Field(
             None, gt=0, description="forward tolerance during the evaluation (default: the cell's)"
         )
+
+        @field_validator("warm_start", mode="before")
+        @classmethod
+        def _warm(cls, v: Any) -> Any:
+            from ..core.errors import ConfigError
+            from .surface import WARM_STARTS, warm_start_mode
+
+            try:
+                return warm_start_mode(v)
+            except ConfigError:
+                raise ValueError(
+                    f"expected one of {', '.join(WARM_STARTS)} (or true / false)"
+                ) from None
 
         @field_validator("range", mode="before")
         @classmethod
@@ -320,8 +351,8 @@ class Landscape(Analysis):
         note = f"norm={meta.get('norm')} ignore={'none' if meta.get('include_1d') else 'biasbn'} seed={meta.get('seed')}"
         if df.attrs.get("note"):
             note += "; " + df.attrs["note"]
-        if df.attrs.get("warm_start"):
-            note += "; warm start from the centre"
+        if df.attrs.get("warm_start", "off") != "off":
+            note += f"; warm start: {df.attrs['warm_start']}"
         summary = ls.summarize(df, p.level)
         flag = ls.centre_note(df)
         measured = ls.convergence_measured(df)

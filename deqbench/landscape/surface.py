@@ -26,17 +26,49 @@ tolerance are data, not a failure, and for ``fc_deq_tiny`` after 5 epochs a larg
 little (Anderson at 300 instead of 100 f-evaluations: 49 instead of 65 of 121 points unconverged,
 at twice the time; the misses are a few examples per point, 0.3-2%, on which Anderson stalls).
 
-``warm_start=True`` (default off) starts every point but the centre from the centre's fixed point
-of the same examples and layer call: only the initial iterate changes, not the stopping rule or
-the tolerance, so where the fixed point is unique (a contractive or monotone cell) the point's loss
-is the one a cold start gives; where a cell has several fixed points it follows the branch the
-trained model sits on, which a cold start need not. It is off by default because it did not pay:
-on ``fc_deq_tiny`` (11 x 11 grid on [-1, 1], 1024 examples) the mean f-evaluations per point were
-the same as from the model's own start (80 vs 80 Anderson, 63 vs 61 Broyden) and Broyden missed
-the tolerance at more points (28 vs 18 of 121); starting from the nearest grid neighbour did not
-help either. ``f_nstep`` counts the f-evaluations from the start actually used (column ``init``:
-``model``, ``centre`` or ``partial``); a layer call whose recorded state does not match the shape,
-dtype or device of the call's own initial state starts as the model starts it.
+**Warm starts** (``warm_start``; only the initial iterate changes, never the tolerance, the
+budget or the stop rule, so where the fixed point is unique -- a contractive or monotone cell --
+a point's loss is the one a cold start gives, to within what the tolerance allows):
+
+* ``neighbour``: the grid is swept outward from the centre (:func:`visit_order`: the
+  centre row from the centre column outward, then the rows above it, then those below it), so
+  every point has solved grid neighbours. Each layer call of a point starts, per example, from
+  the first of these that converged for that example (:func:`warm_candidates`): a first-order
+  prediction from the fixed points of the neighbours in the same row and the row nearer the
+  centre (``A + (A - A2)/2 + (B - C)/2``, ``A + B - C``, ``2A - A2``), else a neighbour's fixed
+  point as it is, else -- no neighbour converged for that example -- the model's own initial
+  state. Only the fixed points of the rows still needed are kept (at most three rows: memory
+  ``3 x grid x examples x state``, e.g. 7.7 GB for ``conv_deq`` at 51 x 51 and 256 examples in
+  float32).
+* ``nearest``: the same sweep, starting from a neighbour's fixed point as it is (no prediction).
+* ``centre`` (``True``, the earlier boolean): every point from the centre's fixed point.
+* ``off`` (``False``, the default): every point from the model's own initial state, as the model
+  is run: a model with several fixed points computes that function, which a warm start need
+  not follow.
+
+Measured on 2 CPU cores (``benchmarks/landscape.py --warm --quick --grid 21``: ``conv_deq_tiny``
+at initialisation, 32 examples, Anderson tol 1e-4): 17.3 f-evaluations per point instead of 27.3
+cold (0.63x; ``nearest`` 0.76x, grid step 0.1), 0.60x the time, every point converged both ways,
+largest relative loss difference 2e-5. The earlier ``centre`` start did not pay (``fc_deq_tiny``,
+11 x 11 on [-1, 1], 1024 examples: 80 vs 80 Anderson f-evaluations per point, 63 vs 61 Broyden
+with more misses), because far points are far from the centre. Where a cell has several fixed
+points the warm start follows the branch of its neighbours (continuity from the trained model's
+own solve at the centre), which a cold start need not: on ``fc_deq_tiny`` after 5 epochs (the
+``deqbench landscape`` help example, the cell's spectral norm above 1 over the whole plane) warm
+and cold losses differ by more than 1e-4 at 118 of 441 points, by up to 0.9% where both met the
+tolerance, and by 0.5% in float64 at tol 1e-9 (several fixed points, not a tolerance effect);
+there it took 29.9 instead of 41.6 Broyden f-evaluations per point and 438 instead of 432 points
+converged. A warm-started point that misses the tolerance is solved again from the model's own
+start (``warm_retry``; column ``warm_retried``, ``f_nstep`` counts both solves: 6 of the 441
+points above), so every point that converges cold converges warm.
+``warm_start="off"`` gives the cold landscape; ``benchmarks/landscape.py
+--warm`` lists every point where the two differ. ``f_nstep`` counts the f-evaluations from the
+start actually used; the columns ``init`` (``model``, ``neighbour``, ``nearest``, ``centre`` or
+``partial``), ``warm_frac`` (share of examples x layer calls that started warm),
+``predicted_frac`` (of which from a prediction) and ``init_alpha`` / ``init_beta`` (the nearest
+source point) say which. A layer call whose stored state does not match the shape, dtype or
+device of the call's own initial state, or that reports no solve (an unrolled layer, whose
+initial state is part of the network), starts as the model starts it.
 
 Example:
     >>> import torch, deqbench
@@ -253,20 +285,135 @@ def convergence_measured(df: Any) -> bool:
     return "converged" in df and bool(df["converged"].notna().any())
 
 
+WARM_STARTS = ("neighbour", "nearest", "centre", "off")
+
+
+def warm_start_mode(value: Any) -> str:
+    """``neighbour`` | ``nearest`` | ``centre`` | ``off`` from a ``warm_start`` value: ``True`` (the
+    earlier boolean: the centre's fixed point), ``False`` / None (off) and the spellings
+    ``neighbor`` / ``center`` / ``none`` / ``cold``."""
+    if value is True:
+        return "centre"
+    if value is False or value is None:
+        return "off"
+    if isinstance(value, str):
+        v = value.strip().lower()
+        v = {"neighbor": "neighbour", "center": "centre", "none": "off", "cold": "off"}.get(v, v)
+        if v in WARM_STARTS:
+            return v
+    raise ConfigError(
+        f"landscape.warm_start: expected one of {', '.join(WARM_STARTS)} (or true / false), "
+        f"got {value!r}"
+    )
+
+
+def _nearest_zero(values: Sequence[float]) -> int:
+    return min(range(len(values)), key=lambda k: (abs(values[k]), k))
+
+
+Index = tuple[int, int]
+
+
+def visit_order(n_alpha: int, n_beta: int, start: Index) -> list[tuple[Index, list[Index]]]:
+    """The order of the warm-started (``neighbour``) sweep over an ``n_alpha x n_beta`` grid of
+    indices, outward from ``start``: ``[(point, sources), ...]``.
+
+    Rows (fixed beta index) are visited outward from the start row (its own row, then the rows
+    above it in turn, then the rows below it), and within a row the points outward from the start
+    column (its own column, then right, then left). ``sources`` are the grid neighbours of the
+    point solved before it, in the order they are tried: the point one row nearer the start row
+    (same column), the point one column nearer the start column (same row), then the two
+    diagonal neighbours in the nearer row (the one nearer the start column first). Every point
+    but the start has at least one axis neighbour among its sources, and every source is visited
+    earlier. Only two rows of fixed points (three while the start row waits for the rows below
+    it) are ever needed at once."""
+    if n_alpha < 1 or n_beta < 1:
+        return []
+    ca, cb = start
+
+    def outward(n: int, c: int) -> list[int]:
+        return [c, *range(c + 1, n), *range(c - 1, -1, -1)]
+
+    order: list[tuple[Index, list[Index]]] = []
+    for j in outward(n_beta, cb):
+        s = (j > cb) - (j < cb)
+        for i in outward(n_alpha, ca):
+            t = (i > ca) - (i < ca)
+            src: list[Index] = []
+            if s:
+                src.append((i, j - s))
+            if t:
+                src.append((i - t, j))
+            if s:
+                for di in (-t, t) if t else (-1, 1):
+                    if 0 <= i + di < n_alpha:
+                        src.append((i + di, j - s))
+            order.append(((i, j), src))
+    return order
+
+
+Combo = tuple[tuple[Index, float], ...]
+
+
+def warm_candidates(
+    point: Index, start: Index, sources: Sequence[Index], extrapolate: bool = True
+) -> list[Combo]:
+    """The initial iterates a point of :func:`visit_order` may start from, in the order they are
+    tried per example: each a linear combination ``((index, weight), ...)`` of solved points'
+    fixed points, usable for an example when every one of them converged for it.
+
+    With ``extrapolate`` (``warm_start="neighbour"``) the first ones are first-order predictors
+    from the same row ``A`` (one column nearer the start column), ``A2`` (two columns nearer),
+    the nearer row ``B`` (same column) and ``C`` (its neighbour nearer the start column):
+    ``A + (A - A2) / 2 + (B - C) / 2`` (the step along the row estimated from both rows),
+    ``A + B - C`` (a parallelogram) and ``2 A - A2`` (along the row); then every source alone
+    (``nearest``: only these)."""
+    i, j = point
+    t = (i > start[0]) - (i < start[0])
+    s = (j > start[1]) - (j < start[1])
+    out: list[Combo] = []
+    if extrapolate and t:
+        a = (i - t, j)
+        a2 = (i - 2 * t, j) if abs(i - start[0]) >= 2 else None
+        b, c = ((i, j - s), (i - t, j - s)) if s else (None, None)
+        if a2 is not None and b is not None and c is not None:
+            out.append(((a, 1.5), (a2, -0.5), (b, 0.5), (c, -0.5)))
+        if b is not None and c is not None:
+            out.append(((a, 1.0), (b, 1.0), (c, -1.0)))
+        if a2 is not None:
+            out.append(((a, 2.0), (a2, -1.0)))
+    out.extend(((src, 1.0),) for src in sources)
+    return out
+
+
 class _WarmStart:
-    """Hooks on every DEQ layer: at the centre, record the fixed point each layer call returns
-    (per evaluation batch and call order); at the other points, hand it to the same call as its
-    initial iterate ``z0``. A call whose recorded state does not match the shape, dtype and
-    device of the call's own initial state (or of ``u`` when none is passed) keeps its own."""
+    """Hooks on every DEQ layer that give each layer call a warm initial iterate ``z0`` and
+    record the fixed point it returns.
+
+    A solved point's fixed points are stored per (evaluation batch, call order) with the
+    per-example mask of the examples whose final residual met the tolerance (the solver's own
+    per-sample residual in its stop mode). Before a point is solved, :meth:`start_point` names
+    the initial iterates it may start from (:func:`warm_candidates`: combinations of solved
+    points' fixed points), in the order they are tried: each example starts from the first of
+    them whose points all converged for that example, and from the call's own initial state (as
+    the model starts it) when none did. A stored state whose shape, dtype or device differs from the
+    call's own initial state (or ``u`` when none is passed) is not used; a call that reports no
+    solve (an unrolled layer: its ``z0`` is part of the network) is never recorded, so it always
+    starts as the model starts it."""
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.layers = list(layers)
-        self.store: dict[tuple[int, int], Tensor] = {}
-        self.mode = "off"  # off | record | replay
+        self.store: dict[Any, dict[tuple[int, int], tuple[Tensor, Tensor]]] = {}
+        self.point: Any = None
+        self.combos: list[Combo] = []
+        self.record = False
         self.batch = 0
         self.calls = 0
-        self.replayed = 0
+        self.examples = 0  # examples x layer calls at this point
+        self.warm: Tensor | int = 0  # of which started from stored fixed points
+        self.predicted: Tensor | int = 0  # of which from a combination of several
         self.handles: list[Any] = []
+        self._key = (0, 0)
 
     def __enter__(self) -> _WarmStart:
         for layer in self.layers:
@@ -280,32 +427,98 @@ class _WarmStart:
         self.handles.clear()
         self.store.clear()
 
-    def begin(self, mode: str, batch: int) -> None:
-        self.mode, self.batch, self.calls, self.replayed = mode, batch, 0, 0
+    def start_point(self, point: Any, combos: Sequence[Combo], record: bool) -> None:
+        """Before the point's first evaluation batch: where it may start from, whether to keep
+        its fixed points for later points."""
+        self.point, self.record = point, record
+        self.combos = [c for c in combos if all(src in self.store for src, _ in c)]
+        self.examples, self.warm, self.predicted = 0, 0, 0
+
+    def begin(self, batch: int) -> None:
+        """Before every evaluation batch (forward) of the point."""
+        self.batch, self.calls = batch, 0
+
+    def drop(self, point: Any) -> None:
+        self.store.pop(point, None)
+
+    def warm_frac(self) -> tuple[float, float]:
+        """Shares of the point's examples x layer calls started from stored fixed points, and
+        from a combination of several (an extrapolated predictor)."""
+        if not self.examples:
+            return 0.0, 0.0
+        return float(self.warm) / self.examples, float(self.predicted) / self.examples
+
+    def _combo(self, combo: Combo, key: tuple[int, int], ref: Tensor) -> Any:
+        parts = []
+        for src, w in combo:
+            entry = self.store[src].get(key)
+            if entry is None:
+                return None
+            z, m = entry
+            if (z.shape, z.dtype, z.device) != (ref.shape, ref.dtype, ref.device):
+                return None
+            parts.append((z, m, w))
+        if len(parts) == 1 and parts[0][2] == 1.0:
+            z = parts[0][0]  # as stored (never written: torch.where below makes z0)
+        else:
+            z = parts[0][0] * parts[0][2]
+            for zk, _, w in parts[1:]:
+                z.add_(zk, alpha=w)
+        mask = parts[0][1]
+        for _, mk, _ in parts[1:]:
+            mask = mask & mk
+        return z, mask
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         key = (self.batch, self.calls)
         self.calls += 1
         self._key = key
-        if self.mode != "replay" or key not in self.store or not args:
+        if not args:
             return None
-        z = self.store[key]
         own = kwargs.get("z0", args[1] if len(args) > 1 else None)
         ref = own if isinstance(own, Tensor) else args[0]
-        if not isinstance(ref, Tensor) or (z.shape, z.dtype, z.device) != (
-            ref.shape,
-            ref.dtype,
-            ref.device,
-        ):
+        if not isinstance(ref, Tensor) or ref.dim() == 0:
             return None
-        self.replayed += 1
+        self.examples += int(ref.shape[0])
+        z0: Tensor | None = None
+        left: Tensor | None = None  # examples no candidate so far covers
+        shape = (-1,) + (1,) * (ref.dim() - 1)
+        for combo in self.combos:
+            got = self._combo(combo, key, ref)
+            if got is None:
+                continue
+            z, m = got
+            if z0 is None:  # the layer's default when the model passes none
+                z0 = own if isinstance(own, Tensor) else torch.zeros_like(ref)
+                left = torch.ones(ref.shape[0], dtype=torch.bool, device=ref.device)
+            assert left is not None
+            take = m & left
+            z0 = torch.where(take.view(shape), z, z0)
+            n_take = take.sum()
+            self.warm = self.warm + n_take
+            if len(combo) > 1:
+                self.predicted = self.predicted + n_take
+            left = left & ~m
+            if not bool(left.any()):
+                break
+        if z0 is None:
+            return None
         if "z0" in kwargs or len(args) < 2:
-            return args, {**kwargs, "z0": z}
-        return (args[0], z, *args[2:]), kwargs
+            return args, {**kwargs, "z0": z0}
+        return (args[0], z0, *args[2:]), kwargs
 
     def _post(self, module: nn.Module, args: tuple, out: Any) -> None:
-        if self.mode == "record" and isinstance(out, Tensor):
-            self.store[self._key] = out.detach().clone()
+        if not self.record or not isinstance(out, Tensor) or out.dim() == 0:
+            return
+        stats = getattr(module, "last_forward_stats", None)
+        if stats is None:  # no solve (unrolled): its initial state is part of the network
+            return
+        r = stats.residual
+        if r.numel() == out.shape[0]:
+            mask = (r < stats.tol).reshape(-1).to(out.device)
+        else:
+            mask = torch.full((out.shape[0],), bool(stats.converged), device=out.device)
+        self.store.setdefault(self.point, {})[self._key] = (out.detach().clone(), mask)
 
 
 def evaluate_grid(
@@ -321,15 +534,19 @@ def evaluate_grid(
     points_per_batch: int | None = None,
     spec_norm: bool = True,
     progress: Callable[[int, int], None] | None = None,
-    warm_start: bool = False,
+    warm_start: bool | str = "off",
+    warm_retry: bool = True,
     max_iter: int | None = None,
     tol: float | None = None,
 ) -> Any:
     """Evaluate ``L(theta* + a d1 + b d2)`` on the grid ``alphas x betas``.
 
-    The centre is solved first, from the model's own initial state; with ``warm_start`` every
-    other point starts from the centre's fixed point (module docstring: when that gives the same
-    point, what it selects when it need not, and why it is off by default).
+    The centre is solved first, from the model's own initial state. With ``warm_start``
+    ``neighbour`` (the default) the other points follow :func:`visit_order` and each starts, per
+    example, from the fixed point of an already solved grid neighbour that converged for that
+    example; ``centre`` starts them from the centre's; ``off`` solves every point from the
+    model's own initial state (module docstring: the stop rule is the same, when the result is
+    the same point and what it selects when it need not).
 
     Args:
         model: the trained model (its parameters are the centre; they are never written).
@@ -346,8 +563,12 @@ def evaluate_grid(
             back to one point per forward (``df.attrs["note"]`` says why).
         spec_norm: log the largest spectral norm of the DEQ cells' 2-D weights per point.
         progress: ``progress(done, total)`` after every point (or chunk).
-        warm_start: start the DEQ solves of the points other than the centre from the centre's
-            fixed point (needs the centre on the grid; ignored for models without DEQ layers).
+        warm_start: ``off`` (default), ``neighbour``, ``nearest``, ``centre`` (needs the
+            centre on the grid); ``True`` / ``False`` mean ``centre`` / ``off`` (:func:`warm_start_mode`).
+            Ignored for models without DEQ layers (``df.attrs["warm_start"]`` is then ``off``).
+        warm_retry: solve a warm-started point that missed the tolerance again from the model's
+            own initial state (its row is then that solve's, ``warm_retried`` True, ``f_nstep``
+            the f-evaluations of both), so no point converges cold but not warm.
         max_iter, tol: forward budget / tolerance of the DEQ layers during the evaluation
             (None: the layers' own settings; they are restored afterwards).
 
@@ -355,12 +576,14 @@ def evaluate_grid(
         DataFrame, one row per point: alpha, (beta), loss (NaN where the solver did not
         converge or the loss is not finite), loss_raw, accuracy or mse, converged (empty when
         no DEQ solve was seen: not measured), status (ok | converged | max_iter | stagnated |
-        diverged | nan), init (model: the model's own initial state; centre: warm-started),
-        f_nstep (forward f-evals per evaluation batch, summed over DEQ layers), f_residual (max
+        diverged | nan), init (model: every example from the model's own initial state;
+        neighbour / centre: every example from a stored fixed point; partial: some), warm_frac
+        (share of examples x DEQ layer calls started from a stored fixed point), init_alpha /
+        init_beta (the nearest source point; NaN when none), warm_retried, f_nstep (forward f-evals per evaluation batch, summed over DEQ layers), f_residual (max
         relative residual), f_abs_residual, f_converged_frac (fraction of examples whose
         residual is below the tolerance; the point counts as converged only when all are, the
         solvers' batch-max rule), f_tol, w_spec_norm. ``df.attrs`` holds the timing, the vmap
-        decision and ``warm_start``.
+        decision and ``warm_start`` (the mode used).
     """
     import pandas as pd
 
@@ -386,9 +609,10 @@ def evaluate_grid(
     ppb = 1 if deq else max(1, int(points_per_batch))
     layers = list(deq_layers(model))
     centre = (0.0, 0.0)
-    warm = ws_ = None
-    if deq and warm_start and centre in coords:
-        warm = ws_ = _WarmStart(layers)
+    mode = warm_start_mode(warm_start) if deq else "off"
+    if mode == "centre" and centre not in coords:
+        mode = "off"
+    warm = _WarmStart(layers) if mode != "off" else None
     spec_names = _spec_weights(model) if spec_norm and deq else []
     base = _weights(model)
     dirs = list(directions)
@@ -398,20 +622,15 @@ def evaluate_grid(
             return math.nan
         return max(float(torch.linalg.matrix_norm(params[nm].double(), ord=2)) for nm in spec_names)
 
-    def one_point(a: float, b: float) -> dict[str, Any]:
-        params = _point_params(base, dirs, (a, b)[:dim])
+    def solve_point(params: dict[str, Tensor]) -> _PointAcc:
         acc = _PointAcc(device)
-        mode = "record" if (a, b) == centre else "replay"
-        calls = replayed = 0
         for i in range(0, n, bs):
             xb, yb = X[i : i + bs], y[i : i + bs]
             for layer in layers:  # stats of this forward only
                 layer.last_forward_stats = None
             if warm is not None:
-                warm.begin(mode, i)
+                warm.begin(i)
             out = functional_call(model, params, (xb,))
-            if warm is not None:
-                calls, replayed = calls + warm.calls, replayed + warm.replayed
             m = xb.shape[0]
             acc.loss += loss_fn(out, yb).double() * m
             if task == "classification":
@@ -419,8 +638,42 @@ def evaluate_grid(
             acc.n += m
             if deq:
                 acc.add_deq(layers)
-        init = "model" if not replayed else ("centre" if replayed == calls else "partial")
-        return _row(a, b, acc, task, dim, spec_of(params), init)
+        return acc
+
+    def one_point(
+        a: float,
+        b: float,
+        point: Any = None,
+        combos: Sequence[Combo] = (),
+        record: bool = False,
+        src_coords: tuple[float, float] | None = None,
+    ) -> dict[str, Any]:
+        params = _point_params(base, dirs, (a, b)[:dim])
+        if warm is not None:
+            warm.start_point(point, combos, record)
+        acc = solve_point(params)
+        frac, pred = warm.warm_frac() if warm is not None else (0.0, 0.0)
+        first = math.nan
+        if warm is not None and frac > 0 and warm_retry and acc.measured and not acc.converged:
+            # the warm start missed the tolerance: the point is solved again as the model
+            # starts it (its row is that solve's; f_nstep counts both)
+            first = sum(acc.nsteps) / len(acc.nsteps)
+            warm.start_point(point, (), record)
+            acc = solve_point(params)
+            frac, pred = 0.0, 0.0
+        init = "model" if frac == 0.0 else (mode if frac == 1.0 else "partial")
+        row = _row(a, b, acc, task, dim, spec_of(params), init)
+        if deq:
+            retried = first == first
+            if retried:
+                row["f_nstep"] += first
+            row["warm_frac"] = frac
+            row["predicted_frac"] = pred
+            row["warm_retried"] = retried
+            row["init_alpha"] = src_coords[0] if src_coords and frac else math.nan
+            if dim >= 2:
+                row["init_beta"] = src_coords[1] if src_coords and frac else math.nan
+        return row
 
     def chunk_vmap(chunk: list[tuple[float, float]]) -> list[dict[str, Any]]:
         cs = torch.tensor(chunk, dtype=torch.float64)
@@ -459,6 +712,43 @@ def evaluate_grid(
             rows.append(_row(a, b, acc, task, dim, math.nan))
         return rows
 
+    def warm_sweep(rows: list[dict[str, Any]], progress: Any) -> None:
+        """Every point, in the warm-start order; stored fixed points are dropped as soon as no
+        later point can start from them."""
+        assert warm is not None
+        al, be = [float(a) for a in alphas], [float(b) for b in betas_]
+        if mode in ("neighbour", "nearest"):
+            start = (_nearest_zero(al), _nearest_zero(be))
+            order = [
+                (pt, warm_candidates(pt, start, src, extrapolate=mode == "neighbour"))
+                for pt, src in visit_order(len(al), len(be), start)
+            ]
+        else:  # centre: every other point from the centre, in grid order
+            c = (al.index(0.0), be.index(0.0))
+            order = [(c, [])]
+            order += [
+                ((i, j), [((c, 1.0),)])
+                for j in range(len(be))
+                for i in range(len(al))
+                if (i, j) != c
+            ]
+        last_use: dict[Index, int] = {}
+        for v, (_, combos) in enumerate(order):
+            for combo in combos:
+                for sp, _ in combo:
+                    last_use[sp] = v
+        expire: dict[int, list[Index]] = {}
+        for sp, v in last_use.items():
+            expire.setdefault(v, []).append(sp)
+        for v, ((i, j), combos) in enumerate(order):
+            near = next((c[0][0] for c in combos if len(c) == 1), None)
+            sc = (al[near[0]], be[near[1]]) if near is not None else None
+            rows.append(one_point(al[i], be[j], (i, j), combos, (i, j) in last_use, sc))
+            for sp in expire.get(v, ()):
+                warm.drop(sp)
+            if progress is not None:
+                progress(v + 1, len(order))
+
     was_training = model.training
     model.eval()
     rows: list[dict[str, Any]] = []
@@ -472,17 +762,20 @@ def evaluate_grid(
             layer.solver_cfg = dataclasses.replace(layer.solver_cfg, **budget)
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), ws_ or contextlib.nullcontext():
+        with torch.no_grad(), warm or contextlib.nullcontext():
             # The centre is evaluated first on its own through the plain path (from the model's
             # own initial state), so it is exactly the unperturbed model's loss whatever the
             # batching of the other points, and its fixed points seed the warm starts.
             done = 0
-            if centre in coords:
+            if warm is not None:
+                warm_sweep(rows, progress)
+                done = total
+            elif centre in coords:
                 rows.append(one_point(*centre))
                 done = 1
                 if progress is not None:
                     progress(done, total)
-            rest = [c for c in coords if c != centre]
+            rest = [c for c in coords if c != centre] if warm is None else []
             i = 0
             if ppb > 1:
                 try:
@@ -524,7 +817,7 @@ def evaluate_grid(
             "vmap": vmap_used,
             "points_per_batch": ppb if vmap_used else 1,
             "note": vmap_note,
-            "warm_start": warm is not None,
+            "warm_start": mode,
             "examples": n,
             "batch_size": bs,
         }
