@@ -306,7 +306,7 @@ def test_warm_start_same_fixed_point_for_a_contraction():
     assert warm["f_nstep"].sum() < cold["f_nstep"].sum()
     assert ls.centre_row(warm)["loss"] == pytest.approx(ls.centre_row(cold)["loss"], rel=1e-12)
     # the evaluation budget override is applied during the evaluation only
-    starved = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, max_iter=2)  # neighbour
+    starved = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, max_iter=2)
     assert (starved["f_nstep"] <= 2).all() and not starved["converged"].astype(bool).any()
     assert all(layer.solver_cfg.max_iter == 200 for layer in deqbench.deq.deq_layers(m))
 
@@ -549,7 +549,7 @@ def test_neighbour_warm_start_conv_cell_and_1d_slice():
     dirs = ls.resolve_directions(m, ls.random_directions(m, 2, seed=0))
     ax = ls.axis(5, -0.2, 0.2)
     cold = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start="off")
-    warm = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax)  # neighbour by default
+    warm = ls.evaluate_grid(m, dirs, X, y, alphas=ax, betas=ax, warm_start="neighbour")
     assert warm.attrs["warm_start"] == "neighbour"
     assert cold["converged"].all()
     assert warm["converged"].all()  # every cold-converged point converges warm
@@ -559,7 +559,7 @@ def test_neighbour_warm_start_conv_cell_and_1d_slice():
     assert any(torch.count_nonzero(d1[0][n]) for n, p in m.named_parameters() if p.dim() == 1)
     ax1 = ls.axis(7, -0.3, 0.3)
     cold1 = ls.evaluate_grid(m, d1, X, y, alphas=ax1, warm_start="off")
-    warm1 = ls.evaluate_grid(m, d1, X, y, alphas=ax1)
+    warm1 = ls.evaluate_grid(m, d1, X, y, alphas=ax1, warm_start="neighbour")
     assert "beta" not in warm1 and "init_beta" not in warm1
     assert cold1["converged"].all() and warm1["converged"].all()
     assert _rel(warm1["loss"], cold1["loss"]) <= 1e-6
@@ -595,7 +595,9 @@ def test_example_unconverged_at_the_neighbour_starts_cold(monkeypatch):
     monkeypatch.setattr(layer, "solve", spy, raising=False)
     dirs = ls.resolve_directions(m, ls.random_directions(m, 1, seed=0))
     ax = ls.axis(3, -0.01, 0.01)
-    df = ls.evaluate_grid(m, dirs, X, y, alphas=ax, spec_norm=False, warm_retry=False)
+    df = ls.evaluate_grid(
+        m, dirs, X, y, alphas=ax, spec_norm=False, warm_retry=False, warm_start="neighbour"
+    )
     assert len(calls) == 3  # centre, then +h and -h, each from the centre
     z0c, zc, okc = calls[0]
     assert torch.count_nonzero(z0c) == 0  # fc_deq_tiny starts from zeros
