@@ -680,8 +680,12 @@ class Hessian(Analysis):
             )
         return rows
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        """The figures (``deqbench.plots``): :func:`hessian_plots`."""
+        return hessian_plots(df, run_dir)
 
-@plots.register("hessian")
+
 def hessian_plots(df: Any, run_dir: Path) -> dict[str, Any]:
     """``plots/hessian_density.png``: every cell's SLQ density with its top eigenvalue."""
     from . import plots as pa

@@ -368,11 +368,15 @@ class Landscape(Analysis):
         yield Row("seconds", secs, unit="s", note=f"vmap={df.attrs.get('vmap')} examples={len(X)}")
         yield Row("seconds_per_point", secs / max(len(df), 1), unit="s")
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        """The figures (``deqbench.plots``): :func:`landscape_plots`."""
+        return landscape_plots(df, run_dir)
+
 
 # -- plots ------------------------------------------------------------------------------------
 
 
-@plots.register("landscape")
 def landscape_plots(df: Any, run_dir: Path) -> dict[str, Any]:
     """``plots/landscape_contours.png``, ``landscape_surface.png`` and ``landscape_curves.png``
     from every cell's landscape series."""

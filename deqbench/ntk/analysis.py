@@ -442,6 +442,11 @@ class NTK(Analysis):
 
         ctx.write_series(SERIES, pd.DataFrame(self._records))
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        """The figures (``deqbench.plots``): :func:`ntk_plots`."""
+        return ntk_plots(df, run_dir)
+
 
 def _fit_slope(records: list[dict[str, Any]]) -> float:
     pts = [(r["step"], r["log_loss"]) for r in records if math.isfinite(r["log_loss"])]
@@ -630,7 +635,6 @@ def _symlog_decades(ax: Any, rates: list[float], fixed: Any, func: Any, null: An
     ax.yaxis.set_minor_locator(null())
 
 
-@plots.register("ntk")
 def ntk_plots(df: Any, run_dir: Any) -> dict[str, Any]:
     """``plots/ntk.png`` of a run: :func:`plot_ntk` over every cell and seed's ntk series."""
     series = plots.read_series(run_dir, SERIES)

@@ -594,5 +594,10 @@ class Backward(PerfAnalysis):
             yield Row("batch_size", bs, step=step, unit="samples", note=note)
             yield from flag_rows(ctx.device, step=step)
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        """The figures (``deqbench.plots``)."""
+        return _perf_plots._backward_plots(df, run_dir)
 
-from . import plots as _perf_plots  # noqa: E402,F401  (registers the plots)
+
+from . import plots as _perf_plots  # noqa: E402  (the figures of Backward.plot)

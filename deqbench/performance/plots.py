@@ -195,13 +195,3 @@ def _solver_overhead_plots(df: Any, run_dir: Any) -> dict[str, Any]:
         ax.set_ylabel("time to tolerance (ms)")
         ax.set_title(f"{labels.get(cell, cell)} tol={tol} step={int(step)}", fontsize=9)
     return {"solver_overhead": fig}
-
-
-def _register() -> None:
-    from ..run import plots
-
-    plots.register("backward")(_backward_plots)
-    plots.register("solver_overhead")(_solver_overhead_plots)
-
-
-_register()

@@ -300,5 +300,10 @@ class SolverOverhead(PerfAnalysis):
             torch.cuda.empty_cache()
             return Memory(math.nan, note=f"oom: {str(exc).splitlines()[0]}")
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        """The figures (``deqbench.plots``)."""
+        return _perf_plots._solver_overhead_plots(df, run_dir)
 
-from . import plots as _perf_plots  # noqa: E402,F401  (registers the plots)
+
+from . import plots as _perf_plots  # noqa: E402  (the figures of SolverOverhead.plot)

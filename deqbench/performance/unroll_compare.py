@@ -52,7 +52,6 @@ from torch import Tensor
 from ..analyses.base import Analysis, CellContext, Row
 from ..core.deq import DEQLayer, deq_layers
 from ..core.registry import analyses
-from ..run import plots
 from ._perf import GradStep
 from .measure import Timing, is_cuda, sync
 from .memory import (
@@ -351,6 +350,11 @@ class UnrollCompare(Analysis):
                 b.copy_(buffers[name])
         model.train(was)
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        """The figures (``deqbench.plots``): :func:`_plots`."""
+        return _plots(df, run_dir)
+
 
 # -- the run's table -----------------------------------------------------------------------
 
@@ -376,7 +380,6 @@ def unroll_table(df: Any) -> Any:
     return tab.sort_values(sort, na_position="last").reset_index(drop=True)
 
 
-@plots.register("unroll_compare")
 def _plots(df: Any, run_dir: Any) -> dict[str, Any]:
     if not (df["analysis"] == "unroll_compare").any():
         return {}

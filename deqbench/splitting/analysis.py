@@ -172,6 +172,11 @@ class SplittingSweep(Analysis):
         for k, v in info.items():
             yield Row(k, v)
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        """The figures (``deqbench.plots``): :func:`_sweep_plots`."""
+        return _sweep_plots(df)
+
 
 def sweep_plot(df: Any) -> Any | None:
     """Iterations vs alpha (log2 axis) for FB and PR, failures drawn at max_iter with a cross,
@@ -223,13 +228,6 @@ def sweep_plot(df: Any) -> Any | None:
     return fig
 
 
-def _register_plot() -> None:
-    from ..run import plots
-
-    @plots.register("splitting_sweep")
-    def _sweep_plots(df: Any, run_dir: Any) -> dict[str, Any]:
-        fig = sweep_plot(df)
-        return {"splitting_sweep": fig} if fig is not None else {}
-
-
-_register_plot()
+def _sweep_plots(df: Any) -> dict[str, Any]:
+    fig = sweep_plot(df)
+    return {"splitting_sweep": fig} if fig is not None else {}

@@ -530,5 +530,10 @@ class Trajectory(Analysis):
         ctx.write_series(RESIDUAL_SERIES, pd.concat(resid, ignore_index=True))
         self._recs = {}
 
+    @classmethod
+    def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:
+        """The figures (``deqbench.plots``): :func:`trajectory_figures`."""
+        return _trajectory_plots.trajectory_figures(df, run_dir)
 
-from . import plots as _trajectory_plots  # noqa: E402,F401  (registers the plots)
+
+from . import plots as _trajectory_plots  # noqa: E402  (the figures of Trajectory.plot)

@@ -177,8 +177,7 @@ def epochs_plot(df: Any, traj: Any) -> Any | None:
     return fig
 
 
-@plots.register("trajectory")
-def _trajectory_plots(df: Any, run_dir: Path) -> dict[str, Any]:
+def trajectory_figures(df: Any, run_dir: Path) -> dict[str, Any]:
     out = {}
     res = plots.read_series(run_dir, "trajectory_residual")
     traj = plots.read_series(run_dir, "trajectory")
