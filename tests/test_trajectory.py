@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import deqbench
+import deqbench.deq
 from deqbench.solvers.base import residuals
 from deqbench.trajectory.analysis import (
     _Thinned,
