@@ -3,8 +3,12 @@ marker skips without CUDA, and helpers to write tiny suites."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import textwrap
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,3 +71,34 @@ def write_suite(
 def tiny_suite(tmp_path: Path) -> Path:
     """Path of :data:`TINY_SUITE` written under ``tmp_path`` (output goes to tmp_path/results)."""
     return write_suite(tmp_path)
+
+
+def install_example(example: Path, site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """'Install' the plugin package ``example`` (under examples/) for one test: its ``src`` and a
+    dist-info with the entry points of its pyproject.toml on sys.path, plugin discovery on; its
+    modules are unloaded afterwards. Use as ``yield from install_example(...)`` in a fixture."""
+    proj = tomllib.loads((example / "pyproject.toml").read_text())["project"]
+    src = example / "src"
+    d = site / f"{proj['name'].replace('-', '_')}-{proj['version']}.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {proj['name']}\nVersion: {proj['version']}\n"
+    )
+    lines = []
+    for group, eps in proj["entry-points"].items():
+        lines += [f"[{group}]", *[f"{k} = {v}" for k, v in eps.items()], ""]
+    (d / "entry_points.txt").write_text("\n".join(lines))
+    monkeypatch.delenv("DEQBENCH_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(src))
+    importlib.invalidate_caches()
+    from deqbench.core.registry import REGISTRIES
+
+    for r in REGISTRIES.values():
+        r.reset_plugins()
+    yield
+    for r in REGISTRIES.values():
+        r.reset_plugins()
+    packages = tuple(p.name for p in src.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for mod in [m for m in sys.modules if m.split(".")[0] in packages]:
+        del sys.modules[mod]

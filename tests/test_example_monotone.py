@@ -7,19 +7,15 @@ mondeq_fc_tiny exactly, and the upstream network runs as a wrapped model."""
 from __future__ import annotations
 
 import ast
-import importlib
-import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_suite
+from conftest import install_example, write_suite
 from typer.testing import CliRunner
 
 import deqbench
 from deqbench.cli import app
-from deqbench.core.registry import REGISTRIES
 from deqbench.deq import BackwardConfig, SolverConfig, configure
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deqbench-monotone"
@@ -29,28 +25,7 @@ SRC = EXAMPLE / "src"
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     """'Install' the example: its sources and a dist-info from its pyproject.toml."""
-    proj = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
-    site = tmp_path / "site"
-    d = site / f"deqbench_monotone-{proj['version']}.dist-info"
-    d.mkdir(parents=True)
-    (d / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {proj['name']}\nVersion: {proj['version']}\n"
-    )
-    lines = []
-    for group, eps in proj["entry-points"].items():
-        lines += [f"[{group}]", *[f"{k} = {v}" for k, v in eps.items()], ""]
-    (d / "entry_points.txt").write_text("\n".join(lines))
-    monkeypatch.delenv("DEQBENCH_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.syspath_prepend(str(SRC))
-    importlib.invalidate_caches()
-    for r in REGISTRIES.values():
-        r.reset_plugins()
-    yield
-    for r in REGISTRIES.values():
-        r.reset_plugins()
-    for mod in [m for m in sys.modules if m.startswith(("monotone_net", "deqbench_monotone"))]:
-        del sys.modules[mod]
+    yield from install_example(EXAMPLE, tmp_path / "site", monkeypatch)
 
 
 def test_standalone_module_imports_nothing_from_deqbench_and_adapter_is_short():
