@@ -163,6 +163,45 @@ def test_chunked_layout(monkeypatch):
         )
 
 
+@pytest.mark.parametrize(
+    "opts", [{}, {"memory": 3}, {"memory": 3, "on_full": "ring"}, {"line_search": True}]
+)
+def test_large_state_buckets_of_one_pair(monkeypatch, opts):
+    """States above AUTO_NUMEL (conv64) read exactly the pairs that can be in use at each step
+    (LARGE_GRAIN = 1: one captured graph per pair count, issue 31) and still make the eager
+    path's iterates; a bucket one pair short would drop a pair in use and change them."""
+    import deqbench.solvers.broyden as mod
+
+    seen: list[int] = []
+    real = mod.graph_loop
+    short = [0]  # pairs a bucket leaves out (the negative control below)
+
+    def spy(*a, phase, **kw):
+        def ph(n):
+            seen.append(max(1, phase(n) - short[0]))
+            return seen[-1]
+
+        return real(*a, phase=ph, **kw)
+
+    monkeypatch.setattr(mod, "AUTO_NUMEL", B * N - 1)
+    monkeypatch.setattr(mod, "graph_loop", spy)
+    cell = Cell()
+    kw = dict(max_iter=100, tol=1e-10, graph_steps=1, **opts)
+    eager = cell.run(z0_like(cell), **kw)
+    static = cell.run(z0_like(cell), cuda_graph=True, **kw)
+    assert_same_solve(eager, static)
+    cap = opts.get("memory", 20)
+    # one pair more per evaluation, up to the memory: no bucket rounded up to 4 pairs
+    cap = opts.get("memory", 20)
+    # one chunk per evaluation, reading the pairs made before it (n - 2 after n evaluations)
+    assert seen == [min(cap, max(1, n - 2)) for n in range(static[1].nstep)]
+    if not opts:  # a bucket one pair short drops a pair in use: the iterates change
+        seen.clear()
+        short[0] = 1
+        with pytest.raises(AssertionError):
+            assert_same_solve(eager, cell.run(z0_like(cell), cuda_graph=True, **kw))
+
+
 @pytest.mark.parametrize("max_iter", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("opts", [{}, {"line_search": True}, {"on_full": "ring", "memory": 2}])
 def test_max_iter_reached(max_iter, opts):

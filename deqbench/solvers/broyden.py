@@ -33,8 +33,8 @@ f(x)), the lowest-residual iterate per sample by default.
 
 ``cuda_graph`` runs the same method on static buffers (:func:`_static_steps`): the pair count,
 ring slot and restart flag live on the device, every step reads the pairs that can be in use by
-then (in buckets of 4 pairs or memory / 8, one captured graph per bucket) with zero coefficients on those not
-in use, and the restart update is folded into the ordinary one (B dg = B g+ - r with r = B g
+then (in buckets of 4 pairs or memory / 8, of one pair on states above 2M elements; one
+captured graph per bucket) with zero coefficients on those not in use, and the restart update is folded into the ordinary one (B dg = B g+ - r with r = B g
 the previous direction, or -g on a restart), so a few captured steps serve the whole solve and
 make the eager path's iterates up to rounding.
 """
@@ -45,12 +45,14 @@ from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from ..core.registry import solvers
 from . import fused
 from .base import (
+    AUTO_NUMEL,
+    LARGE_NUMEL,
     GraphOptions,
     SolverStats,
     Tracker,
@@ -92,6 +94,23 @@ class BroydenOptions(GraphOptions):
         description="stop as stagnated (more than 30 steps, lowest residual below 3 tol, "
         "max/min of the last 30 residuals below 1.3).",
     )
+    keep_inverse: bool = Field(
+        False,
+        description="hand out the final inverse-Jacobian estimate B = -I + sum_j u_j v_j^T "
+        "(SHINE's backward): extra['inverse'] = the pairs' rows of the buffer, (B, nc, 2 m, cd) "
+        "as [u_0, v_0, u_1, v_1, ...] per sample (None before the first update). Eager path "
+        "only (not with cuda_graph).",
+    )
+
+    @model_validator(mode="after")
+    def _eager_inverse(self) -> BroydenOptions:
+        if self.keep_inverse and self.cuda_graph:
+            raise ValueError("keep_inverse needs the eager path: set cuda_graph to false")
+        return self
+
+
+#: pairs per captured-graph bucket for states above AUTO_NUMEL (see ``_static_steps``)
+LARGE_GRAIN = 1
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
@@ -100,7 +119,9 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 @solvers.register("broyden")
-@solver(BroydenOptions, cuda_graph=True)
+# captured up to LARGE_NUMEL elements: on conv64 (8.4M) the captured step (two fused kernels
+# reading only the pairs in use) beats the eager one, overhead 1.85 vs 2.26 on an H200 (issue 31)
+@solver(BroydenOptions, cuda_graph=True, graph_numel=LARGE_NUMEL)
 def broyden(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,
@@ -299,15 +320,15 @@ def broyden(
             q = torch.addcmul(bg, Bg, e.view(bsz, 1, 1))
         npairs += 1
         x = xn
-    return tracker.finish(
-        nstep,
-        {
-            "memory": memory,
-            "pairs": min(npairs, cap),
-            "restarts": restarts,
-            "skipped_updates": skipped,
-        },
-    )
+    info = {
+        "memory": memory,
+        "pairs": min(npairs, cap),
+        "restarts": restarts,
+        "skipped_updates": skipped,
+    }
+    if opts.keep_inverse:  # the pairs in use (a skipped update's u is 0: it adds nothing)
+        info["inverse"] = None if A is None else A[:, :, 2 : 2 + 2 * min(npairs, cap)]
+    return tracker.finish(nstep, info)
 
 
 def _static_steps(
@@ -337,10 +358,11 @@ def _static_steps(
     line search, the step sizes, trial count, accepted point and the decision whether to accept
     the last trial (made right after its evaluation, which is recorded as the accepted point
     again when rejected) live on the device. A step forms the products with every pair that
-    can be in use by then (after n evaluations at most n - 1 pairs, rounded up to a multiple
-    of 4 or memory / 8: one captured graph per bucket, so a 10-step solve with memory 20 reads
-    4-12 pairs a step instead of 20); pairs not in use (not yet written, or dropped by a restart) get zero
-    coefficients.
+    can be in use by then (the update after n evaluations reads at most n - 2 pairs), rounded
+    up to a multiple of 4 or memory / 8 (one captured graph per bucket, so a 10-step solve with
+    memory 20 reads 4-8 pairs a step instead of 20); states above AUTO_NUMEL, which are
+    bandwidth-bound, take buckets of one pair (``LARGE_GRAIN``); pairs not in use (not yet
+    written, or dropped by a restart) get zero coefficients.
     With r = B g(x) (q, or -dx / s) and r = -g(x) on a restart (B = -I again), B dg = B g+ - r,
     so
 
@@ -411,12 +433,15 @@ def _static_steps(
         st["fused"] = fused.broyden_buffers(A)  # partial products, counter snapshot
     Wn = A[:, :, :2].view(bsz * nc, 2, cd)  # [g+, dx]
 
-    grain = max(4, -(-cap // 8))  # at most ~8 buckets, hence captured graphs
+    # at most ~8 buckets, hence captured graphs; a state above AUTO_NUMEL is bandwidth-bound,
+    # and reading pairs not in use costs more there than capturing a graph per pair count
+    grain = LARGE_GRAIN if z0.numel() > AUTO_NUMEL else max(4, -(-cap // 8))
 
     def rows_in_use(n: int) -> int:
-        """Pairs a step can use when n evaluations were made before its chunk: at most
-        n + steps - 1, rounded up to a multiple of ``grain`` (one captured graph per bucket)."""
-        return min(cap, max(1, -(-(n + steps - 1) // grain) * grain))
+        """Pairs a step can use when n evaluations were made before its chunk: the update
+        after evaluation k (k >= 2) reads the k - 2 pairs made before it, so at most
+        n + steps - 3, rounded up to a multiple of ``grain`` (one captured graph per bucket)."""
+        return min(cap, max(1, -(-(n + steps - 3) // grain) * grain))
 
     views: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 

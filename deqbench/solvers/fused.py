@@ -49,7 +49,9 @@ CHUNK = 1 << 13
 #: Broyden: a chunk of the pair buffer longer than this is split over several programs; a
 #: program reads its rows in tiles of at most BROYDEN_TILE elements (rows x columns)
 BROYDEN_PIECE = 1 << 12
-BROYDEN_TILE = 1 << 12
+BROYDEN_TILE = 1 << 13
+#: warps per program of the two Broyden kernels
+BROYDEN_WARPS = 4
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -735,10 +737,11 @@ def broyden_update(
     g_x = gx if gx is not None else A  # not read without the restart rule
     grid = (B, nc * K)
     assert part.shape[1] == nc * K and part.shape[2] == R + 1, "scratch for another layout"
+    nw = BROYDEN_WARPS
     _broyden_products_kernel[grid](
-        A, g_x, part, cnt, snap, R, rp, cd, L, K, RESTART=restart, RP=RP, BLOCK=blk
+        A, g_x, part, cnt, snap, R, rp, cd, L, K, RESTART=restart, RP=RP, BLOCK=blk, num_warps=nw
     )
     _broyden_update_kernel[grid](
         A, x, g_x, part, snap, cnt, skipped, R, rp, cd, L, K, cap, tiny,
-        RESTART=restart, RP=RP, BLOCK=blk,
+        RESTART=restart, RP=RP, BLOCK=blk, num_warps=nw,
     )  # fmt: skip
