@@ -29,13 +29,25 @@ from deqbench.deq import DEQLayer, Runtime, SolverConfig  # noqa: E402
 from deqbench.solvers import get as get_solver  # noqa: E402
 
 
-def summarize(path: Path, wall_ms: float) -> str:
+def summarize(path: Path, wall_ms: float, marker: str = "probe_call") -> str:
     ev = json.loads(path.read_text())["traceEvents"]
-    kern = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    marks = [e for e in ev if e.get("name") == "probe_call" and "dur" in e]
-    if not kern or not marks:
-        return f"{path.stem}: no kernels or marker in trace"
+    marks = [e for e in ev if e.get("name") == marker and "dur" in e]
+    if not marks:
+        return f"{path.stem}: no marker {marker} in trace"
     t0, t1 = marks[0]["ts"], marks[0]["ts"] + marks[0]["dur"]
+    kern = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+            and (marker == "probe_call" or t0 <= e["ts"] <= t1)]  # fmt: skip
+    if not kern:
+        return f"{path.stem}: no kernels in trace"
+    # host waits and launches inside the marked region (cuda_runtime / cuda_driver events)
+    rt_ev: dict[str, list[float]] = {}
+    for e in ev:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e and t0 <= e["ts"] <= t1:
+            rt_ev.setdefault(e["name"], []).append(e["dur"])
+    rts = "; ".join(
+        f"{k} x{len(v)} {sum(v):.0f}us"
+        for k, v in sorted(rt_ev.items(), key=lambda kv: -sum(kv[1]))[:6]
+    )
     kern.sort(key=lambda e: e["ts"])
     busy, end = 0.0, -1e30
     for e in kern:
@@ -52,11 +64,11 @@ def summarize(path: Path, wall_ms: float) -> str:
     return (
         f"{path.stem}: wall {wall_ms:.3f} ms (traced call {(t1 - t0) / 1e3:.3f} ms), first kernel "
         f"at {first / 1e3:.3f} ms, last ends {last / 1e3:.3f} ms, GPU busy {busy / 1e3:.3f} ms, "
-        f"{len(kern)} kernels\n    {tops}"
+        f"{len(kern)} kernels\n    {tops}\n    host: {rts}"
     )
 
 
-def trace(name: str, fn, out: Path, cuda: bool) -> None:
+def trace(name: str, fn, out: Path, cuda: bool, marker: str = "probe_call") -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     for _ in range(3):
@@ -78,16 +90,50 @@ def trace(name: str, fn, out: Path, cuda: bool) -> None:
                 torch.cuda.synchronize()
     p = out / f"{name}.json"
     prof.export_chrome_trace(str(p))
-    print(summarize(p, min(ts) * 1e3), flush=True)
+    print(summarize(p, min(ts) * 1e3, marker), flush=True)
 
 
 def main() -> int:
     ap = cellmod.probe_parser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--ift",
+        action="store_true",
+        help="only the IFT training step (Anderson 1e-4, adjoint Anderson rel 1e-6): the "
+        "backward's region (marker 'bwd') summarised",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev, cuda = cellmod.probe_device(args, cudnn_benchmark=True)
     cells = {c.name: c for c in cellmod.cells(args.quick, dev)}
+    if args.ift:
+        from torch.profiler import record_function
+
+        from deqbench.deq import BackwardConfig
+
+        for cname, c in cells.items():
+            mod, x, z0 = c.module, c.x, c.z0
+            mod.requires_grad_(True)
+            layer = DEQLayer(
+                mod,
+                SolverConfig("anderson", max_iter=100, tol=1e-4),
+                BackwardConfig("ift", solver="anderson", max_iter=100, tol=1e-6),
+            )
+            R = torch.randn_like(z0)
+
+            def step(layer=layer, x=x, z0=z0, R=R):
+                z = layer(x, torch.zeros_like(z0))
+                with record_function("bwd"):
+                    (z * R).sum().backward()
+                    if cuda:
+                        torch.cuda.synchronize()
+
+            trace(f"{cname}_ift_step", step, args.out, cuda, marker="bwd")
+            bst = layer.last_backward_stats
+            print(
+                f"    adjoint: {bst.nstep if bst else '-'} steps, path {getattr(bst, 'path', '-')}"
+            )
+        return 0
     for cname, c in cells.items():
         mod, x, z0 = c.module, c.x, c.z0
         for sname, tol in (("fixed_point", 1e-4), ("anderson", 1e-4), ("broyden", 1e-4)):
