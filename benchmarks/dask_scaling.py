@@ -11,13 +11,29 @@ Two steps, so that the inline baseline can run while other work uses the second 
     # 2. ratio of cells per hour, and whether both runs produced the same rows
     python benchmarks/dask_scaling.py report inline.json dask.json
 
+`time` also prints the run's breakdown (deqbench.run.timeline: start-up, run directory, cluster
+wait, tasks with all workers busy, the tail, plots, outcome checks, exit; per worker its warm-up,
+late start, cell work, first-task excess, task overhead, gaps, idle at the end) and keeps it in
+the JSON; `report` prints both breakdowns and the Amdahl bound of the Dask run (its serial time
+plus the inline task time split over the GPUs) next to the measured ratio. Issue 32's
+measurement, with the defaults (CUDA graphs on):
+
+    for n in 2 4; do
+      CUDA_VISIBLE_DEVICES=0 python benchmarks/dask_scaling.py time suites/kglm_denoise_gpu.yaml \
+          --executor inline --out results/scale$n --json inline$n.json -- --set deterministic=true
+      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n-1))) python benchmarks/dask_scaling.py time \
+          suites/kglm_denoise_gpu.yaml --executor dask --out results/scale$n --json dask$n.json \
+          -- --set deterministic=true
+      python benchmarks/dask_scaling.py report inline$n.json dask$n.json --rtol 0
+    done
+
 `time` passes any extra arguments after `--` to `deqbench run` (e.g. `-- --set
 defaults.train.epochs=2`). `report` compares every result row of the two runs (keys: cell, seed,
 analysis, variant, metric, step, repeat), timing rows (unit s) aside: the set of keys must be
 equal; values are compared with a relative tolerance (``--rtol``, default 1e-4: cuDNN picks
 kernels per process, so GPU runs agree to rounding, not bit for bit) and the largest difference
-is printed. Target (issue 16): dask cells/hour >= 1.8 x inline on 2 GPUs (3.4 x on 4), same
-results. `benchmarks/dask_profile.py` shows where a cell's time goes in a worker vs inline.
+is printed. Target (issues 16, 32): dask cells/hour >= 1.8 x inline on 2 GPUs (3.4 x on 4),
+same results. `benchmarks/dask_profile.py` shows where a cell's time goes in a worker vs inline.
 """
 
 from __future__ import annotations
@@ -34,6 +50,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KEYS = ["cell_id", "seed", "analysis", "variant", "metric", "step", "repeat"]
+#: issue 32: cells/hour of the Dask run over inline, by GPUs
+TARGETS = {2: 1.8, 4: 3.4}
 
 
 def _gpus() -> list[str]:
@@ -55,9 +73,11 @@ def cmd_time(args: argparse.Namespace, extra: list[str]) -> None:
         cmd += ["--workers", str(args.workers)]
     cmd += extra
     print("+", " ".join(cmd), flush=True)
+    launched = time.time()  # epoch: the breakdown lines it up with the run's own timestamps
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
     wall = time.perf_counter() - t0
+    exited = time.time()
     runs = sorted(p.parent for p in out.glob("*/*/run.json"))
     if not runs:
         raise SystemExit(f"no run directory under {out} (exit {rc})")
@@ -86,8 +106,18 @@ def cmd_time(args: argparse.Namespace, extra: list[str]) -> None:
         "layout": json.loads((run_dir / "run.json").read_text()).get("executor"),
         "gpus": _gpus(),
         "run_dir": str(run_dir),
+        "launched": launched,
+        "exited": exited,
     }
-    print(json.dumps(rec, indent=1))
+    from deqbench.run.timeline import breakdown, format_breakdown
+
+    try:
+        rec["breakdown"] = breakdown(run_dir, launched=launched, exited=exited)
+    except (ValueError, OSError, KeyError) as exc:  # a run of an older deqbench
+        print(f"no breakdown: {exc}", flush=True)
+    print(json.dumps({k: v for k, v in rec.items() if k != "breakdown"}, indent=1))
+    if "breakdown" in rec:
+        print("\n" + format_breakdown(rec["breakdown"], args.executor))
     if args.json:
         Path(args.json).write_text(json.dumps(rec, indent=1))
 
@@ -153,10 +183,43 @@ def cmd_report(args: argparse.Namespace) -> None:
         f"{same['rows_over_rtol']} over rtol {args.rtol:g}; max rel diff {same['max_rel_diff']:.2e}"
         f" at {same['worst_row']})"
     )
-    print(f"target cells/hour >= 1.8x: {'met' if ratio >= 1.8 else 'NOT met'} ({ratio:.2f})")
+    n = len(other["gpus"]) or (other.get("workers") or 1)
+    target = args.target if args.target is not None else TARGETS.get(n, 1.8)
+    print(f"target cells/hour >= {target}x on {n} GPUs: {'met' if ratio >= target else 'NOT met'} "
+          f"({ratio:.2f})")  # fmt: skip
+    bounds = None
+    from deqbench.run.timeline import amdahl, breakdown, format_breakdown, serial_budget
+
+    for r in (base, other):  # recomputed from the run directory where it is still there
+        try:
+            r["breakdown"] = breakdown(r["run_dir"], launched=r["launched"], exited=r["exited"])
+        except (KeyError, ValueError, OSError):
+            pass
+    if base.get("breakdown") and other.get("breakdown"):
+        b, o = base["breakdown"], other["breakdown"]
+        for label, r in ((base["executor"], b), (other["executor"], o)):
+            print("\n" + format_breakdown(r, label))
+        bounds = amdahl(b, o, n)
+        budget = serial_budget(b, n, target)
+        print(
+            f"\nspeed-up on {n} GPUs: measured {bounds['measured']:.2f}; perfect packing of this "
+            f"run's tasks {bounds['packing']:.2f}; Amdahl bound (this run's serial "
+            f"{o['serial_s']:.1f} s + inline task time {b['task_phase_s']:.1f} s / {n}) "
+            f"{bounds['amdahl']:.2f}; limit (serial only) {bounds['limit']:.2f}"
+        )
+        verdict = "possible" if budget > 0 and o["serial_s"] <= budget else "impossible"
+        print(
+            f"target {target}x needs serial time <= {budget:.1f} s with the inline task time "
+            f"split perfectly over {n} GPUs; this run's serial time is {o['serial_s']:.1f} s: "
+            f"{verdict} without cutting fixed costs"
+            + (" (the inline task time alone exceeds it)" if budget <= 0 else "")
+        )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"baseline": base, "other": other, "ratio": ratio, "same": same}, indent=1)
+            json.dumps(
+                {"baseline": base, "other": other, "ratio": ratio, "same": same, "bounds": bounds},
+                indent=1,
+            )
         )
 
 
@@ -175,6 +238,7 @@ def main() -> None:
     r.add_argument("baseline")
     r.add_argument("other")
     r.add_argument("--rtol", type=float, default=1e-4)
+    r.add_argument("--target", type=float, default=None, help="default: 1.8 on 2 GPUs, 3.4 on 4")
     r.add_argument("--json", default=None)
     argv = sys.argv[1:]
     extra: list[str] = []

@@ -406,6 +406,8 @@ def _run_suite(
 
         torch.set_num_threads(suite.threads)  # before collect(): run.json records it
     apply_numeric_flags(suite)  # likewise (TF32, cudnn.benchmark)
+    # epoch seconds of the run's phases (deqbench.run.timeline reads them from run.json)
+    phases: dict[str, float | None] = {"process_start": _process_start(), "run_start": time.time()}
     with _Signals() as sig, ExitStack() as stack:  # the stack holds run.lock
         try:
             run_dir, meta, done, notes = _prepare(suite, out, resume, command, stack)
@@ -438,11 +440,18 @@ def _run_suite(
         )
         written = 0
         results: Iterator[TaskResult] | None = None
+        timings: list[dict[str, Any]] = []  # one per finished task (timeline.csv)
         try:
             with _Progress(len(tasks), progress) as prog:
                 sig.arm()
+                phases["tasks_start"] = time.time()
                 results = iter((executor or InlineExecutor()).run(tasks, prog))
                 for r in results:
+                    r.timing["received"] = time.time()
+                    timings.append(
+                        {"cell_id": r.cell_id, "seed": r.seed, "status": r.status,
+                         "wall_time": r.wall_time, **r.timing}
+                    )  # fmt: skip
                     try:
                         with sig.deferred():  # a task's files are written whole
                             _record(run_dir, writer, r)
@@ -464,7 +473,16 @@ def _run_suite(
             close = getattr(results, "close", None)
             if callable(close):
                 close()  # e.g. the Dask executor cancels what is in flight
-        _finish(run_dir, meta, summary, plots, sig, describe)
+        phases["tasks_end"] = time.time()
+        try:
+            with sig.interruptible():
+                canonical_order(run_dir, [(c.id, s) for c in suite.cells for s in suite.seeds])
+        except KeyboardInterrupt:
+            pass  # the rows stay in the order they finished: nothing is lost
+        except OSError as exc:
+            _log(run_dir, f"results.csv left in finishing order: {type(exc).__name__}: {exc}")
+        timeline = {"phases": phases, "cluster": dict(getattr(executor, "timeline", None) or {})}
+        _finish(run_dir, meta, summary, plots, sig, describe, timeline, timings)
         if sig.late is not None and not summary.interrupted:
             name = signal.Signals(sig.late).name
             _log(run_dir, f"{name} after the last task finished: the run is complete")
@@ -482,6 +500,66 @@ def _record(run_dir: Path, writer: res.ResultsWriter, r: TaskResult) -> None:
         _log(run_dir, f"{r.cell_id} seed={r.seed} traceback:\n{r.traceback}")
 
 
+def _process_start() -> float | None:
+    """Epoch seconds at which this process was created (psutil, when installed)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - informational
+        return None
+
+
+def canonical_order(run_dir: Path, order: Sequence[tuple[str, int]]) -> bool:
+    """Rewrite ``results.csv`` (atomically) with each task's rows in ``order`` (the suite's
+    cells x seeds), whatever order the tasks finished in; a task's own rows keep their order and
+    ``manifest.jsonl``'s per-task checksums stay valid. Tasks not in ``order`` follow in the
+    order they were written. Nothing is rewritten when the file is already in order or has a
+    line that does not parse (a torn write: ``--resume`` repairs it). True if rewritten."""
+    path = run_dir / "results.csv"
+    if not path.exists():
+        return False
+    header, lines, torn = res._task_lines(path)
+    if torn or any(k is None for k, _, _ in lines):
+        return False
+    rank = {(c, str(s)): i for i, (c, s) in enumerate(order)}
+    blocks: dict[tuple[str, str], list[bytes]] = {}
+    for k, ln, _ in lines:
+        blocks.setdefault(k, []).append(ln)  # type: ignore[arg-type]
+    keys = list(blocks)
+    want = sorted(keys, key=lambda k: (rank.get(k, len(rank)), keys.index(k)))
+    contiguous = sum(1 for i, (k, _, _) in enumerate(lines) if i == 0 or lines[i - 1][0] != k)
+    if want == keys and contiguous == len(keys):
+        return False
+    res.write_atomic(path, header + b"".join(b"".join(blocks[k]) for k in want))
+    return True
+
+
+#: columns of ``timeline.csv`` (one line per finished task; epoch seconds)
+TIMELINE_COLUMNS = [
+    "cell_id", "seed", "status", "wall_time", "worker", "pid", "attempts", "submitted",
+    "worker_received", "start", "end", "received", "process_start", "warmup_start", "warmup_end",
+]  # fmt: skip
+
+
+def _write_timeline(run_dir: Path, timings: list[dict[str, Any]]) -> None:
+    """``timeline.csv``: where and when each task of this invocation ran (appended on resume)."""
+    import csv
+    import io
+
+    path = run_dir / "timeline.csv"
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, TIMELINE_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    if not path.exists():
+        w.writeheader()
+    w.writerows(timings)
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(buf.getvalue())
+    except OSError as exc:  # informational
+        _log(run_dir, f"timeline.csv not written: {type(exc).__name__}: {exc}")
+
+
 def _finish(
     run_dir: Path,
     meta: dict[str, Any],
@@ -489,9 +567,14 @@ def _finish(
     plots: bool,
     sig: _Signals,
     describe: Any,
+    timeline: dict[str, Any] | None = None,
+    timings: list[dict[str, Any]] | None = None,
 ) -> None:
     """Statuses, plots, outcome checks and the final ``run.json`` (signals do not stop it;
-    one during the plots skips the rest of them)."""
+    one during the plots skips the rest of them). ``timeline``: the phases so far, completed
+    here and stored in ``run.json``; ``timings``: the tasks' lines of ``timeline.csv``."""
+    phases = (timeline or {}).setdefault("phases", {})
+    phases["finish_start"] = time.time()
     df = res.load_results(run_dir)
     st = res.task_status(df)
     summary.failed = [
@@ -502,11 +585,16 @@ def _finish(
     if not summary.interrupted:
         try:
             with sig.interruptible():
+                phases["plots_start"] = time.time()
                 if plots:
                     summary.plots = _plots(run_dir, df)
+                phases["plots_end"] = time.time()
                 _outcomes(run_dir)
+                phases["outcomes_end"] = time.time()
         except KeyboardInterrupt as exc:
             _log(run_dir, f"plots and outcome checks cut short by {exc}")
+    if timings is not None:
+        _write_timeline(run_dir, timings)
     if callable(describe):  # the cluster as it ended (workers joined, grouping)
         meta["executor"] = describe()
     meta.update(
@@ -518,6 +606,9 @@ def _finish(
         tasks_failed=int((~st["status"].isin(["ok", res.FLAGGED])).sum()),
         exit_code=summary.exit_code,
     )
+    if timeline is not None:
+        phases["end"] = time.time()
+        meta.setdefault("timelines", []).append(timeline)  # one per invocation (resumes)
     if summary.signal:
         meta["cause"] = signal.Signals(summary.signal).name
     elif summary.cause:

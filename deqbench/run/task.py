@@ -70,6 +70,10 @@ class TaskResult:
     traceback: str | None = None
     wall_time: float = 0.0
     series: dict[str, str] = field(default_factory=dict)  # file name -> CSV text
+    #: where and when it ran (epoch seconds): ``start``/``end`` of :func:`run_task`, ``worker``
+    #: (``host:pid``, or the Dask worker's name), ``pid``; the coordinator adds ``submitted``,
+    #: ``received`` and ``attempts`` (:mod:`deqbench.run.timeline` reads them)
+    timing: dict[str, Any] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -215,6 +219,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     from ..core.registry import inits, models
     from .train import train
 
+    started = time.time()
     t0 = time.perf_counter()
     cell, suite = task.cell, task.suite
     rows: list[dict[str, Any]] = []
@@ -363,4 +368,12 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     wall = time.perf_counter() - t0
     add(RUNNER, Row("wall_time", wall, unit="s", status=status, note=note))
     series = ctx.extra.get("_series", {}) if ctx is not None else {}
-    return TaskResult(cell.id, task.seed, rows, status, note, tb, wall, series)
+    timing = {"start": started, "end": time.time(), "pid": os.getpid(), "worker": _where()}
+    return TaskResult(cell.id, task.seed, rows, status, note, tb, wall, series, timing)
+
+
+def _where() -> str:
+    """``host:pid`` of this process (a Dask worker's ``run_cell`` names its worker instead)."""
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}"

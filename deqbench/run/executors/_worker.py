@@ -32,6 +32,20 @@ CUBLAS_DETERMINISTIC = ":4096:8"
 
 log = logging.getLogger("deqbench.worker")
 
+#: this worker process's start-up in epoch seconds: ``process_start`` (its creation),
+#: ``warmup_start``, ``warmup_end``; attached to every task result it returns
+#: (:mod:`deqbench.run.timeline`)
+WORKER_TIMES: dict[str, float] = {}
+
+
+def _process_start() -> float | None:
+    try:
+        import psutil  # a dependency of distributed
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - informational
+        return None
+
 
 def parse_warmup(spec: str | None) -> tuple[str, str] | None:
     """``DEQBENCH_WARMUP`` -> (device, dtype), or None for ``off``.
@@ -49,8 +63,15 @@ def parse_warmup(spec: str | None) -> tuple[str, str] | None:
 def warm_up_worker() -> float | None:
     """The worker's warm-up (see the module docstring); seconds, or None when off or failed
     (a failed warm-up never stops the worker: its first cell warms up and reports any error)."""
+    import time
+
+    started = _process_start()
+    if started is not None:
+        WORKER_TIMES["process_start"] = started
+    WORKER_TIMES["warmup_start"] = time.time()
     parsed = parse_warmup(os.environ.get(WARMUP_ENV))
     if parsed is None:
+        WORKER_TIMES["warmup_end"] = WORKER_TIMES["warmup_start"]
         return None
     try:
         import torch
@@ -65,6 +86,8 @@ def warm_up_worker() -> float | None:
     except Exception as exc:  # noqa: BLE001 - reported by the first cell instead
         log.warning("deqbench warm-up failed (%s); the first cell warms up", exc)
         return None
+    finally:
+        WORKER_TIMES["warmup_end"] = time.time()
     if took is not None:
         log.info("deqbench warm-up on %s %s: %.2f s", device, parsed[1], took)
     return took

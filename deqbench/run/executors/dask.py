@@ -63,8 +63,9 @@ from typing import Any
 
 from ...core.errors import ConfigError, DeqbenchError
 from ..results import FLAGGED, RUNNER
+from ..schedule import CostModel, known_costs, lpt_order, static_cost
 from ..task import Listener, Task, TaskResult, run_task
-from ._worker import WARMUP_ENV
+from ._worker import WARMUP_ENV, WORKER_TIMES
 
 __all__ = ["DaskExecutor", "run_cell", "failed_result", "gpu_ids", "INSTALL_HINT"]
 
@@ -138,7 +139,20 @@ def run_cell(task: Task) -> TaskResult:
         import torch
 
         torch.set_num_threads(int(threads))
-    return run_task(task)
+    received = time.time()
+    result = run_task(task)
+    timing = getattr(result, "timing", None)
+    if isinstance(timing, dict):  # where and when (deqbench.run.timeline)
+        timing["worker_received"] = received
+        timing.update(WORKER_TIMES)  # the worker's own start-up
+        try:
+            from distributed import get_worker
+
+            w = get_worker()
+            timing["worker"] = str(w.name if w.name is not None else w.address)
+        except (ImportError, ValueError):
+            pass
+    return result
 
 
 def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.0) -> TaskResult:
@@ -300,6 +314,11 @@ class DaskExecutor:
         self._start_error: BaseException | None = None
         self._specs: dict[str, Any] = {}
         self._dtype = "float32"
+        #: epoch seconds of the cluster's start (``cluster_start``, ``cluster_ready``) and the
+        #: seconds the coordinator waited for it (``cluster_wait_s``): run.json ``timeline``
+        self.timeline: dict[str, float] = {}
+        #: (cell id, seed, priority) of every submission of the last :meth:`run`, in order
+        self.submitted: list[tuple[str, int, int]] = []
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(
@@ -323,6 +342,7 @@ class DaskExecutor:
             return self
         from distributed import Client
 
+        self.timeline = {"cluster_start": time.time()}
         if self.scheduler is not None:
             try:
                 self.client = Client(
@@ -334,6 +354,7 @@ class DaskExecutor:
                     f"({_one_line(exc)})"
                 ) from None
             self.layout = {"kind": "dask", "scheduler": self.scheduler}
+            self.timeline["cluster_ready"] = time.time()
             return self
         self._dtype = dtype or "float32"
         specs, self.layout = self.worker_specs(device, threads)
@@ -362,12 +383,16 @@ class DaskExecutor:
             cluster.close()
             raise
         self.cluster = cluster
+        # SpecCluster returns once its workers run: each warmed up before it registered
+        self.timeline["cluster_ready"] = time.time()
 
     def _ready(self) -> None:
         """Wait for a background start (``start(wait=False)``); re-raise its error."""
         thread, self._starting = self._starting, None
         if thread is not None:
+            t = time.perf_counter()
             thread.join()
+            self.timeline["cluster_wait_s"] = time.perf_counter() - t
         if self._start_error is not None:
             err, self._start_error = self._start_error, None
             raise err
@@ -595,10 +620,34 @@ class DaskExecutor:
         # Ship the suite without its cells: every task carries its own cell.
         slim = {id(t.suite): dataclasses.replace(t.suite, cells=[]) for t in tasks}
         token = uuid.uuid4().hex[:8]
+        # Longest tasks first (deqbench.run.schedule): seed-major, then by decreasing estimated
+        # cost, re-estimated as tasks finish; results are written in the suite's order anyway.
+        statics = {t.cell.id: static_cost(t.cell) for t in tasks}
+        costs = CostModel(statics)
+        for cell_id, walls in known_costs(tasks[0].run_dir).items():
+            for w in walls:
+                costs.observe(cell_id, statics.get(cell_id, 1.0), w)
+        ranks = {s: r for r, s in enumerate(tasks[0].suite.seeds)}
+        plan = [(t.cell.id, ranks.get(t.seed, len(ranks)), statics[t.cell.id]) for t in tasks]
         # (index, task, attempt, first submission time)
         queue: deque[tuple[int, Task, int, float | None]] = deque(
-            (i, t, 0, None) for i, t in enumerate(tasks)
+            (i, tasks[i], 0, None) for i in lpt_order(plan, costs)
         )
+        self.submitted = []
+        sorted_at = [len(costs.walls)]
+
+        def reorder() -> None:
+            """Re-sort the tasks not yet submitted by the costs measured so far (resubmitted
+            cells, at the front, stay there)."""
+            if len(queue) < 2 or sum(map(len, costs.walls.values())) == sorted_at[0]:
+                return
+            sorted_at[0] = sum(map(len, costs.walls.values()))
+            again = [q for q in queue if q[2] > 0]
+            fresh = [q for q in queue if q[2] == 0]
+            order = lpt_order([plan[q[0]] for q in fresh], costs)
+            queue.clear()
+            queue.extend(again + [fresh[k] for k in order])
+
         inflight: dict[Any, tuple[int, Task, int, float]] = {}
         keys: dict[str, Task] = {}  # every key submitted in this run -> its task
         # A scheduler of yours runs the cell of a worker that died again by itself (its
@@ -606,6 +655,7 @@ class DaskExecutor:
         lost: deque[tuple[str, str, bool]] = deque()  # (worker, key, expected), event thread
         watch = self.cluster is None and _watch_removed_workers(client, keys, lost)
         first_walls: list[float] | None = [] if self._may_add_workers() else None
+        submitted: dict[tuple[int, int], float] = {}  # (index, attempt) -> epoch seconds
         n_first = len(self._specs)
 
         def fill() -> None:
@@ -613,13 +663,19 @@ class DaskExecutor:
             while queue and len(inflight) < slots:
                 i, t, attempt, t0 = queue.popleft()
                 wire = dataclasses.replace(t, suite=slim[id(t.suite)])
+                # Dask's priority (higher first) follows the submission order, for a scheduler
+                # that holds several of our tasks at once (max_in_flight, a cluster of yours)
+                priority = len(tasks) - len(self.submitted)
                 fut = client.submit(
                     run_cell,
                     wire,
                     key=f"deqbench_cell-{token}-{i}-{attempt}",
                     retries=self.retries,
                     pure=False,
+                    priority=priority,
                 )
+                self.submitted.append((t.cell.id, t.seed, priority))
+                submitted[(i, attempt)] = time.time()
                 inflight[fut] = (i, t, attempt, time.perf_counter() if t0 is None else t0)
                 keys[str(fut.key)] = t
 
@@ -666,8 +722,13 @@ class DaskExecutor:
                             f"submitted again (attempt {attempt + 2} of {resubmit + 1})",
                         )
                         continue
-                    results.append(self._collect(fut, t, time.perf_counter() - t0, attempt + 1))
+                    r = self._collect(fut, t, time.perf_counter() - t0, attempt + 1)
+                    r.timing.update(submitted=submitted.get((i, attempt)), attempts=attempt + 1)
+                    if r.status in TIMED:
+                        costs.observe(t.cell.id, statics[t.cell.id], r.wall_time)
+                    results.append(r)
                     fut.release()
+                reorder()
                 # The freed workers get their next cells before the caller writes these results
                 # (a worker never idles while the coordinator writes results.csv).
                 fill()
