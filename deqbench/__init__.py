@@ -6,6 +6,7 @@ Public API::
     deqbench.models.create("conv_deq_tiny")
     deqbench.solvers.get("anderson")(f, z0, max_iter=50, tol=1e-4)
     deqbench.inits.get("spectral")(model, seed=0, target=0.9)
+    deqbench.backward.names()                     # backward modes: ift, ..., reversible, shine
     deqbench.datasets.names()                                      # built-in and plugin datasets
     suite = deqbench.load_suite("suites/smoke.yaml"); deqbench.run_suite(suite, out="results/")
     deqbench.load_results("results/smoke/<run_id>")
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import analyses, inits, models, solvers
+from . import analyses, backward, inits, models, solvers
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "solvers",
     "inits",
     "analyses",
+    "backward",
     "datasets",
     "load_suite",
     "load_suites",

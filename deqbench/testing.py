@@ -14,6 +14,9 @@
   as ``deqbench run``): [analysis.params], [analysis.runs], [analysis.rows], [analysis.plot].
 * :func:`check_dataset`: [dataset.bundle] (splits, shapes, labels) and [dataset.shape]: the
   shape ``validate`` derives without loading equals the loaded one.
+* :func:`check_backward`: a backward mode ([backward.class], [backward.options],
+  [backward.forward], [backward.grad], [backward.descent], [backward.eval]) on a small
+  contractive DEQ in float64.
 
 :func:`conformance_names` lists what the project's own tests check: every registered name, the
 ``_tiny`` variant of a model that has one.
@@ -41,6 +44,7 @@ from typing import Any
 __all__ = [
     "ConformanceError",
     "check_analysis",
+    "check_backward",
     "check_dataset",
     "check_init",
     "check_model",
@@ -67,6 +71,18 @@ EXTRA_CLAUSES: dict[str, str] = {
     "in_shape, labels in [0, num_outputs) (classification) or targets of num_outputs values",
     "dataset.shape": "the (in_shape, num_outputs) the loader declares (loader.shape(params), "
     "what validate uses without loading) equals the loaded data's",
+    "backward.class": "the registered object is a deqbench.backward.BackwardMode subclass (or "
+    "instance) with a name",
+    "backward.options": "a mode with an Options model rejects an unknown option with a "
+    "ConfigError naming it (BackwardConfig)",
+    "backward.forward": "the forward solver the mode declares is registered, and a layer "
+    "configured with another forward solver is a ConfigError",
+    "backward.grad": "on a 0.5-contractive fc DEQ layer (float64) a loss <R, z> backpropagates "
+    "through the mode to finite gradients of the injection and of every cell parameter, some "
+    "nonzero, and the forward stats are set",
+    "backward.descent": "that gradient is a descent direction: its cosine with the implicit "
+    "(IFT) gradient is positive",
+    "backward.eval": "without grad the layer returns a finite state of z's shape",
 }
 
 #: the cell an analysis is checked on unless its class sets ``example`` (a dict of one-cell
@@ -565,11 +581,127 @@ def check_dataset(name: str, **params: Any) -> None:
     _raise(lines)
 
 
+# -- backward modes ----------------------------------------------------------------------------
+
+
+def check_backward(
+    name: str,
+    *,
+    options: dict[str, Any] | None = None,
+    forward: dict[str, Any] | None = None,
+    backward: dict[str, Any] | None = None,
+) -> None:
+    """Check backward mode ``name`` (with its ``options``; ``forward``: the forward solver's
+    ``{name, max_iter, tol, **options}``, default the mode's declared forward or Anderson;
+    ``backward``: other :class:`~deqbench.deq.BackwardConfig` fields, e.g. ``k``) on an fc DEQ
+    whose cell is a 0.5-contraction, in float64; raise :class:`ConformanceError` if a clause
+    breaks. Well under a second for the built-ins."""
+    import torch
+
+    from .backward.base import BackwardMode, as_mode
+    from .core.deq import BackwardConfig, SolverConfig, configure
+    from .core.errors import ConfigError, DeqbenchError
+    from .core.registry import backward_modes, models, solvers
+
+    who = _who("backward", name)
+    obj = backward_modes.get(name)
+    try:
+        mode = as_mode(obj, name)
+    except DeqbenchError as exc:
+        _raise([f"{who}: [backward.class] {exc}"])
+    lines: list[str] = []
+    if not isinstance(mode, BackwardMode) or not getattr(mode, "name", ""):
+        lines.append(f"{who}: [backward.class] no name (set the class attribute name)")
+    if mode.Options is not None:
+        try:
+            BackwardConfig(name, options={"no_such_option_xyz": 1})
+            lines.append(
+                f"{who}: [backward.options] accepted the unknown option no_such_option_xyz"
+            )
+        except ConfigError as exc:
+            if "no_such_option_xyz" not in str(exc):
+                lines.append(
+                    f"{who}: [backward.options] the ConfigError for an unknown option does not "
+                    f"name it: {exc}"
+                )
+    if mode.forward is not None and mode.forward not in solvers:
+        lines.append(
+            f"{who}: [backward.forward] declares the unknown forward solver '{mode.forward}'"
+        )
+    _raise(lines)
+    fwd = dict(forward or {})
+    fname = fwd.pop("name", mode.forward or "anderson")
+    scfg = SolverConfig(
+        fname, int(fwd.pop("max_iter", 100)), float(fwd.pop("tol", 1e-8)), "rel", fwd
+    )
+    bcfg = BackwardConfig(name, **dict(backward or {}), options=dict(options or {}))
+    with _quiet_threads(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = models.create("fc_deq_tiny", in_shape=(12,), num_outputs=3, width=8).double()
+        with torch.no_grad():  # a 0.5-contraction (tanh of W z + u): every mode converges
+            for p in model.deq.cell.parameters():
+                if p.dim() == 2 and p.shape[0] == p.shape[1]:
+                    p.mul_(0.5 / torch.linalg.matrix_norm(p, 2))
+        if mode.forward is not None and mode.forward != "anderson":
+            try:
+                configure(model, SolverConfig("anderson"), bcfg)
+                lines.append(
+                    f"{who}: [backward.forward] a layer with the forward solver anderson was "
+                    f"configured, but the mode declares it needs '{mode.forward}'"
+                )
+            except ConfigError:
+                pass
+        layer = model.deq
+        with torch.no_grad():
+            u = model.inject(torch.rand(3, 12, dtype=torch.float64))
+        u.requires_grad_()
+        R = torch.randn(u.shape, dtype=torch.float64)
+        cell_params = [p for p in layer.cell.parameters() if p.requires_grad]
+        grads = []
+        for cfg in (bcfg, BackwardConfig("ift", solver="anderson", max_iter=200, tol=1e-12)):
+            s = scfg if cfg is bcfg else SolverConfig("anderson", 200, 1e-12)
+            try:
+                configure(model, s, cfg)
+                model.train()
+                loss = (layer(u) * R).sum()  # a fixed direction: no readout in between
+                gs = torch.autograd.grad(loss, [u, *cell_params], allow_unused=True)
+            except Exception as exc:  # noqa: BLE001 - reported as a violation
+                from .run.plugin_checks import _raised
+
+                _raise([f"{who}: [backward.grad] backward of a loss: {_raised(exc)}"])
+            grads.append(gs)
+            if cfg is bcfg and layer.last_forward_stats is None:
+                lines.append(f"{who}: [backward.grad] no forward stats (layer.last_forward_stats)")
+        mine, ref = grads
+        if any(g is None for g in mine):
+            lines.append(f"{who}: [backward.grad] the input or a cell parameter got no gradient")
+        elif not all(bool(torch.isfinite(g).all()) for g in mine):
+            lines.append(f"{who}: [backward.grad] a gradient is not finite")
+        elif not any(bool(g.abs().max() > 0) for g in mine):
+            lines.append(f"{who}: [backward.grad] every gradient is zero")
+        else:
+            a = torch.cat([g.reshape(-1) for g in mine])
+            b = torch.cat([g.reshape(-1) for g in ref])
+            cos = float(a @ b) / float(a.norm() * b.norm() + 1e-300)
+            if not cos > 0:
+                lines.append(
+                    f"{who}: [backward.descent] cosine with the IFT gradient {cos:.3g} <= 0"
+                )
+        configure(model, scfg, bcfg)
+        with torch.no_grad():
+            z = layer(u.detach())
+        if z.shape != u.shape or not bool(torch.isfinite(z).all()):
+            lines.append(
+                f"{who}: [backward.eval] without grad: shape {tuple(z.shape)} or not finite"
+            )
+    _raise(lines)
+
+
 # -- what the project's tests check ------------------------------------------------------------
 
 
 def conformance_names(kind: str, *, builtin_only: bool = False) -> list[str]:
-    """Registered names of ``kind`` (models, solvers, inits, analyses, datasets) to check: a
+    """Registered names of ``kind`` (models, solvers, inits, analyses, datasets, backward) to check: a
     model's ``_tiny`` variant stands in for it where one is registered."""
     from .core.registry import BUILTIN, registry
 

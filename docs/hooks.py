@@ -17,7 +17,7 @@
                                its docstring's Attributes and the fields' comments); without
                                MODULE, the class is found wherever the package defines it
   ``summary PATH``             a committed ``summary.csv`` (outcome checks) as a table
-  ``registry KIND``            the built-in models (with declared defaults), solvers (with
+  ``registry KIND``            the built-in models (with declared defaults), backward modes, solvers (with
                                options) or inits, from the registries
   ``datasets``                 the datasets a suite's ``data:`` names, with their options
   ``api MODULE [NAME ...]``    mkdocstrings blocks (``::: path``) for the given NAMEs of MODULE
@@ -628,12 +628,25 @@ def registry_markdown(kind: str) -> str:
         elif kind == "inits":
             params = _signature_params(fn, ("model", "seed"))
             rows.append([_code(n), _code(params) if params else "", _first_line(fn.__doc__)])
+        elif kind == "backward":
+            from deqbench.backward import as_mode
+
+            mode = as_mode(fn, n)
+            keys = [f for f in mode.fields if f != "options"]
+            keys += sorted(mode.Options.model_fields) if mode.Options is not None else []
+            opts_text = ", ".join(_code(o) for o in keys)
+            if mode.adjoint_solver:
+                opts_text += " and the adjoint solver's options"
+            need = _code(mode.forward) if mode.forward else "any"
+            what = _first_line(type(mode).__doc__).replace("``", "`")
+            rows.append([_code(n), need, opts_text, what])
         else:
-            raise ValueError(f"unknown registry kind {kind!r} (models, solvers, inits)")
+            raise ValueError(f"unknown registry kind {kind!r} (models, solvers, inits, backward)")
     header = {
         "models": ["model", "factory kwargs", "declared defaults", "what"],
         "solvers": ["solver", "options", "what"],
         "inits": ["init", "params", "what"],
+        "backward": ["backward mode", "forward solver", "fields and options", "what"],
     }[kind]
     return _table(header, rows)
 

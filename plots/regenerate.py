@@ -1,6 +1,6 @@
 """Regenerate the committed CPU runs and README figures under plots/ from the current code.
 
-    nox -s figures                      # every committed CPU run (smoke, trajectory, ntk)
+    nox -s figures                      # every committed CPU run (smoke, trajectory, ntk, ...)
     nox -s figures -- smoke             # one of them
     python plots/regenerate.py smoke    # the same, in an environment with deqbench installed
 
@@ -34,6 +34,10 @@ TARGETS = {
     "smoke": ("suites/smoke.yaml", "plots/smoke", "run", None),
     "trajectory": ("suites/trajectory.yaml", "plots/trajectory_cpu", "run-noseries", None),
     "ntk": ("suites/ntk.yaml", "plots/ntk_cpu.png", "png", "ntk.png"),
+    # every backward mode side by side (issue 33), about 4 minutes on one thread
+    "backward": ("suites/backward.yaml", "plots/backward_cpu", "run", None),
+    # time_to_tolerance.png and path_independence.png (issue 34), about 30 s on 2 cores
+    "convergence": ("suites/convergence.yaml", "plots/convergence_cpu", "run", None),
     # the CPU reproduction report (deqbench reproduce --scale cpu, about 6 minutes on 2 cores):
     # the report and, per suite run, run.json / suite.yaml / summary.csv; docs/reproductions.md
     # carries the report's table verbatim (tests/test_reproduce_report.py): paste it after this

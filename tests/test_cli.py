@@ -114,7 +114,16 @@ def test_ls_lists_names_with_origin():
     )
     r = invoke("ls")
     kinds = {ln.split()[0] for ln in r.output.strip().splitlines()}
-    assert kinds == {"models", "solvers", "inits", "analyses", "kernels", "datasets", "plots"}
+    assert kinds == {
+        "models",
+        "solvers",
+        "inits",
+        "analyses",
+        "kernels",
+        "datasets",
+        "backward",
+        "plots",
+    }
     assert "solver_stats" in invoke("ls", "analysis").output
     # the unknown-kernel error points here: `deqbench ls kernels`
     assert ["kernels", "periodic_se", "built-in"] in [

@@ -21,6 +21,7 @@ from deqbench.testing import (
     EXTRA_CLAUSES,
     ConformanceError,
     check_analysis,
+    check_backward,
     check_dataset,
     check_init,
     check_model,
@@ -50,6 +51,11 @@ def test_init_conforms(name):
 @pytest.mark.parametrize("name", conformance_names("analyses"))
 def test_analysis_conforms(name, tmp_path):
     check_analysis(name, out=tmp_path)
+
+
+@pytest.mark.parametrize("name", conformance_names("backward"))
+def test_backward_mode_conforms(name):
+    check_backward(name)
 
 
 #: datasets read from files in their real formats (tests/test_data.py writes tiny ones)
@@ -88,7 +94,7 @@ def test_every_kind_is_covered():
     """A new kind of part would need a check here: the names cover every registry."""
     from deqbench.core.registry import REGISTRIES
 
-    assert set(REGISTRIES) == {"models", "solvers", "inits", "analyses", "datasets"}
+    assert set(REGISTRIES) == {"models", "solvers", "inits", "analyses", "datasets", "backward"}
     assert len(conformance_names("models")) < len(models.names())  # _tiny stands in
     assert all(f"{n}_tiny" not in models.names() for n in conformance_names("models"))
 
@@ -183,6 +189,32 @@ def test_check_model_catches_a_wrong_output_shape(runtime_names):
         check_model(name)
 
 
+def test_check_backward_catches_missing_gradients_and_ascent(runtime_names):
+    from deqbench.backward import BackwardMode, registry
+
+    class Detached(BackwardMode):
+        name = "t_detached"
+
+        def apply(self, layer, u, z0):
+            z, _ = layer.solve(u, z0)
+            return z + 0 * u  # no gradient reaches the cell
+
+    class Ascent(BackwardMode):
+        name = "t_ascent"
+
+        def apply(self, layer, u, z0):
+            z, _ = layer.solve(u, z0)
+            z = z.detach()
+            return 2 * z - layer.f(z, u)  # the JFB gradient, negated
+
+    with pytest.raises(ConformanceError, match=r"\[backward.grad\]"):
+        check_backward(runtime_names(registry, "t_detached", Detached))
+    with pytest.raises(ConformanceError, match=r"\[backward.descent\] cosine"):
+        check_backward(runtime_names(registry, "t_ascent", Ascent))
+    with pytest.raises(ConformanceError, match=r"\[backward.class\]"):
+        check_backward(runtime_names(registry, "t_not_a_mode", lambda: None))
+
+
 def test_check_init_catches_the_global_rng(runtime_names):
     def global_rng(model, *, seed=0):
         for p in model.parameters():
@@ -246,7 +278,7 @@ def test_clauses_are_distinct_from_validates():
     from deqbench.contracts import CLAUSES
 
     assert not set(EXTRA_CLAUSES) & set(CLAUSES)
-    assert all(k.split(".")[0] in {"solver", "model", "init", "analysis", "dataset"}
+    assert all(k.split(".")[0] in {"solver", "model", "init", "analysis", "dataset", "backward"}
                for k in EXTRA_CLAUSES)  # fmt: skip
 
 

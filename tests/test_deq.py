@@ -143,7 +143,7 @@ def test_unknown_backward_mode_is_config_error():
         ({"b_init": "gard"}, "b_init must be one of grad, zeros"),
         ({"k": 0}, "k must be an integer >= 1"),
         ({"tau": 0.0}, r"tau must be in \(0, 1\]"),
-        ({"name": "ifft"}, "unknown backward mode 'ifft'; modes: ift"),
+        ({"name": "ifft"}, "unknown backward mode 'ifft'; did you mean 'ift'"),
         ({"stop_mode": "relative"}, "stop_mode must be one of rel, abs"),
     ],
 )

@@ -190,6 +190,7 @@ PUBLIC = {
         "solvers",
         "inits",
         "analyses",
+        "backward",
         "datasets",
         "spectral",
         "kernels",
@@ -202,6 +203,7 @@ PUBLIC = {
     "deqbench.solvers": ["get", "names", "register"],
     "deqbench.inits": ["get", "names", "register"],
     "deqbench.analyses": ["get", "names", "register"],
+    "deqbench.backward": ["BackwardMode", "get", "names", "register", "origin", "mode"],
     "deqbench.analyses.base": [
         "Analysis",
         "CellContext",
@@ -243,6 +245,7 @@ PUBLIC = {
         "check_init",
         "check_analysis",
         "check_dataset",
+        "check_backward",
         "conformance_names",
         "example_context",
     ],
@@ -268,15 +271,20 @@ def test_public_api_calls():
 def test_entry_points():
     script = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == "deqbench"]
     assert script and script[0].value == "deqbench.cli:main"
-    from deqbench import analyses, inits, models, solvers
+    from deqbench import analyses, backward, inits, models, solvers
 
-    groups = {m.registry.group for m in (models, solvers, inits, analyses)}
-    assert groups == {"deqbench.models", "deqbench.solvers", "deqbench.inits", "deqbench.analyses"}
+    groups = {m.registry.group for m in (models, solvers, inits, analyses, backward)}
+    assert groups == {
+        "deqbench.models", "deqbench.solvers", "deqbench.inits", "deqbench.analyses",
+        "deqbench.backward",
+    }  # fmt: skip
 
 
 # -- one folder per analysis family ----------------------------------------------------------------
 
-NOT_FAMILIES = {"analyses", "core", "run", "cli", "models", "solvers", "inits", "outcomes"}
+NOT_FAMILIES = {
+    "analyses", "core", "run", "cli", "models", "solvers", "inits", "outcomes", "backward",
+}  # fmt: skip
 
 
 def _family(module: str) -> str:

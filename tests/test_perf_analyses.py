@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import deqbench
+import deqbench.errors
 from deqbench.analyses.base import CellContext
 from deqbench.deq import BackwardConfig, SolverConfig, configure
 from deqbench.performance.backward import measure_mode

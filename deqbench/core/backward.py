@@ -1,4 +1,9 @@
-"""Backward modes of a DEQ layer: ``ift``, ``unrolled``, ``jfb``, ``phantom``.
+"""The implicit (IFT) backward of a DEQ layer and the dispatch to its backward mode.
+
+The backward modes themselves are registered in :mod:`deqbench.backward` (one module each:
+``ift``, ``unrolled``, ``jfb``, ``phantom``, ``reversible``, ``shine``, and plugins of the
+entry-point group ``deqbench.backward``); :func:`apply` dispatches to the layer's mode. This
+module holds the IFT machinery the ``ift`` mode runs:
 
 ``ift`` is a custom ``autograd.Function`` whose forward solves under no_grad and saves z*; its
 backward solves the adjoint ``w = J^T w + g`` (J = df/dz at z*) with a registered solver and
@@ -593,70 +598,16 @@ class _AdjointFunction(torch.autograd.Function):
         return (None, None, v, *grads)
 
 
-def _ift(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
+def implicit(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
+    """z* of ``layer`` with the IFT backward (the ``ift`` mode, :mod:`deqbench.backward.ift`)."""
     _, params = param_items(layer)
     layer.f_evals_grad = 0
     return _ImplicitFunction.apply(layer, z0.detach(), u, *params)
 
 
-def _unrolled(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
-    k = max(1, int(layer.backward_cfg.k))
-    from .. import solvers
-
-    # A forward solver may define its own differentiable k-step iteration (e.g. SAM, papers/003
-    # Eq. 12); otherwise unroll plain iteration.
-    unroll = getattr(solvers.get(layer.solver_cfg.name), "unroll", None)
-    if unroll is not None:
-        z, abs_tr, rel_tr = unroll(lambda z_: layer.f(z_, u), z0, k, **layer.solver_cfg.options)
-    else:
-        z = z0
-        prev = z
-        abs_tr, rel_tr = [], []
-        for _ in range(k):
-            prev = z
-            z = layer.f(z, u)
-            a, r = residuals(z.detach(), prev.detach())
-            abs_tr.append(a)
-            rel_tr.append(r)
-    # The residual of the last iterate is that of z_{K-1} (f(z_{K-1}) = z_K is what we return).
-    cfg = layer.solver_cfg
-    layer.last_forward_stats = make_stats(
-        "unrolled",
-        k,
-        abs_tr,
-        rel_tr,
-        abs_tr[-1],
-        rel_tr[-1],
-        cfg.tol,
-        cfg.stop_mode,
-        diverged=not bool(torch.isfinite(z.detach()).all()),
-        lowest_step=k - 1,
-    )
-    layer.last_backward_stats = None
-    layer.f_evals_grad = k
-    return z
-
-
-def _phantom(layer: Layer, u: Tensor, z0: Tensor, k: int, tau: float) -> Tensor:
-    zs, _ = layer.solve(u, z0)
-    z = zs.detach()
-    for _ in range(k):
-        fz = layer.f(z, u)
-        z = fz if tau == 1.0 else tau * fz + (1 - tau) * z
-    layer.last_backward_stats = None
-    layer.f_evals_grad = k
-    return z
-
-
 def apply(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
-    """Run ``layer``'s forward with its configured backward mode (grad enabled)."""
-    cfg = layer.backward_cfg
-    if cfg.name == "ift":
-        return _ift(layer, u, z0)
-    if cfg.name == "unrolled":
-        return _unrolled(layer, u, z0)
-    if cfg.name == "jfb":
-        return _phantom(layer, u, z0, 1, 1.0)
-    if cfg.name == "phantom":
-        return _phantom(layer, u, z0, max(1, int(cfg.k)), float(cfg.tau))
-    raise ValueError(f"unknown backward mode {cfg.name!r}")
+    """Run ``layer``'s forward with its configured backward mode (grad enabled): the registered
+    mode's :meth:`~deqbench.backward.BackwardMode.apply` (built-in or plugin, one dispatch)."""
+    from ..backward.base import mode_of
+
+    return mode_of(layer.backward_cfg.name).apply(layer, u, z0)

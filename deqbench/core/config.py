@@ -1,6 +1,7 @@
 """The configs of a DEQ layer: its forward solver (:class:`SolverConfig`), its backward mode
 (:class:`BackwardConfig`) and how its cell runs (:class:`Runtime`). A leaf module (torch and
-:mod:`deqbench.core.errors` only): :mod:`deqbench.core.deq` and :mod:`deqbench.core.backward` both
+:mod:`deqbench.core.errors` at import; a BackwardConfig checks its mode against the registry of
+backward modes when it is made): :mod:`deqbench.core.deq` and :mod:`deqbench.core.backward` both
 read these types; import them from ``deqbench.deq``.
 """
 
@@ -12,7 +13,9 @@ from typing import Any
 
 import torch
 
-BACKWARD_MODES = ("ift", "unrolled", "jfb", "phantom")
+#: the built-in backward modes (:mod:`deqbench.backward`; the registry ``backward_modes`` also
+#: holds plugins' modes, entry-point group ``deqbench.backward``)
+BACKWARD_MODES = ("ift", "unrolled", "jfb", "phantom", "reversible", "shine")
 
 
 @dataclass
@@ -34,7 +37,10 @@ class BackwardConfig:
     """Backward mode.
 
     Attributes:
-        name: ift | unrolled | jfb | phantom.
+        name: a registered backward mode (``deqbench ls backward``): ift | unrolled | jfb |
+            phantom | reversible | shine, or a plugin's. ``reversible`` needs the forward solver
+            ``reversible``, ``shine`` the forward solver ``broyden``
+            (:attr:`deqbench.backward.BackwardMode.forward`; checked when a layer is configured).
         solver: adjoint solver for ``ift`` (default: fixed_point).
         max_iter, tol, stop_mode: adjoint budget and tolerance (``ift``).
         k: steps for ``unrolled`` (K, from z0) and ``phantom`` (from z*). ``unrolled``
@@ -49,7 +55,9 @@ class BackwardConfig:
             (``refine`` differentiable adjoint steps from the converged adjoint; the error decays
             as rho(J)^refine).
         refine: steps for ``second_order="refine"``.
-        options: adjoint solver options.
+        options: adjoint solver options (``ift``), or the mode's own options for a mode that
+            declares them (``shine``: fallback, fallback_threshold, refine_steps, refine_init;
+            ``reversible``: reversal_tol), validated here.
     """
 
     name: str = "ift"
@@ -80,10 +88,14 @@ class BackwardConfig:
             for k, v in choices.items()
             if getattr(self, k) not in v
         ]
-        if self.name not in BACKWARD_MODES:
-            bad.insert(
-                0, f"unknown backward mode {self.name!r}; modes: {', '.join(BACKWARD_MODES)}"
-            )
+        from .registry import backward_modes  # its built-ins import torch: only here
+
+        if self.name not in backward_modes:
+            bad.insert(0, str(backward_modes.unknown(self.name)))
+        else:
+            from ..backward.base import mode_of, option_problems
+
+            bad += option_problems(mode_of(self.name), self.options)
         for k, lo in (("k", 1), ("max_iter", 1), ("refine", 0)):
             v = getattr(self, k)
             if isinstance(v, bool) or int(v) != v or v < lo:

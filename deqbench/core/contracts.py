@@ -14,8 +14,9 @@ The clauses (:data:`CLAUSES`) are written in brackets in the docstrings below.
 
 A plugin is an installed distribution declaring entry points in the groups ``deqbench.models``
 (:class:`ModelFactory`), ``deqbench.solvers`` (:class:`Solver`), ``deqbench.inits``
-(:class:`Init`), ``deqbench.analyses`` (:class:`AnalysisPlugin`) and ``deqbench.datasets``
-(:class:`DatasetLoader`). ``deqbench new-plugin NAME`` writes a package that follows them.
+(:class:`Init`), ``deqbench.analyses`` (:class:`AnalysisPlugin`), ``deqbench.datasets``
+(:class:`DatasetLoader`) and ``deqbench.backward`` (:class:`BackwardModePlugin`).
+``deqbench new-plugin NAME`` writes a package that follows them.
 
 Example:
     >>> import deqbench, torch
@@ -575,6 +576,53 @@ class DatasetLoader(Protocol):
         ...
 
 
+# -- backward modes --------------------------------------------------------------------------
+
+
+@runtime_checkable
+class BackwardModePlugin(Protocol):
+    """A backward mode: the class an entry point of ``deqbench.backward`` names. Subclass
+    :class:`deqbench.backward.BackwardMode`; deqbench instantiates it once (no arguments).
+
+    * ``apply(layer, u, z0) -> z``: the DEQ layer's output for the injection ``u`` from the
+      initial state ``z0``, with grad enabled, wired into autograd the mode's way: solve with
+      ``layer.solve(u, z0)`` (under no_grad; it records ``layer.last_forward_stats`` and checks
+      the solver's claim), evaluate the cell with ``layer.f(z, u)`` where gradients should flow,
+      or write a ``torch.autograd.Function`` whose backward uses the layer's ``cell``. Set
+      ``layer.last_backward_stats`` (a ``SolverStats`` of the backward's own solve, or None) and
+      optionally ``layer.last_backward_info`` (floats the ``backward`` analysis writes as rows).
+    * ``name``: the registered name; ``label(cfg, forward)``: its variant name in a comparison
+      (default: the name).
+    * ``forward`` (optional): the registered forward solver it needs; a suite or layer with
+      another one is a ConfigError naming it. ``Options`` (optional): a pydantic model of its
+      options, which a suite sets as extra keys of ``backward`` (``backward: {name: my_mode,
+      my_option: 3}``) and a comparison as ``options``. ``evaluate(layer, u, z0)`` (optional): the
+      output without grad (default None: the forward solve).
+
+    A mode joins the ``backward`` analysis like a built-in (``modes: [{name: my_mode}]``: its
+    gradient error against the float64 reference, descent check, time, memory, accuracy after
+    training) and is checked by ``deqbench.testing.check_backward``.
+
+    Example:
+        >>> from deqbench.backward import BackwardMode
+        >>> class DampedJFB(BackwardMode):
+        ...     name = "damped_jfb"
+        ...     def apply(self, layer, u, z0):
+        ...         z, _ = layer.solve(u, z0)
+        ...         z = z.detach()
+        ...         layer.last_backward_stats = None
+        ...         return 0.5 * z + 0.5 * layer.f(z, u)
+        >>> isinstance(DampedJFB(), BackwardModePlugin)
+        True
+    """
+
+    name: ClassVar[str]
+
+    def apply(self, layer: DEQLayer, u: Tensor, z0: Tensor) -> Tensor: ...
+
+    def label(self, cfg: Any, forward: Any = None) -> str: ...
+
+
 #: The contracts in the order the reference renders them.
 CONTRACTS: tuple[type, ...] = (
     ModelFactory,
@@ -590,6 +638,7 @@ CONTRACTS: tuple[type, ...] = (
     Init,
     AnalysisPlugin,
     DatasetLoader,
+    BackwardModePlugin,
 )
 
 

@@ -1,9 +1,10 @@
 """The DEQ layer: a cell f(z, u), a forward solver and a backward mode.
 
 A DEQ model holds one or more :class:`DEQLayer` modules. Each layer solves ``z* = f(z*, u)`` with
-a registered solver and differentiates with one of the modes in :mod:`deqbench.core.backward`
-(``ift``, ``unrolled``, ``jfb``, ``phantom``). The last forward/backward :class:`SolverStats`
-are kept on the layer so analyses can read them.
+a registered solver and differentiates with a registered backward mode (:mod:`deqbench.backward`:
+``ift``, ``unrolled``, ``jfb``, ``phantom``, ``reversible``, ``shine`` or a plugin's), dispatched
+through the registry. The last forward/backward :class:`SolverStats` are kept on the layer so
+analyses can read them (and ``last_backward_info``, a dict of floats some modes report).
 
 Example:
     >>> import torch, deqbench
@@ -93,6 +94,7 @@ class DEQLayer(nn.Module):
         self.backward_cfg = backward or BackwardConfig()
         self.last_forward_stats: SolverStats | None = None
         self.last_backward_stats: SolverStats | None = None
+        self.last_backward_info: dict[str, float] = {}
         self.f_evals_grad = 0
         self.vjp_bwd = 0
         self.runtime = Runtime()
@@ -101,20 +103,24 @@ class DEQLayer(nn.Module):
         self.__dict__["_compiled"] = None
         self.__dict__["_static_maps"] = {}
         self.__dict__["_no_graph"] = {}
+        if backward is not None:
+            from ..backward.base import check_pair
+
+            check_pair(self.solver_cfg, self.backward_cfg)
 
     def configure(
         self, solver: SolverConfig | None = None, backward: BackwardConfig | None = None
     ) -> None:
-        if solver is not None:
-            self.solver_cfg = replace(solver)
-        if backward is not None:
-            if backward.name not in BACKWARD_MODES:
-                from .errors import ConfigError
+        """Set the forward solver and/or the backward mode (a copy of each; the mode validated
+        against the registry and its options, and against the forward solver it needs:
+        ConfigError)."""
+        from ..backward.base import check_pair
 
-                raise ConfigError(
-                    f"unknown backward mode '{backward.name}'; choose from {', '.join(BACKWARD_MODES)}"
-                )
-            self.backward_cfg = replace(backward)
+        s = replace(solver) if solver is not None else self.solver_cfg
+        b = replace(backward) if backward is not None else self.backward_cfg
+        if solver is not None or backward is not None:
+            check_pair(s, b)
+        self.solver_cfg, self.backward_cfg = s, b
 
     def set_runtime(self, runtime: Runtime) -> None:
         """Use ``runtime`` from now on (drops the compiled cell and the captured graphs)."""
@@ -295,12 +301,14 @@ class DEQLayer(nn.Module):
         )
         if not needs_grad:
             self.last_backward_stats = None
-            if self.backward_cfg.name == "unrolled":
-                # an unrolled layer is the K-step network it was trained as, also at evaluation
-                # (its fixed point is another model; analyses that need z* call solve())
-                with torch.no_grad():
-                    return bw.apply(self, u, z0)
-            z, _ = self.solve(u, z0)
+            # a mode may define its own evaluation (unrolled: the K-step network it was trained
+            # as; its fixed point is another model, and analyses that need z* call solve())
+            from ..backward.base import mode_of
+
+            with torch.no_grad():
+                z = mode_of(self.backward_cfg.name).evaluate(self, u, z0)
+            if z is None:
+                z, _ = self.solve(u, z0)
             return z
         return bw.apply(self, u, z0)
 

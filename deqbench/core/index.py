@@ -13,6 +13,8 @@ ones too; at module level or inside functions):
   packages ``deqbench.models`` (...), whose ``register`` may also be imported and called bare;
 * ``kernels`` of :mod:`deqbench.kglm.kernels` (or its face ``deqbench.kernels``);
 * the module :mod:`deqbench.run.plots` (``plots.register``; its own ``register`` inside it);
+* ``backward_modes`` of :mod:`deqbench.core.registry` (or ``registry`` of the facade
+  :mod:`deqbench.backward`): backward modes, kind ``backward``;
 * ``datasets`` of :mod:`deqbench.core.registry`, the decorator ``dataset`` of
   :mod:`deqbench.data.base`, and the string keys of a module-level
   dict literal whose name ends in ``DATASETS`` (``IMAGE_DATASETS = {"mnist": mnist, ...}``).
@@ -44,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 #: the kinds ``deqbench ls`` lists, in its order
-KINDS = ("models", "solvers", "inits", "analyses", "kernels", "datasets", "plots")
+KINDS = ("models", "solvers", "inits", "analyses", "kernels", "datasets", "backward", "plots")
 #: kinds with a :class:`~deqbench.core.registry.Registry` (and an entry-point group)
-REGISTRY_KINDS = ("models", "solvers", "inits", "analyses", "kernels", "datasets")
+REGISTRY_KINDS = ("models", "solvers", "inits", "analyses", "kernels", "datasets", "backward")
 
 PACKAGE = "deqbench"
 #: the package's source folder
@@ -63,6 +65,9 @@ RECEIVERS: dict[str, str] = {
     f"{PACKAGE}.kernels.kernels": "kernels",
     f"{PACKAGE}.run.plots": "plots",
     f"{PACKAGE}.core.registry.datasets": "datasets",
+    f"{PACKAGE}.core.registry.backward_modes": "backward",
+    f"{PACKAGE}.backward": "backward",  # the facade package (its ``register``)
+    f"{PACKAGE}.backward.registry": "backward",  # what the facade imports
 }
 #: dotted functions whose call ``f(name)`` registers a built-in of a kind
 FUNCTIONS: dict[str, str] = {

@@ -3,8 +3,8 @@
 Built-ins register themselves with a decorator in their own module; the registry imports every
 module of its built-in package on first use (so ``deqbench --help`` never imports torch).
 Third-party packages add names through the entry-point groups ``deqbench.models``,
-``deqbench.solvers``, ``deqbench.inits``, ``deqbench.analyses`` and ``deqbench.datasets`` (value
-``package.module:attr``).
+``deqbench.solvers``, ``deqbench.inits``, ``deqbench.analyses``, ``deqbench.datasets`` and
+``deqbench.backward`` (backward modes; value ``package.module:attr``).
 
 Example:
     >>> import deqbench
@@ -62,11 +62,12 @@ class Registry(Generic[T]):
     Args:
         kind: plural noun used in messages and ``deqbench ls KIND`` ("models", "solvers", ...).
         builtin_package: dotted package whose submodules register the built-ins.
+        singular: what one entry is called in messages (default: ``kind`` without its "s").
     """
 
-    def __init__(self, kind: str, builtin_package: str) -> None:
+    def __init__(self, kind: str, builtin_package: str, singular: str | None = None) -> None:
         self.kind = kind
-        self.singular = "analysis" if kind == "analyses" else kind[:-1]
+        self.singular = singular or SINGULAR.get(kind, kind[:-1])
         self.group = f"deqbench.{kind}"
         self.builtin_package = builtin_package
         self._entries: dict[str, Entry] = {}
@@ -258,12 +259,18 @@ class Registry(Generic[T]):
         self.plugin_errors = []
 
 
+#: kinds whose one entry is not called by the kind without its "s"
+SINGULAR = {"analyses": "analysis", "backward": "backward mode"}
+
 models: Registry[Callable[..., Any]] = Registry("models", "deqbench.models")
 solvers: Registry[Callable[..., Any]] = Registry("solvers", "deqbench.solvers")
 inits: Registry[Callable[..., Any]] = Registry("inits", "deqbench.inits")
 analyses: Registry[Any] = Registry("analyses", "deqbench.analyses")
 #: dataset loaders ``fn(**params) -> DataBundle`` (:class:`deqbench.contracts.DatasetLoader`)
 datasets: Registry[Callable[..., Any]] = Registry("datasets", "deqbench.data")
+#: backward modes, :class:`deqbench.backward.BackwardMode` subclasses (entry-point group
+#: ``deqbench.backward``; ``deqbench ls backward``)
+backward_modes: Registry[Any] = Registry("backward", "deqbench.backward")
 
 REGISTRIES: dict[str, Registry[Any]] = {
     "models": models,
@@ -271,12 +278,13 @@ REGISTRIES: dict[str, Registry[Any]] = {
     "inits": inits,
     "analyses": analyses,
     "datasets": datasets,
+    "backward": backward_modes,
 }
 
 
 def registry(kind: str) -> Registry[Any]:
     """The registry of ``kind`` (accepts singular or plural)."""
-    key = kind if kind.endswith("s") else kind + "s"
+    key = kind if kind in REGISTRIES or kind.endswith("s") else kind + "s"
     if key not in REGISTRIES:
         close = difflib.get_close_matches(key, list(REGISTRIES), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""

@@ -1,9 +1,12 @@
 """Backward modes compared on one batch: cost and gradient accuracy against a float64 reference.
 
-For each entry of ``modes`` (``ift`` at several adjoint tolerances, ``unrolled`` K, ``jfb``,
-``phantom`` k/tau; optionally through a *wrapper* model, e.g. the TorchDEQ plugin's
-``torchdeq_deq``, on the same trained parameters) one training step (forward with grad, loss,
-parameter gradients with ``autograd.grad``) is measured on the same seeded batch:
+For each entry of ``modes`` (any registered backward mode, :mod:`deqbench.backward`: ``ift`` at
+several adjoint tolerances, ``unrolled`` K, ``jfb``, ``phantom`` k/tau, ``reversible`` (RevDEQ,
+with its own forward), ``shine`` (with Broyden's inverse estimate), a plugin's; a mode that needs
+a forward solver gets it with the cell's budget and tolerance unless its ``forward`` says
+otherwise; optionally through a *wrapper* model, e.g. the TorchDEQ plugin's ``torchdeq_deq``, on
+the same trained parameters) one training step (forward with grad, loss, parameter gradients
+with ``autograd.grad``) is measured on the same seeded batch and weights:
 
 * ``forward_ms`` / ``backward_ms`` / ``step_ms`` per repeat + ``_median`` / ``_iqr`` / ``_spread``;
 * ``peak_memory`` (MiB, own pass: GPU ``max_memory_allocated`` above the baseline, CPU peak RSS
@@ -19,12 +22,31 @@ parameter gradients with ``autograd.grad``) is measured on the same seeded batch
   ``flagged``, and every ``grad_cosine`` / ``grad_rel_error`` row ``error`` (no value): it is never
   the basis of an accuracy figure;
 * ``forward_nstep``, ``backward_nstep`` (adjoint solver steps), ``f_evals_grad`` (tracked f
-  calls), ``forward_rel_residual``, ``backward_rel_residual``.
+  calls), ``backward_vjps`` (VJPs through f in the backward), ``forward_rel_residual``,
+  ``backward_rel_residual``, and the mode's own diagnostics (``layer.last_backward_info``:
+  SHINE's ``fallback_fraction`` and ``inverse_pairs``, RevDEQ's ``reconstruction_error`` and
+  ``reversal_steps``);
+* the memory split (:mod:`deqbench.performance.backward_compare`, MiB): ``memory_activations``
+  (saved outside the DEQ layers), ``memory_unroll`` (saved by differentiable f-steps),
+  ``memory_backward_state`` (kept by a DEQ layer's backward: z*, RevDEQ's float64 pair, SHINE's
+  Broyden pairs), and on CUDA ``memory_solver_history`` (the forward solve's peak above its
+  baseline, less its output);
+* ``descent_gain`` and ``descent_gain_ratio`` (``descent_step`` > 0, with the reference): the
+  float64 reference loss decrease after a step -eta g over the decrease after -eta g_ref (1: as
+  good a step as the exact gradient; <= 0: not a descent step);
+* with ``train_steps``: ``test_accuracy`` (or ``test_mse``), ``test_loss`` and ``train_loss`` of
+  a copy of the model trained that many optimiser steps with the mode (the cell's optimiser and
+  learning rate, the same seeded batches for every mode).
 
-A mode whose own solves missed their tolerance (the forward of ``ift``, ``jfb``, ``phantom``; the
-adjoint of ``ift``; not the K fixed steps of ``unrolled``) has every row status ``flagged`` with
-a one-line note naming the variant, the residual and the fix: its accuracy and cost describe a
-failed solve.
+A mode whose own solves missed their tolerance (its forward where it solves one,
+``BackwardMode.solves_forward``: not the K fixed steps of ``unrolled``; its backward's where
+``checks_backward``: the adjoint of ``ift``) has every row status ``flagged`` with a one-line
+note naming the variant, the residual and the fix: its accuracy and cost describe a failed
+solve.
+
+The figure ``backward_accuracy`` draws, per cell, the gradient error (log) against the backward
+time, one labelled marker per variant, its area the memory of the step (the CUDA peak; on CPU the
+bytes autograd saves), its colour the mode family, hollow when flagged.
 
 The memory-against-iterations series (``memory_series``): IFT whose forward runs exactly N
 fixed-point iterations (tol 0) and unrolled K = N, for each N: ``series_activation_memory`` and
@@ -80,6 +102,7 @@ from ._perf import (
     GradStep,
     PerfAnalysis,
     PerfParams,
+    PositiveInt,
     backward_nstep,
     batch_size,
     detached_copy,
@@ -90,9 +113,11 @@ from ._perf import (
     pick_batch,
     preserved,
 )
+from .backward_compare import DescentCheck, memory_split, solver_history, train_steps
 from .gradients import (  # noqa: F401  (re-exported: the plain functions of this analysis)
     DENSE_MAX,
     GradVector,
+    ReferenceSettings,
     _param_dict,
     grad_vector,
     gradient_accuracy,
@@ -105,10 +130,14 @@ from .measure import MIB, Memory, flag_rows, peak_memory, saved_tensor_bytes, ti
 
 
 class ModeSpec(BaseModel):
-    """One backward mode to measure. Unset fields come from the cell's ``backward`` section."""
+    """One backward mode to measure. Unset fields come from the cell's ``backward`` section;
+    ``options`` are the mode's own (``shine``: refine_steps, ...) or, for ``ift``, the adjoint
+    solver's. A mode that needs its own forward solver (``reversible``, ``shine``) gets it with
+    the cell's budget and tolerance unless ``forward`` says otherwise."""
 
     model_config = ConfigDict(extra="forbid")
-    name: Literal["ift", "unrolled", "jfb", "phantom"]
+    #: a registered backward mode (built-in or plugin: ``deqbench ls backward``)
+    name: str
     label: str | None = None
     #: a registered model factory that converts a built model (``wrap=model``), e.g. the
     #: TorchDEQ plugin's ``torchdeq_deq``: the mode then runs on that implementation
@@ -126,32 +155,60 @@ class ModeSpec(BaseModel):
 
     @model_validator(mode="after")
     def _registered(self) -> ModeSpec:
-        """Wrapper model and solver names are checked with the suite, before anything runs."""
-        from ..core.registry import models, solvers
+        """Mode, wrapper model and solver names, the mode's options and the forward it needs
+        are checked with the suite, before anything runs."""
+        from ..backward.base import forward_problem, mode_of, option_problems
+        from ..core.errors import DeqbenchError
+        from ..core.registry import backward_modes, models, solvers
 
+        if self.name not in backward_modes:
+            raise ValueError(f"name: {backward_modes.unknown(self.name)}")
+        try:
+            mode = mode_of(self.name)
+        except DeqbenchError as exc:
+            raise ValueError(f"name: {exc}") from exc
         if self.wrapper is not None and self.wrapper not in models:
             raise ValueError(f"wrapper: {models.unknown(self.wrapper)}")
         fwd = (self.forward or {}).get("name")
         for what, name in (("forward.name", fwd), ("solver", self.solver)):
             if name is not None and name not in solvers:
                 raise ValueError(f"{what}: {solvers.unknown(name)}")
+        if fwd is not None and (why := forward_problem(mode, fwd)):
+            raise ValueError(f"forward.name: {why}")
+        if self.options and mode.Options is not None and not mode.adjoint_solver:
+            problems = option_problems(mode, self.options)
+            if problems:
+                raise ValueError("options: " + "; ".join(problems))
         return self
 
     def backward_config(self, base: BackwardConfig) -> BackwardConfig:
+        from ..backward.base import mode_of
+
         kw = {
             k: getattr(self, k)
-            for k in ("solver", "max_iter", "tol", "stop_mode", "k", "tau", "b_init", "options")
+            for k in ("solver", "max_iter", "tol", "stop_mode", "k", "tau", "b_init")
             if getattr(self, k) is not None
         }
-        return replace(base, name=self.name, **kw)
+        opts = self.options
+        if opts is None:  # the cell's options only where they mean the same (adjoint solver's)
+            a, b = mode_of(self.name), mode_of(base.name)
+            same = a is b or (a.Options is None and b.Options is None)
+            opts = dict(base.options) if same else {}
+        return replace(base, name=self.name, options=dict(opts), **kw)
 
     def forward_config(self, base: SolverConfig) -> SolverConfig:
-        if not self.forward:
+        from ..backward.base import mode_of
+
+        need = mode_of(self.name).forward
+        if not self.forward and need in (None, base.name):
             return replace(base)
-        d = dict(self.forward)
+        d = dict(self.forward or {})
         generic = {"name", "max_iter", "tol", "stop_mode"}
-        name = d.get("name", base.name)
-        opts = dict(base.options) if name == base.name else {}
+        name = d.get("name", need or base.name)
+        if name == base.name:
+            opts = dict(base.options)
+        else:
+            opts = dict(mode_of(self.name).forward_options) if name == need else {}
         opts.update({k: v for k, v in d.items() if k not in generic})
         return SolverConfig(
             name,
@@ -162,18 +219,18 @@ class ModeSpec(BaseModel):
         )
 
     def variant(self, cfg: BackwardConfig, fwd: SolverConfig | None = None) -> str:
+        from ..backward.base import mode_of
+
         if self.label:
             return self.label
-        if cfg.name == "ift":
-            s = f"ift-tol={cfg.tol:g}"
-        elif cfg.name == "unrolled":
-            s = f"unrolled-k={cfg.k}"
-        elif cfg.name == "phantom":
-            s = f"phantom-k={cfg.k}-tau={cfg.tau:g}"
-        else:
-            s = "jfb"
+        mode = mode_of(cfg.name)
+        s = mode.label(cfg, fwd)
         if self.forward and fwd is not None:
-            s += f"-fwd={fwd.name}" + (f"-ftol={fwd.tol:g}" if "tol" in self.forward else "")
+            if mode.forward is None:  # the forward solver is the spec's choice
+                s += f"-fwd={fwd.name}"
+            s += f"-ftol={fwd.tol:g}" if "tol" in self.forward else ""
+            if mode.forward is not None and "max_iter" in self.forward:
+                s += f"-fmax={fwd.max_iter}"
         return f"{self.wrapper}:{s}" if self.wrapper else s
 
 
@@ -184,6 +241,9 @@ DEFAULT_MODES: list[dict[str, Any]] = [
     {"name": "unrolled", "k": 30},
     {"name": "jfb"},
     {"name": "phantom", "k": 5, "tau": 0.5},
+    {"name": "reversible", "forward": {"max_iter": 41}},
+    {"name": "shine"},
+    {"name": "shine", "options": {"refine_steps": 5}},
 ]
 
 
@@ -216,8 +276,11 @@ def measure_mode(
 
     Returns a dict with ``timing`` ({forward, backward, total} Timings, results = (forward,
     backward) f-evals per repeat), ``memory`` (Memory or None), ``activation_bytes``,
-    ``stats`` (:func:`deqbench.deq.last_stats` of the untimed gradient pass), ``f_evals_grad``,
-    ``cosine`` and ``rel_error`` (NaN without ``g_ref``)."""
+    ``memory_split`` (:func:`~deqbench.performance.backward_compare.memory_split`),
+    ``solver_history_bytes`` (CUDA, else NaN), ``stats`` (:func:`deqbench.deq.last_stats` of the
+    untimed gradient pass), ``f_evals_grad``, ``backward_vjps``, ``backward_info`` (the mode's
+    own diagnostics), ``grad`` (the GradVector), ``cosine`` and ``rel_error`` (NaN without
+    ``g_ref``)."""
     device = x.device
     rt = runtime if runtime is not None else model_runtime(model)
     with preserved(model):
@@ -240,26 +303,97 @@ def measure_mode(
         with autocast(rt, device):
             g = grad_vector(model, x, y, task, names=g_ref.names if g_ref is not None else None)
         stats = last_stats(model)
-        fe_grad = sum(int(layer.f_evals_grad) for layer in deq_layers(model))
+        layers = list(deq_layers(model))
+        fe_grad = sum(int(layer.f_evals_grad) for layer in layers)
+        vjps = sum(int(getattr(layer, "vjp_bwd", 0)) for layer in layers)
+        info = backward_info(layers)
         with preserved(model), autocast(rt, device):
             model.train()
             act, _ = saved_tensor_bytes(lambda: loss_fn(for_loss(model(x), rt), y))
+        split = memory_split(model, x, y, task, rt)
         mem = (
             peak_memory(GradStep(model, x, y, task, rt), device, cpu=memory_cpu) if memory else None
         )
+        history = solver_history(model, x, y, task, rt) if memory else math.nan
     cos, err = gradient_accuracy(g, g_ref) if g_ref is not None else (math.nan, math.nan)
     return {
         "timing": timing,
         "memory": mem,
         "activation_bytes": act,
+        "memory_split": split,
+        "solver_history_bytes": history,
         "stats": stats,
         "f_evals_grad": fe_grad,
+        "backward_vjps": vjps,
+        "backward_info": info,
+        "grad": g,
         "cosine": cos,
         "rel_error": err,
     }
 
 
-GRAD_METRICS = ("grad_cosine", "grad_rel_error")
+def backward_info(layers: Sequence[DEQLayer]) -> dict[str, float]:
+    """The ``last_backward_info`` of ``layers`` (a mode's own diagnostics, e.g. SHINE's
+    ``fallback_fraction``, RevDEQ's ``reconstruction_error``), each key maxed over layers."""
+    out: dict[str, float] = {}
+    for layer in layers:
+        for k, v in (getattr(layer, "last_backward_info", None) or {}).items():
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                continue
+            out[k] = max(out[k], v) if k in out else v
+    return out
+
+
+GRAD_METRICS = ("grad_cosine", "grad_rel_error", "descent_gain", "descent_gain_ratio")
+
+
+def descent_rows(check: DescentCheck, g: GradVector, variant: str, step: int | None) -> list[Row]:
+    """``descent_gain`` (the float64 reference loss decrease along -eta g) and
+    ``descent_gain_ratio`` (over the reference gradient's decrease: 1 as good a step as the
+    exact gradient, <= 0 not a descent step)."""
+    gain, ratio = check.gain(g)
+    note = f"step eta = {check.eta:.3g} (the reference step moves theta by its norm x step)"
+    return [
+        Row("descent_gain", gain, variant=variant, step=step, note=note),
+        Row("descent_gain_ratio", ratio, variant=variant, step=step, note=note),
+    ]
+
+
+def training_rows(
+    ctx: CellContext,
+    model: nn.Module,
+    bcfg: BackwardConfig,
+    fcfg: SolverConfig,
+    p: Any,
+    variant: str,
+    step: int | None,
+) -> list[Row]:
+    """Test accuracy (or MSE) and final training loss of a copy of ``model`` trained for
+    ``p.train_steps`` optimiser steps with the mode (:func:`train_steps`; the same seeded
+    batches for every mode)."""
+    m = detached_copy(model)
+    configure(m, fcfg, bcfg)
+    bs = p.train_batch_size or int((ctx.cell.get("train") or {}).get("batch_size", 64))
+    res = train_steps(
+        m, ctx.data, ctx.task, steps=p.train_steps, batch_size=bs,
+        train=dict(ctx.cell.get("train") or {}), seed=int(ctx.seed), runtime=ctx.runtime,
+        eval_samples=p.eval_samples,
+    )  # fmt: skip
+    note = f"after {p.train_steps} optimiser steps of batch {bs} from the cell's weights"
+    status = "ok" if res["finite"] else "diverged"
+    if not res["finite"]:
+        note = "a loss or gradient became non-finite: " + note
+    rows = []
+    for key in ("test_accuracy", "test_mse", "test_loss"):
+        if key in res:
+            unit = "fraction" if key == "test_accuracy" else ""
+            rows.append(Row(key, res[key], variant=variant, step=step, unit=unit,
+                            status=status, note=note))  # fmt: skip
+    rows.append(Row("train_loss", res["loss"], variant=variant, step=step, status=status,
+                    note="mean of the last fifth of the steps"))  # fmt: skip
+    return rows
 
 
 def reference_rows(info: dict[str, Any], step: int | None = None) -> list[Row]:
@@ -293,22 +427,33 @@ def solve_note(
     stats: dict[str, float], backward: BackwardConfig, forward: SolverConfig, variant: str
 ) -> str:
     """One line naming the solves of a measured mode that missed their tolerance (its forward
-    for ift/jfb/phantom, its adjoint for ift; unrolled runs K fixed steps) with the fix, or ""."""
+    where the mode solves one, ``BackwardMode.solves_forward``: not unrolled's K fixed steps;
+    its backward's where ``checks_backward``: ift's adjoint) with the fix, or ""."""
+    from ..backward.base import mode_of
+
+    mode = mode_of(backward.name)
     out = []
-    if backward.name != "unrolled" and stats.get("forward_converged", 1.0) < 1:
+    if mode.solves_forward and stats.get("forward_converged", 1.0) < 1:
         k = "forward_rel_residual" if forward.stop_mode == "rel" else "forward_abs_residual"
         out.append(
             f"{variant}: forward solver did not converge ({forward.stop_mode} "
             f"{stats.get(k, math.nan):.2e} > {forward.tol:g}, {forward.name}): raise its "
             "max_iter or use a forward solver that converges for this model"
         )
-    if backward.name == "ift" and stats.get("backward_converged", 1.0) < 1:
+    if mode.checks_backward and stats.get("backward_converged", 1.0) < 1:
         k = "backward_rel_residual" if backward.stop_mode == "rel" else "backward_abs_residual"
-        out.append(
-            f"{variant}: adjoint did not converge ({backward.stop_mode} "
-            f"{stats.get(k, math.nan):.2e} > {backward.tol:g}, {backward.solver}): use an "
-            "adjoint solver that converges for this model (e.g. anderson) or raise max_iter"
-        )
+        if mode.adjoint_solver:
+            out.append(
+                f"{variant}: adjoint did not converge ({backward.stop_mode} "
+                f"{stats.get(k, math.nan):.2e} > {backward.tol:g}, {backward.solver}): use an "
+                "adjoint solver that converges for this model (e.g. anderson) or raise max_iter"
+            )
+        else:
+            hint = f": {mode.backward_hint}" if mode.backward_hint else ""
+            out.append(
+                f"{variant}: the {backward.name} backward missed its own tolerance (rel "
+                f"{stats.get('backward_rel_residual', math.nan):.2e}){hint}"
+            )
     return "; ".join(out)
 
 
@@ -353,9 +498,38 @@ def mode_rows(
             note="bytes autograd saves during the forward",
         )
     )
+    split = res.get("memory_split")
+    for key, note in SPLIT_NOTES.items() if split else ():
+        rows.append(
+            Row(f"memory_{key}", split[key] / MIB, variant=variant, step=step, unit="MiB",
+                note=note)
+        )  # fmt: skip
+    hist = res.get("solver_history_bytes", math.nan)
+    if math.isfinite(hist):
+        rows.append(
+            Row("memory_solver_history", max(hist, 0.0) / MIB, variant=variant, step=step,
+                unit="MiB", note="peak of the forward solve above its baseline, less its output "
+                "(cuda_max_memory_allocated)")
+        )  # fmt: skip
     if res["memory"] is not None:
         rows.append(res["memory"].row("peak_memory", variant=variant, step=step))
+    if "backward_vjps" in res:
+        rows.append(
+            Row("backward_vjps", res["backward_vjps"], variant=variant, step=step, unit="VJPs",
+                note="VJPs through f in the backward")
+        )  # fmt: skip
+    for key, value in sorted((res.get("backward_info") or {}).items()):
+        rows.append(Row(key, value, variant=variant, step=step, note="the mode's own diagnostic"))
     return rows
+
+
+#: the parts of :func:`~deqbench.performance.backward_compare.memory_split`, with their notes
+SPLIT_NOTES = {
+    "activations": "saved outside the DEQ layers (injection, readout, loss)",
+    "unroll": "saved inside differentiable f-steps (unrolled K, phantom k, JFB)",
+    "backward_state": "kept by the DEQ layer's backward (z*, u; RevDEQ's float64 pair; "
+    "SHINE's Broyden pairs)",
+}
 
 
 def memory_vs_iterations(
@@ -451,6 +625,17 @@ class Backward(PerfAnalysis):
         memory_series_modes: list[Literal["ift", "unrolled"]] = Field(
             default_factory=lambda: list[Literal["ift", "unrolled"]](["ift", "unrolled"])
         )
+        #: descent check: the float64 reference loss after a step along each mode's gradient
+        #: (needs the reference), the reference step moving the parameters by this fraction
+        #: of their norm (0: off)
+        descent_step: float = Field(1e-3, ge=0)
+        #: optimiser steps each mode trains a copy of the model for, from the same weights and
+        #: on the same seeded batches, before its test accuracy is measured (0: off)
+        train_steps: int = Field(0, ge=0)
+        #: batch size of those steps (null: the cell's train.batch_size)
+        train_batch_size: PositiveInt | None = None
+        #: test samples the trained copies are evaluated on (null: the whole test split)
+        eval_samples: PositiveInt | None = None
 
         @model_validator(mode="after")
         def _ref_solvers(self) -> Backward.Params:
@@ -503,6 +688,13 @@ class Backward(PerfAnalysis):
                 else:  # never the basis of an accuracy figure
                     gnote = "no gradient reference: " + info["note"]
             layer = _first_layer(ctx.model)
+            descent = None
+            if g_ref is not None and p.descent_step > 0:
+                settings = ReferenceSettings(
+                    p.ref_solver, p.ref_adjoint_solver, p.ref_tol, p.ref_max_iter,
+                    p.ref_dense_max,
+                )  # fmt: skip
+                descent = DescentCheck(ctx.model, x, y, task, g_ref, settings, p.descent_step)
 
             def unmeasured(v: str, status: str, note: str) -> Row:
                 return Row(
@@ -554,6 +746,10 @@ class Backward(PerfAnalysis):
                         if r.metric in GRAD_METRICS:
                             r.status = "skipped" if not p.reference else "error"
                             r.note = gnote
+                if descent is not None:
+                    rows += descent_rows(descent, res["grad"], v, step)
+                if p.train_steps:
+                    rows += training_rows(ctx, model, bcfg, fcfg, p, v, step)
                 yield from flag_unconverged(rows, solve_note(res["stats"], bcfg, fcfg, v))
             if p.memory_series:
                 df = memory_vs_iterations(

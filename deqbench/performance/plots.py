@@ -79,75 +79,154 @@ def plot_memory_vs_iterations(series: Any, df: Any = None) -> Any | None:
     return fig
 
 
+#: colour per backward mode family (a plugin's mode gets the next free colour)
+MODE_COLORS = {
+    "ift": "tab:blue",
+    "unrolled": "tab:orange",
+    "jfb": "tab:green",
+    "phantom": "tab:olive",
+    "reversible": "tab:purple",
+    "shine": "tab:red",
+}
+#: marker area (points^2) of the largest memory in a figure, and the smallest drawn
+SIZE_MAX, SIZE_MIN = 420.0, 18.0
+
+
+def mode_family(variant: str) -> str:
+    """The backward mode a variant name starts with (``shine-refine=5`` -> ``shine``; a
+    wrapper's ``torchdeq_deq:ift-tol=1e-06`` -> ``ift``)."""
+    return str(variant).rpartition(":")[2].split("-")[0]
+
+
+def _place_labels(ax: Any, pts: list[tuple[float, float, str]], fontsize: float = 6.0) -> None:
+    """Annotate each point (x, y, text) beside its marker, trying a few offsets so that labels
+    do not overlap one another (greedy, in display coordinates; approximate text boxes)."""
+    fig = ax.figure
+    dpi = fig.dpi / 72.0
+    right_edge = ax.get_window_extent().x1
+    placed: list[tuple[float, float, float, float]] = []
+    cands = [(6, 2), (6, -8), (6, 9), (6, -15), (6, 16), (-6, 2), (-6, -8), (6, -22), (6, 23)]
+    left_first = [(-6, dy) for dy in (2, -8, 9, -15, 16, -22, 23)]  # only left of the marker
+    order = sorted(pts, key=lambda p: (-p[1], p[0]))
+    for x, y, text in order:
+        px, py = ax.transData.transform((x, y))
+        w, h = 0.62 * fontsize * len(text) * dpi, 1.2 * fontsize * dpi
+        best = None
+        # a label that would leave the axes on the right goes to the left of its marker
+        for dx, dy in left_first if px + 6 * dpi + w > right_edge else cands:
+            x0 = px + dx * dpi if dx > 0 else px + dx * dpi - w
+            y0 = py + dy * dpi
+            box = (x0, y0, x0 + w, y0 + h)
+            if not any(
+                box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed
+            ):
+                best = (dx, dy, box)
+                break
+        if best is None:
+            dx, dy = cands[0] if px + 6 * dpi + w <= right_edge else left_first[0]
+            x0 = px + dx * dpi if dx > 0 else px + dx * dpi - w
+            best = (dx, dy, (x0, py + dy * dpi, x0 + w, py + dy * dpi + h))
+        dx, dy, box = best
+        placed.append(box)
+        ann = ax.annotate(
+            text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+            ha="left" if dx > 0 else "right", va="bottom",
+        )  # fmt: skip
+        ann.set_in_layout(False)  # placed after the layout: it must not move the axes again
+
+
 def plot_accuracy_vs_time(df: Any) -> Any | None:
-    """Gradient relative error against training-step time: colour = cell, marker = backward
-    variant; hollow = a flagged measurement (the variant's own solves missed tolerance)."""
+    """Gradient relative error (log) against backward time (log where it spans more than 20x),
+    one marker per backward variant, labelled with its name and memory; the marker's area is
+    proportional to the memory of a training step within its panel (the CUDA allocator's peak
+    where every variant of the panel has one; else, and on CPU, where the fresh-worker RSS is
+    page-granular noise at tiny sizes, the bytes autograd saves), its colour the mode family; hollow: a flagged measurement (the variant's own solves
+    missed tolerance). One panel per cell (and measuring step)."""
     from matplotlib.lines import Line2D
 
     from ..run import plots
 
-    d = df[(df["analysis"] == "backward") & df["metric"].isin(["grad_rel_error", "step_ms_median"])]
+    metrics = ["grad_rel_error", "backward_ms_median", "peak_memory", "activation_memory"]
+    d = df[(df["analysis"] == "backward") & df["metric"].isin(metrics)]
     d = d[d["variant"] != "reference"].dropna(subset=["value"])
+    # the peak sizes the markers where the CUDA allocator measured it; a CPU peak (the RSS of a
+    # fresh worker) is at page granularity and noise for tiny models: the saved bytes instead
+    notes = d["note"].astype(str) if "note" in d else ""
+    rss = (d["metric"] == "peak_memory") & ~(notes.str.contains("cuda") if "note" in d else False)
+    d = d[~rss]
     if d.empty:
         return None
-    w = (
-        d.pivot_table(
-            index=["cell_id", "step", "variant"], columns="metric", values="value", aggfunc="median"
-        )
-        .dropna()
-        .reset_index()
-    )
-    if w.empty or "grad_rel_error" not in w:
+    w = d.pivot_table(
+        index=["cell_id", "step", "variant"], columns="metric", values="value", aggfunc="median"
+    ).reset_index()
+    if "grad_rel_error" not in w or "backward_ms_median" not in w:
+        return None
+    w = w.dropna(subset=["grad_rel_error", "backward_ms_median"])
+    if w.empty:
         return None
     flagged = set(
         map(tuple, d.loc[d["status"] == "flagged", ["cell_id", "step", "variant"]].values.tolist())
     )
-    fig, axs = plots.new_grid(1, 1, 6.0, 4.0)
-    ax = axs[0][0]
-    ids = sorted({str(c) for c in w["cell_id"]})
-    styles = plots.cell_styles(ids)
-    labels = plots.short_labels(ids)
-    variants = sorted(set(w["variant"]))
-    by_marker = len(variants) <= len(plots.MARKERS)
-    marker = {v: plots.MARKERS[i % len(plots.MARKERS)] for i, v in enumerate(variants)}
-    for r in w.itertuples():
-        col = styles[str(r.cell_id)]["color"]
-        bad = (r.cell_id, r.step, r.variant) in flagged
-        ax.plot(
-            [r.step_ms_median],
-            [max(r.grad_rel_error, 1e-16)],
-            ls="none",
-            marker=marker[r.variant] if by_marker else "o",
-            ms=7,
-            mec=col,
-            mfc="none" if bad else col,
-            mew=1.5,
-            label="_point",
-            gid=f"{r.cell_id}|{r.variant}",
-        )
-        if not by_marker:
-            ax.annotate(r.variant, (r.step_ms_median, max(r.grad_rel_error, 1e-16)), fontsize=6)
-    ax.set_xlabel("training step time (ms, median over repeats)")
-    ax.set_ylabel("gradient relative error vs float64 reference")
-    ax.set_yscale("log")
-    ax.set_title("Gradient accuracy against cost, per backward variant", fontsize="medium")
-    ax.grid(alpha=0.3)
-    shared = plots.shared_parts(ids)
-    cell_h = [Line2D([], [], ls="none", marker="o", color=styles[c]["color"]) for c in ids]
-    ax.legend(
-        cell_h,
-        [labels[c] for c in ids],
-        title="cell" + (f" (all: {'-'.join(shared)})" if shared else ""),
-        loc="upper left",
-        bbox_to_anchor=(1.03, 1.0),
-        borderaxespad=0.0,
-        fontsize="x-small",
-        title_fontsize="x-small",
+    panels = sorted({(str(c), s) for c, s in zip(w["cell_id"], w["step"])}, key=str)
+    steps = {s for _, s in panels}
+    fig, axs = plots.new_grid(1, len(panels), 5.6, 4.4)
+    labels = plots.short_labels(sorted({c for c, _ in panels}))
+    families = sorted(
+        {mode_family(v) for v in w["variant"]}, key=lambda f: (f not in MODE_COLORS, f)
     )
-    notes: list[tuple[dict[str, Any] | None, str]] = []
-    if by_marker:
-        notes.append((None, "marker = backward variant:"))
-        notes += [({"ls": "none", "marker": marker[v], "color": "black"}, v) for v in variants]
+    spare = [c for c in plots.PALETTE if c not in MODE_COLORS.values()]
+    colors = {f: MODE_COLORS.get(f) or spare[i % len(spare)] for i, f in enumerate(families)}
+    kinds: set[str] = set()
+    labelled: list[tuple[Any, list[tuple[float, float, str]]]] = []
+    for (cell, step), ax in zip(panels, axs[0]):
+        g = w[(w["cell_id"] == cell) & (w["step"] == step)]
+        has_peak = "peak_memory" in g and bool(g["peak_memory"].notna().all())
+        col = "peak_memory" if has_peak else "activation_memory"
+        kinds.add("CUDA peak memory of a training step" if has_peak else "bytes autograd saves")
+        mems = g[col].astype(float) if col in g else None
+        biggest = float(mems.max()) if mems is not None and mems.notna().any() else 0.0
+        pts = []
+        for r in g.itertuples():
+            mem = float(getattr(r, col)) if mems is not None else float("nan")
+            ok = mem == mem and biggest > 0
+            area = max(SIZE_MIN, SIZE_MAX * mem / biggest) if ok else SIZE_MIN
+            fam = mode_family(r.variant)
+            bad = (r.cell_id, r.step, r.variant) in flagged
+            yv = max(float(r.grad_rel_error), 1e-16)
+            ax.scatter(
+                [r.backward_ms_median], [yv], s=area, c="none" if bad else colors[fam],
+                edgecolors=colors[fam], linewidths=1.5, alpha=0.75, gid=f"{r.cell_id}|{r.variant}",
+            )  # fmt: skip
+            pts.append((float(r.backward_ms_median), yv, f"{r.variant} ({mem:.3g} MiB)" if ok
+                        else str(r.variant)))  # fmt: skip
+        ax.set_yscale("log")
+        xs = [p[0] for p in pts if p[0] > 0]
+        if xs and max(xs) / min(xs) > 20:
+            ax.set_xscale("log")
+        ax.margins(x=0.25, y=0.2)
+        ax.set_xlabel("backward time (ms, median over repeats)")
+        ax.set_ylabel("gradient relative error vs float64 reference")
+        when = f", step {step}" if len(steps) > 1 else ""
+        ax.set_title(f"{labels.get(cell, cell)}{when}: largest marker {biggest:.3g} MiB",
+                     fontsize="small")  # fmt: skip
+        ax.grid(alpha=0.3)
+        labelled.append((ax, pts))
+    fig.suptitle(
+        "Backward modes: gradient error against backward time (lower left is better)",
+        fontsize="medium",
+    )
+    fam_h = [Line2D([], [], ls="none", marker="o", color=colors[f]) for f in families]
+    axs[0][-1].legend(
+        fam_h, families, title="backward mode", loc="upper left", bbox_to_anchor=(1.03, 1.0),
+        borderaxespad=0.0, fontsize="x-small", title_fontsize="x-small",
+    )  # fmt: skip
+    notes: list[tuple[dict[str, Any] | None, str]] = [
+        (
+            {"ls": "none", "marker": "o", "color": "grey", "ms": 9, "alpha": 0.6},
+            f"marker area: {' / '.join(sorted(kinds))}, in proportion within each panel "
+            "(MiB in brackets)",
+        ),
+    ]
     if flagged & set(map(tuple, w[["cell_id", "step", "variant"]].values.tolist())):
         notes.append(
             (
@@ -156,6 +235,9 @@ def plot_accuracy_vs_time(df: Any) -> Any | None:
             )
         )
     plots.notes_legend(fig, notes)
+    fig.canvas.draw()  # the constrained layout first: labels are placed in final coordinates
+    for ax, pts in labelled:
+        _place_labels(ax, pts)
     return fig
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-KINDS = ("models", "solvers", "inits", "analyses", "kernels", "datasets", "plots")
+KINDS = ("models", "solvers", "inits", "analyses", "kernels", "datasets", "backward", "plots")
 
 
 def err_console() -> Any:
@@ -278,7 +278,7 @@ def list_names(kind: str | None, pattern: str | None, verbose: bool = False) -> 
 
     kinds = list(KINDS)
     if kind is not None:
-        k = {"analysis": "analyses"}.get(kind, kind)
+        k = {"analysis": "analyses", "backward_modes": "backward"}.get(kind, kind)
         k = k if k in KINDS else f"{k}s"
         if k not in KINDS:
             from .yamlio import did_you_mean  # imports yaml: only for the error

@@ -474,8 +474,7 @@ class _Checks:
     def _declaration(self, name: str) -> None:
         """The declared solvers and backward modes exist, and include the declared defaults."""
         from .. import models
-        from ..core.deq import BACKWARD_MODES
-        from ..core.registry import solvers
+        from ..core.registry import backward_modes, solvers
 
         compat, decl = models.compatibility(name), models.defaults(name)
         sname: str | None  # a declared solver, then a default one (None: none declared)
@@ -483,12 +482,13 @@ class _Checks:
             if sname not in solvers:
                 self.add("model", name, "model.declared", f"declares unknown solver '{sname}'")
         for mode in compat["backward_modes"] or ():
-            if mode not in BACKWARD_MODES:
+            if mode not in backward_modes:
                 self.add(
                     "model",
                     name,
                     "model.declared",
-                    f"declares unknown backward mode '{mode}' (modes: {', '.join(BACKWARD_MODES)})",
+                    f"declares unknown backward mode '{mode}' (modes: "
+                    f"{', '.join(backward_modes.names())})",
                 )
         own = compat["solvers"]
         if own:
@@ -545,7 +545,7 @@ class _Checks:
 
         name = c.model["name"]
         used = [("forward solver", c.solver["name"])]
-        if c.backward.get("name") == "ift":
+        if _uses_adjoint_solver(c.backward.get("name", "ift")):
             used.append(("adjoint solver", c.backward.get("solver", "fixed_point")))
         if is_deq:
             for role, sname in used:
@@ -873,3 +873,14 @@ def check_suites(suites: Iterable[Any]) -> None:
     violations = check_all(suites)
     if violations:
         raise PluginError("\n".join(v.line() for v in violations))
+
+
+def _uses_adjoint_solver(name: str) -> bool:
+    """Whether backward mode ``name`` solves an adjoint system with its ``solver`` (``ift``)."""
+    from ..backward.base import mode_of
+    from ..core.errors import DeqbenchError
+
+    try:
+        return mode_of(name).adjoint_solver
+    except DeqbenchError:  # an unknown or broken mode is reported by the suite checks
+        return False

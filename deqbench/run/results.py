@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -337,7 +338,11 @@ def _backward_from_id(cell_id: str) -> str:
     from ..core.deq import BACKWARD_MODES
 
     parts = str(cell_id).split("-")
-    if len(parts) > 2 and parts[2] in BACKWARD_MODES:
+    modes = set(BACKWARD_MODES)
+    reg = sys.modules.get("deqbench.core.registry")
+    if reg is not None and reg.backward_modes.builtins_loaded:  # plugins' modes too
+        modes.update(reg.backward_modes.names())
+    if len(parts) > 2 and parts[2] in modes:
         return parts[2]
     # ids that name what ran: model-unrolled<K>-..., model-sam-unrolled<K>-...
     return "unrolled" if any(re.fullmatch(r"unrolled\d+", p) for p in parts[1:3]) else ""

@@ -355,8 +355,7 @@ def check_cell(
     :class:`~deqbench.run.suite.Cell`), or None when it has errors. ``dtype``: the suite's
     (``runtime.amp: bf16`` needs float32); ``caps``: refuse more than
     :data:`~deqbench.run.matrix.MAX_EPOCHS` epochs."""
-    from ..core.deq import BACKWARD_MODES
-    from ..core.registry import datasets, inits, models, solvers
+    from ..core.registry import backward_modes, datasets, inits, models, solvers
 
     ck = _Checker(draft, loc, errors)
     n0 = len(errors)
@@ -408,20 +407,41 @@ def check_cell(
         _check_values(ck, "solver", fn, extras["solver"])
     if "backward" in values:
         bw = values["backward"]
-        if bw["name"] not in BACKWARD_MODES:
+        mode = None
+        if bw["name"] not in backward_modes:
+            known = backward_modes.names()
             ck.add(
                 "backward",
                 "name",
                 f"unknown backward mode '{bw['name']}'"
-                + did_you_mean(bw["name"], BACKWARD_MODES)
-                + f"; modes: {', '.join(BACKWARD_MODES)}",
+                + did_you_mean(bw["name"], known)
+                + f"; modes: {', '.join(known)} (deqbench ls backward)",
             )
+        else:
+            mode = ck.lookup("backward", "name", backward_modes, bw["name"])
+        if mode is not None:
+            from ..backward.base import as_mode, forward_problem, option_problems
+
+            try:
+                mode = as_mode(mode, bw["name"])
+            except DeqbenchError as exc:
+                ck.add("backward", "name", str(exc))
+                mode = None
         fn = ck.lookup("backward", "solver", solvers, bw["solver"])
-        if fn is not None and (opts := solver_options(fn)) is not None:
-            ck.kwargs(
-                "backward", fn, extras["backward"], f"adjoint solver '{bw['solver']}'", allowed=opts
-            )
-        _check_solver_values(ck, "backward", fn, extras["backward"])
+        if mode is not None and mode.Options is not None and not mode.adjoint_solver:
+            # the extra keys are the mode's own options (shine: refine_steps, ...)
+            for line in option_problems(mode, extras["backward"]):
+                key, _, msg = line.partition(": ")
+                ck.add("backward", key if key in extras["backward"] else None, msg, True)
+        else:  # the adjoint solver's options (ift; modes without options of their own)
+            if fn is not None and (opts := solver_options(fn)) is not None:
+                what = f"adjoint solver '{bw['solver']}'"
+                ck.kwargs("backward", fn, extras["backward"], what, allowed=opts)
+            _check_solver_values(ck, "backward", fn, extras["backward"])
+        if mode is not None and "solver" in values:
+            why = forward_problem(mode, values["solver"]["name"])
+            if why:
+                ck.add("backward", "name", why)
     if "data" in values:
         name = values["data"]["name"]
         if name not in datasets:
