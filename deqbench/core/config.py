@@ -121,8 +121,9 @@ class Runtime:
 
     Attributes:
         cuda_graph: "auto" (default): on CUDA, forward solves and IFT adjoint solves of
-            launch-bound cells (states of at most 2M elements: fc1024 at batch 512 is 0.5M,
-            conv64 at batch 128 is 8.4M and stays eager, where a graph gained nothing) with a
+            launch-bound cells (states of at most 2M elements: fc1024 at batch 512 is 0.5M;
+            Anderson and Broyden up to 16M: conv64 at batch 128 is 8.4M, where fixed point
+            stays eager, a graph gaining it nothing) with a
             solver that supports it (fixed_point, anderson, broyden) are captured as a CUDA
             graph on first use for each
             (batch shape, dtype, parameter storage, train/eval mode) and replayed afterwards; a

@@ -232,7 +232,7 @@ class DEQLayer(nn.Module):
         """Whether a solve of ``state`` with ``solver`` (a registered solver function) may take
         the CUDA-graph path, forward or IFT adjoint: ``runtime.cuda_graph`` is "auto", the state
         is on CUDA and launch- or host-bound (at most ``graph_numel(solver)`` elements: 2M by
-        default, a larger state gains nothing (fixed point on conv64); Anderson 16M), the user did not set the solver's own ``cuda_graph``, the cell declares no
+        default, a larger state gains nothing (fixed point on conv64); Anderson and Broyden 16M), the user did not set the solver's own ``cuda_graph``, the cell declares no
         Python-level state (``cuda_graph_safe``), the solver supports graphs and no capture is
         under way."""
         from ..solvers.base import graph_numel, supports_graph
