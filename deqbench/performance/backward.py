@@ -499,7 +499,8 @@ def mode_rows(
         )
     )
     split = res.get("memory_split")
-    for key, note in SPLIT_NOTES.items() if split else ():
+    for key, note in SPLIT_NOTES.items() if split is not None else ():
+        assert split is not None
         rows.append(
             Row(f"memory_{key}", split[key] / MIB, variant=variant, step=step, unit="MiB",
                 note=note)

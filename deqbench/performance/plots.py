@@ -151,8 +151,8 @@ def plot_accuracy_vs_time(df: Any) -> Any | None:
     d = d[d["variant"] != "reference"].dropna(subset=["value"])
     # the peak sizes the markers where the CUDA allocator measured it; a CPU peak (the RSS of a
     # fresh worker) is at page granularity and noise for tiny models: the saved bytes instead
-    notes = d["note"].astype(str) if "note" in d else ""
-    rss = (d["metric"] == "peak_memory") & ~(notes.str.contains("cuda") if "note" in d else False)
+    cuda = d["note"].astype(str).str.contains("cuda") if "note" in d else False
+    rss = (d["metric"] == "peak_memory") & ~cuda
     d = d[~rss]
     if d.empty:
         return None

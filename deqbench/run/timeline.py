@@ -85,11 +85,12 @@ def _tasks(run_dir: Path, since: float) -> list[dict[str, Any]]:
     out = []
     with open(path, encoding="utf-8", newline="") as fh:
         for r in csv.DictReader(fh):
-            t = {
+            t: dict[str, Any] = {
                 k: _float(v) if k not in ("cell_id", "status", "worker") else v
                 for k, v in r.items()
             }
-            if t.get("received") is not None and t["received"] >= since:
+            received = t.get("received")
+            if isinstance(received, float) and received >= since:
                 out.append(t)
     return out
 
@@ -206,9 +207,10 @@ def breakdown(
     totals["first-task excess"] = sum(ex) if ex else None
     wall = t_exit - t_launch
     task_phase = phases["tasks, all busy"] + phases["tail"]
-    cluster_start = None
-    if cl.get("cluster_ready") is not None and cl.get("cluster_start") is not None:
-        cluster_start = cl["cluster_ready"] - cl["cluster_start"]
+    cluster_start: float | None = None
+    ready, begun = cl.get("cluster_ready"), cl.get("cluster_start")
+    if ready is not None and begun is not None:
+        cluster_start = float(ready) - float(begun)
     return {
         "wall_s": wall,
         "phases": phases,

@@ -106,7 +106,8 @@ def reversible(
         >>> A = torch.tensor([[0.5, 0.3], [0.0, 0.4]], dtype=torch.float64)
         >>> z, st = reversible(lambda z: z @ A.T + 1, torch.zeros(1, 2, dtype=torch.float64),
         ...                    max_iter=200, tol=1e-10)
-        >>> st.status, int(st.extra["steps"][0]) * 2 + 1 == st.nstep
+        >>> steps = st.extra["steps"]  # per sample
+        >>> st.status, int(steps[0]) * 2 + 1 == st.nstep
         ('converged', True)
     """
     b = float(opts.beta)
