@@ -498,9 +498,8 @@ def mode_rows(
             note="bytes autograd saves during the forward",
         )
     )
-    split = res.get("memory_split")
-    for key, note in SPLIT_NOTES.items() if split is not None else ():
-        assert split is not None
+    split = res.get("memory_split") or {}
+    for key, note in SPLIT_NOTES.items() if split else ():
         rows.append(
             Row(f"memory_{key}", split[key] / MIB, variant=variant, step=step, unit="MiB",
                 note=note)
