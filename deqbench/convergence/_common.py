@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +16,7 @@ from torch import Tensor, nn
 
 from ..analyses.base import Analysis, CellContext, Row
 from ..core.deq import DEQLayer, deq_layers
+from ..performance.measure import quantile as quantile  # re-exported for the analyses
 
 Phase = Literal["init", "trained"]
 
@@ -134,14 +134,3 @@ def device_words(run_dir: Any) -> str:
     if dev == "cpu" and threads:
         text += f", {threads} thread{'s' if threads != 1 else ''}"
     return text
-
-
-def quantile(xs: list[float], q: float) -> float:
-    """Linear-interpolation quantile (numpy's default); NaN for no values."""
-    s = sorted(xs)
-    if not s:
-        return math.nan
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)

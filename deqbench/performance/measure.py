@@ -141,8 +141,8 @@ def flag_rows(device: Any, variant: str = "", step: int | None = None) -> list[R
 # -- timing ------------------------------------------------------------------------------------
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile (numpy's default)."""
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default); NaN for no values."""
     s = sorted(xs)
     if not s:
         return math.nan
@@ -179,11 +179,11 @@ class Timing:
 
     @property
     def q1(self) -> float:
-        return _quantile(self.times, 0.25)
+        return quantile(self.times, 0.25)
 
     @property
     def q3(self) -> float:
-        return _quantile(self.times, 0.75)
+        return quantile(self.times, 0.75)
 
     @property
     def iqr(self) -> float:
