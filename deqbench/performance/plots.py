@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -98,22 +99,30 @@ def mode_family(variant: str) -> str:
     return str(variant).rpartition(":")[2].split("-")[0]
 
 
-def _place_labels(ax: Any, pts: list[tuple[float, float, str]], fontsize: float = 6.0) -> None:
-    """Annotate each point (x, y, text) beside its marker, trying a few offsets so that labels
-    do not overlap one another (greedy, in display coordinates; approximate text boxes)."""
+def _place_labels(
+    ax: Any, pts: list[tuple[float, float, str, float]], fontsize: float = 6.0
+) -> None:
+    """Annotate each point (x, y, text, marker radius in points) beside its marker, trying a few
+    offsets from the marker's edge so that labels do not overlap one another (greedy, in display
+    coordinates; approximate text boxes); a thin leader line joins each label to its marker."""
     fig = ax.figure
     dpi = fig.dpi / 72.0
     right_edge = ax.get_window_extent().x1
     placed: list[tuple[float, float, float, float]] = []
-    cands = [(6, 2), (6, -8), (6, 9), (6, -15), (6, 16), (-6, 2), (-6, -8), (6, -22), (6, 23)]
-    left_first = [(-6, dy) for dy in (2, -8, 9, -15, 16, -22, 23)]  # only left of the marker
+    dys = (2, -8, 9, -15, 16, -22, 23)
     order = sorted(pts, key=lambda p: (-p[1], p[0]))
-    for x, y, text in order:
+    for x, y, text, radius in order:
         px, py = ax.transData.transform((x, y))
         w, h = 0.62 * fontsize * len(text) * dpi, 1.2 * fontsize * dpi
-        best = None
+        gap = radius + 3.0  # points: from the marker's edge, not its centre
+        right = [(gap, dy) for dy in dys[:5]] + [(-gap, dy) for dy in dys[:2]] + [
+            (gap, dy) for dy in dys[5:]
+        ]
+        left = [(-gap, dy) for dy in dys]
         # a label that would leave the axes on the right goes to the left of its marker
-        for dx, dy in left_first if px + 6 * dpi + w > right_edge else cands:
+        cands = left if px + gap * dpi + w > right_edge else right
+        best = None
+        for dx, dy in cands:
             x0 = px + dx * dpi if dx > 0 else px + dx * dpi - w
             y0 = py + dy * dpi
             box = (x0, y0, x0 + w, y0 + h)
@@ -123,7 +132,7 @@ def _place_labels(ax: Any, pts: list[tuple[float, float, str]], fontsize: float 
                 best = (dx, dy, box)
                 break
         if best is None:
-            dx, dy = cands[0] if px + 6 * dpi + w <= right_edge else left_first[0]
+            dx, dy = cands[0]
             x0 = px + dx * dpi if dx > 0 else px + dx * dpi - w
             best = (dx, dy, (x0, py + dy * dpi, x0 + w, py + dy * dpi + h))
         dx, dy, box = best
@@ -131,6 +140,8 @@ def _place_labels(ax: Any, pts: list[tuple[float, float, str]], fontsize: float 
         ann = ax.annotate(
             text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
             ha="left" if dx > 0 else "right", va="bottom",
+            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.45", "shrinkA": 0,
+                        "shrinkB": radius, "relpos": (0.0 if dx > 0 else 1.0, 0.0)},
         )  # fmt: skip
         ann.set_in_layout(False)  # placed after the layout: it must not move the axes again
 
@@ -197,13 +208,16 @@ def plot_accuracy_vs_time(df: Any) -> Any | None:
                 [r.backward_ms_median], [yv], s=area, c="none" if bad else colors[fam],
                 edgecolors=colors[fam], linewidths=1.5, alpha=0.75, gid=f"{r.cell_id}|{r.variant}",
             )  # fmt: skip
-            pts.append((float(r.backward_ms_median), yv, f"{r.variant} ({mem:.3g} MiB)" if ok
-                        else str(r.variant)))  # fmt: skip
+            text = f"{r.variant} ({mem:.3g} MiB)" if ok else str(r.variant)
+            pts.append((float(r.backward_ms_median), yv, text, math.sqrt(area) / 2.0))
         ax.set_yscale("log")
         xs = [p[0] for p in pts if p[0] > 0]
-        if xs and max(xs) / min(xs) > 20:
+        log_x = bool(xs) and max(xs) / min(xs) > 20
+        if log_x:
             ax.set_xscale("log")
         ax.margins(x=0.25, y=0.2)
+        if not log_x:
+            ax.set_xlim(left=0.0)  # a time: the linear axis starts at 0, not in the margin
         ax.set_xlabel("backward time (ms, median over repeats)")
         ax.set_ylabel("gradient relative error vs float64 reference")
         when = f", step {step}" if len(steps) > 1 else ""
