@@ -147,6 +147,9 @@ def test_gpu_layout_pins_one_worker_per_gpu(monkeypatch):
 
     from deqbench.run.executors import dask as dx
 
+    from deqbench.run import env
+
+    monkeypatch.setattr(env, "_nvml_device_count", lambda: None)  # torch's count, patched
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     specs, layout = dx.DaskExecutor().worker_specs("cuda", None)
@@ -212,6 +215,10 @@ def test_local_cluster_gives_inline_rows_and_resumes(
     meta = json.loads((d / "run.json").read_text())
     assert meta["status"] == "complete" and meta["executor"]["workers"] == 2
     assert meta["executor"]["kind"] == "dask" and meta["executor"]["threads_joined"] == 2
+    # deqbench run closes its cluster in the background from the last result on, so the
+    # closing overlaps the plots and checks instead of following them
+    tl = meta["timelines"][-1]
+    assert tl["phases"]["tasks_end"] <= tl["cluster"]["released"] <= tl["phases"]["plots_start"]
     # every worker warmed up at start: one warmup_time row per worker process, on its first cell
     warm = got[(got.analysis == PROCESS) & (got.metric == "warmup_time")]
     assert len(warm) == 2 and (warm.value > 0).all(), warm
@@ -409,6 +416,29 @@ def test_short_cells_add_a_worker_on_gpus_with_room(monkeypatch):
     ex = executor(workers=2)  # a layout the user chose stays
     assert ex.add_gpu_workers([2.0, 2.0], remaining=100) == []
     ex.cluster = ex.client = None  # nothing to close
+
+
+@pytest.mark.parametrize(
+    "visible, want",
+    [(None, 4), ("2,0", 2), ("1,7,0", 1), ("0,0", 1), ("-1", 0), ("", 0), ("3,x,1", 1),
+     ("GPU-8f2c,1", None), ("MIG-1", None)],
+)  # fmt: skip
+def test_visible_gpu_count_without_torch_follows_cuda_visible_devices(monkeypatch, visible, want):
+    """The driver's count narrowed by CUDA_VISIBLE_DEVICES as CUDA reads it (indices up to the
+    first invalid or repeated one); UUIDs are CUDA's to map (None without the torch fallback)."""
+    from deqbench.run import env
+
+    monkeypatch.setattr(env, "_nvml_device_count", lambda: 4)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert env.visible_gpu_count(torch_fallback=False) == want
+    quick = env.resolve_device("auto", quick=True)
+    if want is not None:
+        assert quick == ("cuda" if want else "cpu")
+    monkeypatch.setattr(env, "_nvml_device_count", lambda: None)  # no driver library
+    assert env.visible_gpu_count(torch_fallback=False) is None
 
 
 def test_prestart_only_for_a_local_dask_cluster(tmp_path):

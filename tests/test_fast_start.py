@@ -211,7 +211,8 @@ def probe(
     out = subprocess.run(
         [sys.executable, "-c", code, *args],
         cwd=tmp_path,
-        env={**os.environ, **(env or {})},
+        # the normal exit: this wrapper reads sys.modules after the command's SystemExit
+        env={**os.environ, "DEQBENCH_SLOW_EXIT": "1", **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
@@ -283,3 +284,28 @@ def test_ls_lists_plugins_from_their_metadata_without_importing_them(tmp_path):
     assert "tries to register model 'fc_deq', which is a built-in name" in stderr
     rc, _, stdout, _ = probe(tmp_path, "ls", "models", "--check", env=env)
     assert rc == 1 and "lsplug was imported" in stdout  # --check imports it: BROKEN
+
+
+def test_commands_exit_at_once_with_their_code_and_all_their_output(tmp_path):
+    """``deqbench`` leaves by ``os._exit`` once a command's exit code is decided (the
+    interpreter's teardown skipped): the code and every line already printed must arrive, on a
+    pipe and in a file; ``DEQBENCH_SLOW_EXIT=1`` gives the same through the normal exit."""
+    for slow in ("", "1"):
+        env = {**os.environ, "DEQBENCH_SLOW_EXIT": slow}
+        out = subprocess.run(
+            [sys.executable, "-m", "deqbench", "ls", "solvers"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "anderson" in out.stdout and "broyden" in out.stdout
+        with open(tmp_path / "ls.txt", "w") as fh:  # a file: block-buffered stdout
+            rc = subprocess.run(
+                [sys.executable, "-m", "deqbench", "ls", "solvers"],
+                cwd=tmp_path, env=env, stdout=fh, timeout=300,
+            ).returncode  # fmt: skip
+        assert rc == 0 and (tmp_path / "ls.txt").read_text() == out.stdout
+        bad = subprocess.run(
+            [sys.executable, "-m", "deqbench", "validate", "missing.yaml"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert bad.returncode == 2 and "missing.yaml: no such file" in bad.stderr

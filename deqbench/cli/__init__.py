@@ -209,7 +209,7 @@ def execute(
     from ..run.results import load_results
 
     with signals_held():  # the run has ended: its status and exit code stand
-        df = load_results(summary.run_dir)
+        df = summary.results if summary.results is not None else load_results(summary.run_dir)
         print_summary(df)
         print_headlines(df, suite.analyses)
         con = err_console()
@@ -863,9 +863,18 @@ def main() -> None:
     """Console-script entry point (``deqbench`` and ``python -m deqbench``). Memory exhausted
     while the heavy libraries load (``ulimit -v`` too low for PyTorch: MemoryError, or an
     ImportError "failed to map segment") is one line on stderr and exit code 2, not a
-    traceback."""
+    traceback.
+
+    A command that ended (its exit code decided) leaves the process at once: the interpreter's
+    teardown after torch, pandas, matplotlib and Dask are loaded (finalisers, the collection of
+    the whole heap) took 1.5 s, on every run. Every file a command writes is complete by then
+    (written atomically, closed); stdout and stderr are flushed first. ``DEQBENCH_SLOW_EXIT=1``
+    keeps the normal exit."""
     try:
         app()
+    except SystemExit as exc:
+        _exit_now(exc.code)
+        raise
     except (MemoryError, ImportError, OSError) as exc:
         if not _memory_exhausted(exc):
             raise
@@ -875,3 +884,18 @@ def main() -> None:
             line = "out of memory while loading PyTorch: raise `ulimit -v` or free memory"
         sys.stderr.write(f"error: {line}\n")
         raise SystemExit(2) from None
+
+
+def _exit_now(code: Any) -> None:
+    """``os._exit`` with ``code`` (an int or None) after flushing stdout and stderr; returns
+    (the caller raises as usual) for other codes or with ``DEQBENCH_SLOW_EXIT`` set."""
+    import os
+
+    if os.environ.get("DEQBENCH_SLOW_EXIT") or not (code is None or isinstance(code, int)):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe: nothing more to say
+            pass
+    os._exit(code or 0)

@@ -43,13 +43,68 @@ def check_device(requested: str) -> str | None:
     return None
 
 
-def resolve_device(requested: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; others unchanged."""
+def resolve_device(requested: str, *, quick: bool = False) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; others unchanged.
+    ``quick``: answer from the driver (:func:`visible_gpu_count`) without importing torch where
+    it can (a guess: torch may still find CUDA unusable), as a Dask cluster started before the
+    suite is validated does."""
     if requested != "auto":
         return requested
+    if quick:
+        n = visible_gpu_count(torch_fallback=False)
+        if n is not None:
+            return "cuda" if n > 0 else "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _nvml_device_count() -> int | None:
+    """The GPUs the NVIDIA driver reports (NVML through ctypes, a few ms), or None without the
+    driver's library."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            return None
+        try:
+            n = ctypes.c_uint(0)
+            ok = lib.nvmlDeviceGetCount_v2(ctypes.byref(n)) == 0
+        finally:
+            lib.nvmlShutdown()
+    except (OSError, AttributeError):
+        return None
+    return int(n.value) if ok else None
+
+
+def visible_gpu_count(*, torch_fallback: bool = True) -> int | None:
+    """``torch.cuda.device_count()`` without importing torch (4 s on a GPU host) where the answer
+    is plain: the driver's GPU count (NVML), narrowed by ``CUDA_VISIBLE_DEVICES`` as CUDA does
+    (indices, up to the first invalid one). Anything else (UUIDs, MIG, no NVML) asks torch, or
+    returns None when ``torch_fallback`` is False."""
+    physical = _nvml_device_count()
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if physical is not None:
+        if env is None:
+            return physical
+        seen: list[int] = []
+        for item in (i.strip() for i in env.split(",")):
+            if not item.isdigit():
+                if item.upper().startswith(("GPU-", "MIG-")):
+                    seen = []  # a UUID: only CUDA itself can map it
+                    break
+                return len(seen)  # "-1", "" ...: CUDA stops at the first invalid entry
+            if int(item) >= physical or int(item) in seen:
+                return len(seen)
+            seen.append(int(item))
+        else:
+            return len(seen)
+    if not torch_fallback:
+        return None
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 def device_name(device: str) -> str:

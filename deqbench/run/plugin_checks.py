@@ -196,7 +196,6 @@ def _monotone_cell() -> Any:
 def _problem(cell: Any, adjoint: bool) -> tuple[Any, Any]:
     """(f, z0): a CellMap (forward) or an AdjointMap at an approximate fixed point (adjoint)."""
     import torch
-    from torch.func import vjp
 
     from ..core.backward import AdjointMap
     from ..core.deq import CellMap
@@ -209,12 +208,16 @@ def _problem(cell: Any, adjoint: bool) -> tuple[Any, Any]:
         z = torch.zeros_like(u)
         for _ in range(60):
             z = cell(z, u)
-    _, vjp_fn = vjp(lambda z_: cell(z_, u), z)  # type: ignore[misc]  # torch stub: 2- or 3-tuple
+    # plain autograd, not torch.func.vjp: torch.func imports torch._dynamo (2-4 s) into the
+    # process that checks the suite (the coordinator of a run, which never needs it)
+    z_in = z.detach().requires_grad_(True)
+    with torch.enable_grad():
+        out = cell(z_in, u)
     grad = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)
 
     def adj(w: Any) -> Any:
-        with torch.no_grad():
-            return vjp_fn(w)[0] + grad
+        (vjp,) = torch.autograd.grad(out, z_in, w, retain_graph=True)
+        return vjp + grad
 
     return AdjointMap(adj, cell, z, u, grad), grad.clone()
 

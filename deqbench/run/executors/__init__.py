@@ -85,7 +85,11 @@ def prestart(
         dtype = str(over.get("dtype") or raw.get("dtype") or "float32")
         from ..env import resolve_device
 
-        dev = resolve_device(str(device or over.get("device") or raw.get("device") or "auto"))
+        # from the driver where it can: importing torch here would hold back the workers'
+        # start by its import time (4 s on a GPU host)
+        dev = resolve_device(
+            str(device or over.get("device") or raw.get("device") or "auto"), quick=True
+        )
         ex = make_executor(name, scheduler=scheduler, workers=workers)
     except Exception:  # noqa: BLE001 - validation reports it properly
         return None
@@ -116,6 +120,7 @@ def open_executor(
     if started is not None:
         want = (suite.resolved_device(), suite.threads) if suite is not None else None
         if getattr(started, "started_for", None) == want:
+            started.release_when_done = True  # this run is its only one
             try:
                 yield started
             finally:
@@ -127,6 +132,8 @@ def open_executor(
     try:
         if start is not None and suite is not None:
             start(suite.resolved_device(), suite.threads, dtype=suite.dtype, wait=False)
+        if hasattr(ex, "release"):
+            ex.release_when_done = True  # this run is its only one
         yield ex
     finally:
         close = getattr(ex, "close", None)

@@ -109,9 +109,9 @@ def gpu_ids(device: str) -> list[str]:
     honouring this process's ``CUDA_VISIBLE_DEVICES``; empty for other devices."""
     if not device.startswith("cuda"):
         return []
-    import torch
+    from ..env import visible_gpu_count
 
-    n = torch.cuda.device_count()
+    n = visible_gpu_count() or 0  # without importing torch where the driver answers
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [x.strip() for x in env.split(",") if x.strip()][:n] if env is not None else []
     if env is None:
@@ -312,6 +312,8 @@ class DaskExecutor:
         self.layout: dict[str, Any] = {}
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
+        self._closing: threading.Thread | None = None  # release(): closing in the background
+        self._final_info: dict[str, Any] | None = None  # describe() as the run ended
         self._specs: dict[str, Any] = {}
         self._dtype = "float32"
         #: epoch seconds of the cluster's start (``cluster_start``, ``cluster_ready``) and the
@@ -397,8 +399,33 @@ class DaskExecutor:
             err, self._start_error = self._start_error, None
             raise err
 
+    #: the cells run in other processes: the coordinator may prepare its plots meanwhile
+    remote = True
+    #: set by :func:`~deqbench.run.executors.open_executor` (``deqbench run``), whose executor
+    #: serves one run: the runner then calls :meth:`release` once the last task returned
+    release_when_done = False
+
+    def release(self) -> None:
+        """Start closing the client and the local cluster in a background thread (the
+        coordinator draws the plots meanwhile); :meth:`close` waits for it. The layout is kept
+        for :meth:`describe`."""
+        if self._closing is not None:
+            return
+        self._final_info = self.describe()
+        self.timeline["released"] = time.time()
+        self._closing = threading.Thread(
+            target=self._close_now, name="deqbench-dask-close", daemon=True
+        )
+        self._closing.start()
+
     def close(self) -> None:
         """Close the client and the local cluster (if this executor started one)."""
+        closing, self._closing = self._closing, None
+        if closing is not None:
+            closing.join()
+        self._close_now()
+
+    def _close_now(self) -> None:
         if self._starting is not None:
             self._starting.join()
             self._starting = None
@@ -423,6 +450,8 @@ class DaskExecutor:
 
     def describe(self) -> dict[str, Any]:
         """What ``run.json`` records under ``executor`` (never waits for a background start)."""
+        if self._final_info is not None and self.client is None:  # released: as it ended
+            return dict(self._final_info)
         info = dict(self.layout) or {"kind": "dask", "scheduler": self.scheduler}
         if self.client is not None and self._starting is None:
             try:
