@@ -145,9 +145,8 @@ def test_unreachable_scheduler_is_a_config_error():
 def test_gpu_layout_pins_one_worker_per_gpu(monkeypatch):
     import torch
 
-    from deqbench.run.executors import dask as dx
-
     from deqbench.run import env
+    from deqbench.run.executors import dask as dx
 
     monkeypatch.setattr(env, "_nvml_device_count", lambda: None)  # torch's count, patched
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -115,9 +115,11 @@ def _place_labels(
         px, py = ax.transData.transform((x, y))
         w, h = 0.62 * fontsize * len(text) * dpi, 1.2 * fontsize * dpi
         gap = radius + 3.0  # points: from the marker's edge, not its centre
-        right = [(gap, dy) for dy in dys[:5]] + [(-gap, dy) for dy in dys[:2]] + [
-            (gap, dy) for dy in dys[5:]
-        ]
+        right = (
+            [(gap, dy) for dy in dys[:5]]
+            + [(-gap, dy) for dy in dys[:2]]
+            + [(gap, dy) for dy in dys[5:]]
+        )
         left = [(-gap, dy) for dy in dys]
         # a label that would leave the axes on the right goes to the left of its marker
         cands = left if px + gap * dpi + w > right_edge else right
@@ -188,7 +190,7 @@ def plot_accuracy_vs_time(df: Any) -> Any | None:
     spare = [c for c in plots.PALETTE if c not in MODE_COLORS.values()]
     colors = {f: MODE_COLORS.get(f) or spare[i % len(spare)] for i, f in enumerate(families)}
     kinds: set[str] = set()
-    labelled: list[tuple[Any, list[tuple[float, float, str]]]] = []
+    labelled: list[tuple[Any, list[tuple[float, float, str, float]]]] = []
     for (cell, step), ax in zip(panels, axs[0]):
         g = w[(w["cell_id"] == cell) & (w["step"] == step)]
         has_peak = "peak_memory" in g and bool(g["peak_memory"].notna().all())
