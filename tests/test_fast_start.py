@@ -309,3 +309,27 @@ def test_commands_exit_at_once_with_their_code_and_all_their_output(tmp_path):
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert bad.returncode == 2 and "missing.yaml: no such file" in bad.stderr
+
+
+@pytest.mark.parametrize("compiles", [False, True])
+def test_deterministic_flag_without_inductor_only_where_nothing_compiles(compiles):
+    """A Dask coordinator (``compiles=False``) sets the deterministic-algorithms flag without
+    importing TorchInductor (2-4 s, torch._dynamo with it); a process that runs cells sets
+    Inductor's ``deterministic`` too (a compiled cell must see it); restoring afterwards
+    (``preserved_numerics``) does not import Inductor either where it was not loaded."""
+    code = (
+        "import sys, torch\n"
+        "from deqbench.run.task import set_deterministic_algorithms\n"
+        "from deqbench.performance.measure import preserved_numerics\n"
+        "with preserved_numerics():\n"
+        f"    set_deterministic_algorithms(True, warn_only=True, compiles={compiles})\n"
+        "    on = torch.are_deterministic_algorithms_enabled()\n"
+        "    loaded = 'torch._inductor.config' in sys.modules\n"
+        "    ind = sys.modules['torch._inductor.config'].deterministic if loaded else None\n"
+        "print(on, loaded, ind, torch.are_deterministic_algorithms_enabled())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    want = "True True True False" if compiles else "True False None False"
+    assert out.stdout.split() == want.split(), out.stderr

@@ -92,7 +92,10 @@ def preserved_numerics() -> Iterator[None]:
             torch.backends.cudnn.benchmark,
             torch.backends.cudnn.deterministic,
         ) = saved[:4]
-        torch.use_deterministic_algorithms(saved[4], warn_only=saved[5])
+        from ..run.task import set_deterministic_algorithms
+
+        # restoring: where Inductor is not loaded nothing compiled ran, the global flag suffices
+        set_deterministic_algorithms(saved[4], warn_only=saved[5], compiles=False)
         if torch.get_num_threads() != saved[6]:
             torch.set_num_threads(saved[6])
         if saved[7] is None:

@@ -407,7 +407,8 @@ def _run_suite(
         import torch
 
         torch.set_num_threads(suite.threads)  # before collect(): run.json records it
-    apply_numeric_flags(suite)  # likewise (TF32, cudnn.benchmark)
+    # likewise (TF32, cudnn.benchmark); a remote executor's workers set them for their cells
+    apply_numeric_flags(suite, compiles=not getattr(executor, "remote", False))
     # epoch seconds of the run's phases (deqbench.run.timeline reads them from run.json)
     phases: dict[str, float | None] = {"process_start": _process_start(), "run_start": time.time()}
     with _Signals() as sig, ExitStack() as stack:  # the stack holds run.lock

@@ -169,14 +169,31 @@ def take_warmup_time(device: str, dtype: Any) -> float | None:
     return took
 
 
-def apply_numeric_flags(suite: Any) -> None:
+def set_deterministic_algorithms(on: bool, *, warn_only: bool, compiles: bool = True) -> None:
+    """``torch.use_deterministic_algorithms(on, warn_only=...)``, whose only other effect is
+    TorchInductor's ``deterministic`` setting, for which it imports ``torch._inductor`` (and
+    ``torch._dynamo`` with it: 2-4 s). ``compiles=False`` (a process that runs no cell, e.g. the
+    coordinator of a Dask run) and any process where Inductor is not loaded yet while ``on`` is
+    False set the global flag alone: no compiled code can see the difference there."""
+    import sys
+
+    import torch
+
+    if "torch._inductor.config" in sys.modules or (compiles and on):
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+    else:
+        torch._C._set_deterministic_algorithms(on, warn_only=warn_only)
+
+
+def apply_numeric_flags(suite: Any, *, compiles: bool = True) -> None:
     """Set the suite's torch numeric flags: ``tf32`` (matmul and cuDNN TF32),
     ``cudnn_benchmark`` and ``deterministic`` (``torch.use_deterministic_algorithms`` with
     ``warn_only``, ``cudnn.deterministic``, and cuBLAS's deterministic workspace
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless the environment sets one; it takes effect where
     cuBLAS was not used yet in the process, so set it for the whole run). Unset flags stay at
     PyTorch's defaults (matmul TF32 off, cuDNN TF32 on, benchmark off, nondeterministic
-    algorithms allowed). ``run.json`` records the flags in effect."""
+    algorithms allowed). ``run.json`` records the flags in effect. ``compiles=False``: this
+    process runs no cell (:func:`set_deterministic_algorithms`)."""
     flags = suite.numeric_flags() if hasattr(suite, "numeric_flags") else {}
     if not flags:
         return
@@ -191,7 +208,7 @@ def apply_numeric_flags(suite: Any) -> None:
         on = flags["deterministic"]
         if on:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(on, warn_only=True)
+        set_deterministic_algorithms(on, warn_only=True, compiles=compiles)
         torch.backends.cudnn.deterministic = on
 
 
