@@ -443,13 +443,14 @@ def _run_suite(
         )
         written = 0
         results: Iterator[TaskResult] | None = None
+        preload: threading.Thread | None = None
         timings: list[dict[str, Any]] = []  # one per finished task (timeline.csv)
         try:
             with _Progress(len(tasks), progress) as prog:
                 sig.arm()
                 phases["tasks_start"] = time.time()
                 if plots and getattr(executor, "remote", False):
-                    _preload_finishing(suite)  # the coordinator idles while workers run
+                    preload = _preload_finishing(suite)  # the coordinator idles meanwhile
                 results = iter((executor or InlineExecutor()).run(tasks, prog))
                 for r in results:
                     r.timing["received"] = time.time()
@@ -488,6 +489,8 @@ def _run_suite(
             pass  # the rows stay in the order they finished: nothing is lost
         except OSError as exc:
             _log(run_dir, f"results.csv left in finishing order: {type(exc).__name__}: {exc}")
+        if preload is not None:
+            preload.join()  # the registries it loads must be whole before the plots read them
         timeline = {"phases": phases, "cluster": dict(getattr(executor, "timeline", None) or {})}
         _finish(run_dir, meta, summary, plots, sig, describe, timeline, timings)
         if sig.late is not None and not summary.interrupted:
@@ -497,11 +500,12 @@ def _run_suite(
         return summary
 
 
-def _preload_finishing(suite: Suite) -> None:
+def _preload_finishing(suite: Suite) -> threading.Thread:
     """Import what the plots and the outcome checks need (matplotlib, the suite's analysis
     modules and their figures, :mod:`deqbench.outcomes`) in a background thread, while the
     tasks run elsewhere (an executor with ``remote = True``): 1-2 s off the run's serial end.
-    Never with the inline executor, whose cells' timings it would disturb."""
+    Never with the inline executor, whose cells' timings it would disturb. The caller joins the
+    thread before drawing."""
 
     def target() -> None:
         try:
@@ -515,7 +519,9 @@ def _preload_finishing(suite: Suite) -> None:
         except Exception:  # noqa: BLE001 - the plots import again and report
             pass
 
-    threading.Thread(target=target, name="deqbench-preload", daemon=True).start()
+    thread = threading.Thread(target=target, name="deqbench-preload", daemon=True)
+    thread.start()
+    return thread
 
 
 def _record(run_dir: Path, writer: res.ResultsWriter, r: TaskResult) -> None:
