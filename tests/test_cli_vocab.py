@@ -29,9 +29,12 @@ def test_version_without_importing_torch():
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    # the normal exit: the assertion after main() runs only without deqbench's os._exit
+    env = {**os.environ, "DEQBENCH_SLOW_EXIT": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("deqbench ")
+    assert "torch imported" not in out.stderr
 
 
 def test_bad_device_names_the_value_once(tmp_path):

@@ -370,8 +370,10 @@ def test_short_cells_add_a_worker_on_gpus_with_room(monkeypatch):
     whose free memory holds one more; long cells, little remaining work or --workers add none."""
     import torch
 
+    from deqbench.run import env
     from deqbench.run.executors import dask as dx
 
+    monkeypatch.setattr(env, "_nvml_device_count", lambda: None)  # torch's count, patched
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     gib = 1 << 30
@@ -419,12 +421,13 @@ def test_short_cells_add_a_worker_on_gpus_with_room(monkeypatch):
 
 @pytest.mark.parametrize(
     "visible, want",
-    [(None, 4), ("2,0", 2), ("1,7,0", 1), ("0,0", 1), ("-1", 0), ("", 0), ("3,x,1", 1),
-     ("GPU-8f2c,1", None), ("MIG-1", None)],
+    [(None, 4), ("2,0", 2), ("1,7,0", 1), ("0,0", 0), ("1,2,1", 0), ("-1", 0), ("", 0),
+     ("3,x,1", 1), ("1gpu2,2", 2), (" 2 , 3", 2), ("GPU-8f2c,1", None), ("MIG-1", None)],
 )  # fmt: skip
 def test_visible_gpu_count_without_torch_follows_cuda_visible_devices(monkeypatch, visible, want):
-    """The driver's count narrowed by CUDA_VISIBLE_DEVICES as CUDA reads it (indices up to the
-    first invalid or repeated one); UUIDs are CUDA's to map (None without the torch fallback)."""
+    """The driver's count narrowed by CUDA_VISIBLE_DEVICES as torch's parser reads it (strtoul
+    entries, a repeated ordinal empties the set, up to the first ordinal the driver lacks);
+    UUIDs are CUDA's to map (None without the torch fallback)."""
     from deqbench.run import env
 
     monkeypatch.setattr(env, "_nvml_device_count", lambda: 4)

@@ -891,11 +891,18 @@ def _exit_now(code: Any) -> None:
     (the caller raises as usual) for other codes or with ``DEQBENCH_SLOW_EXIT`` set."""
     import os
 
-    if os.environ.get("DEQBENCH_SLOW_EXIT") or not (code is None or isinstance(code, int)):
+    slow = os.environ.get("DEQBENCH_SLOW_EXIT", "").strip().lower()
+    if slow not in ("", "0", "false", "no", "off") or not (code is None or isinstance(code, int)):
         return
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed pipe: nothing more to say
             pass
+    try:  # what C code buffered in stdio (a library's printf)
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:  # noqa: BLE001 - no libc to ask: nothing buffered there
+        pass
     os._exit(code or 0)

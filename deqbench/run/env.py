@@ -81,25 +81,27 @@ def _nvml_device_count() -> int | None:
 def visible_gpu_count(*, torch_fallback: bool = True) -> int | None:
     """``torch.cuda.device_count()`` without importing torch (4 s on a GPU host) where the answer
     is plain: the driver's GPU count (NVML), narrowed by ``CUDA_VISIBLE_DEVICES`` as CUDA does
-    (indices, up to the first invalid one). Anything else (UUIDs, MIG, no NVML) asks torch, or
-    returns None when ``torch_fallback`` is False."""
+    reads it (torch's own parser: entries read like strtoul, a repeated ordinal empties the set,
+    counted up to the first ordinal the driver lacks). Anything else (UUIDs, MIG, no NVML) asks
+    torch, or returns None when ``torch_fallback`` is False."""
     physical = _nvml_device_count()
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if physical is not None:
         if env is None:
             return physical
-        seen: list[int] = []
-        for item in (i.strip() for i in env.split(",")):
-            if not item.isdigit():
-                if item.upper().startswith(("GPU-", "MIG-")):
-                    seen = []  # a UUID: only CUDA itself can map it
+        if not env.startswith(("GPU-", "MIG-")):  # UUIDs: only CUDA itself can map them
+            ordinals: list[int] = []
+            for item in env.split(","):
+                # each entry read like strtoul ("1gpu2" is 1); no leading number ends the list
+                m = re.match(r"[+-]?\d+", item.strip())
+                k = int(m.group()) if m else -1
+                if k in ordinals:
+                    return 0  # a repeated ordinal makes the set empty
+                if k < 0:
                     break
-                return len(seen)  # "-1", "" ...: CUDA stops at the first invalid entry
-            if int(item) >= physical or int(item) in seen:
-                return len(seen)
-            seen.append(int(item))
-        else:
-            return len(seen)
+                ordinals.append(k)
+            # counted up to the first ordinal the driver does not have
+            return next((i for i, k in enumerate(ordinals) if k >= physical), len(ordinals))
     if not torch_fallback:
         return None
     import torch

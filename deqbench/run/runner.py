@@ -620,8 +620,8 @@ def _finish(
         try:
             with sig.interruptible():
                 phases["plots_start"] = time.time()
-                if plots:
-                    summary.plots = _plots(run_dir, df)
+                if plots:  # a copy: a plugin's plot may modify it; the summary prints df
+                    summary.plots = _plots(run_dir, df.copy())
                 phases["plots_end"] = time.time()
                 _outcomes(run_dir)
                 phases["outcomes_end"] = time.time()

@@ -344,6 +344,7 @@ class DaskExecutor:
             return self
         from distributed import Client
 
+        self._final_info = None  # a cluster released by an earlier run is not this one
         self.timeline = {"cluster_start": time.time()}
         if self.scheduler is not None:
             try:
@@ -412,6 +413,7 @@ class DaskExecutor:
         if self._closing is not None:
             return
         self._final_info = self.describe()
+        self.release_when_done = False  # a later run on this executor starts a fresh cluster
         self.timeline["released"] = time.time()
         self._closing = threading.Thread(
             target=self._close_now, name="deqbench-dask-close", daemon=True
@@ -450,8 +452,8 @@ class DaskExecutor:
 
     def describe(self) -> dict[str, Any]:
         """What ``run.json`` records under ``executor`` (never waits for a background start)."""
-        if self._final_info is not None and self.client is None:  # released: as it ended
-            return dict(self._final_info)
+        if self._final_info is not None and (self._closing is not None or self.client is None):
+            return dict(self._final_info)  # released: the cluster as the run ended
         info = dict(self.layout) or {"kind": "dask", "scheduler": self.scheduler}
         if self.client is not None and self._starting is None:
             try:
