@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab_helpers import one_thread_seeded  # noqa: F401
 
 import deqbench
 from deqbench.analyses.base import CellContext
@@ -24,15 +25,6 @@ from deqbench.run.data import load_data
 from deqbench.testing import check_backward
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)  # every random batch below is the same in every run
-    yield
-    torch.set_num_threads(old)
 
 
 def test_builtins_are_registered_and_declare_their_forward():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from lab_helpers import TanhCell, dense_ift_adjoint, one_thread_seeded  # noqa: F401
 
 from deqbench.backward.reversible import reverse
 from deqbench.deq import BackwardConfig, DEQLayer, SolverConfig
@@ -16,30 +16,6 @@ from deqbench.errors import ConfigError
 from deqbench.performance.memory import saved_tensor_bytes
 
 D = 8
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)  # every random batch below is the same in every run
-    yield
-    torch.set_num_threads(old)
-
-
-class TanhCell(nn.Module):
-    """f(z, x) = tanh(W z + U x + b) with ||W||_2 = ``scale`` (BACKWARD_LAB.md section 4)."""
-
-    def __init__(self, d: int = D, scale: float = 0.5, seed: int = 0, dtype=torch.float64):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        W = torch.randn(d, d, generator=g, dtype=dtype)
-        self.W = nn.Parameter(W * scale / torch.linalg.matrix_norm(W, 2))
-        self.U = nn.Parameter(torch.randn(d, d, generator=g, dtype=dtype) / d**0.5)
-        self.b = nn.Parameter(0.1 * torch.randn(d, generator=g, dtype=dtype))
-
-    def forward(self, z, x):
-        return torch.tanh(z @ self.W.T + x @ self.U.T + self.b)
 
 
 def _layer(cell, beta, max_iter, tol=0.0, **opts):
@@ -71,23 +47,8 @@ def _unrolled_reference(cell, x, beta, steps, zbar):
 
 
 def _ift_reference(cell, x, zbar):
-    """The dense IFT gradient: z* by plain iteration to 1e-14, per-sample dense J,
-    w = solve((I - J)^T, zbar), grads = w^T df/d(theta, x)."""
-    z = torch.zeros_like(x)
-    with torch.no_grad():
-        for _ in range(5000):
-            z_new = cell(z, x)
-            if float((z_new - z).norm()) <= 1e-15:
-                break
-            z = z_new
-    ws = []
-    for i in range(x.shape[0]):
-        J = torch.autograd.functional.jacobian(lambda v, i=i: cell(v[None], x[i : i + 1])[0], z[i])
-        A = (torch.eye(J.shape[0], dtype=J.dtype) - J).T
-        w = torch.linalg.solve(A, zbar[i])
-        assert float((A @ w - zbar[i]).norm()) <= 1e-12
-        ws.append(w)
-    w = torch.stack(ws)
+    """The dense IFT gradient (lab_helpers.dense_ift_adjoint): grads = w^T df/d(theta, x)."""
+    z, w = dense_ift_adjoint(cell, x, zbar)
     xx = x.detach().requires_grad_()
     gs = torch.autograd.grad(cell(z, xx), [*cell.parameters(), xx], w)
     return torch.cat([g.reshape(-1) for g in gs])

@@ -9,38 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from lab_helpers import TanhCell, dense_ift_adjoint, one_thread_seeded  # noqa: F401
 
 import deqbench
 from deqbench.backward.shine import inverse_pairs, matvec, rmatvec, shine_adjoint
 from deqbench.deq import BackwardConfig, CellMap, DEQLayer, SolverConfig
 from deqbench.errors import ConfigError
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)  # every random batch below is the same in every run
-    yield
-    torch.set_num_threads(old)
-
-
-class TanhCell(nn.Module):
-    """f(z, x) = tanh(W z + U x + b), ||W||_2 = ``scale`` (BACKWARD_LAB.md section 4)."""
-
-    def __init__(self, d: int = 8, scale: float = 0.5, seed: int = 0, W=None):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        if W is None:
-            W = torch.randn(d, d, generator=g, dtype=torch.float64)
-            W = W * scale / torch.linalg.matrix_norm(W, 2)
-        self.W = nn.Parameter(W)
-        self.U = nn.Parameter(torch.randn(d, d, generator=g, dtype=torch.float64) / d**0.5)
-        self.b = nn.Parameter(0.1 * torch.randn(d, generator=g, dtype=torch.float64))
-
-    def forward(self, z, x):
-        return torch.tanh(z @ self.W.T + x @ self.U.T + self.b)
 
 
 def _broyden(f, z0, max_iter, tol=0.0, **opts):
@@ -52,23 +26,9 @@ def _broyden(f, z0, max_iter, tol=0.0, **opts):
 
 
 def _oracle(cell, x, zbar):
-    """Dense IFT: z* by plain iteration to 1e-14, per-sample J, w = solve((I - J)^T, zbar);
-    returns (z*, w, gradient of theta = w^T df/dtheta, flattened)."""
-    z = torch.zeros_like(x)
-    with torch.no_grad():
-        for _ in range(5000):
-            z_new = cell(z, x)
-            if float((z_new - z).norm()) <= 1e-15:
-                break
-            z = z_new
-    ws = []
-    for i in range(x.shape[0]):
-        J = torch.autograd.functional.jacobian(lambda v, i=i: cell(v[None], x[i : i + 1])[0], z[i])
-        A = (torch.eye(J.shape[0], dtype=J.dtype) - J).T
-        w = torch.linalg.solve(A, zbar[i])
-        assert float((A @ w - zbar[i]).norm()) <= 1e-12
-        ws.append(w)
-    w = torch.stack(ws)
+    """Dense IFT (lab_helpers.dense_ift_adjoint); returns (z*, w, gradient of theta = w^T
+    df/dtheta, flattened)."""
+    z, w = dense_ift_adjoint(cell, x, zbar)
     gs = torch.autograd.grad(cell(z, x), list(cell.parameters()), w)
     return z, w, torch.cat([g.reshape(-1) for g in gs])
 

@@ -227,8 +227,13 @@ class Analysis:
         if step in done:
             return ()
         done.add(step)
+        return self._rows_or_error(lambda: self.measure(ctx, step), step)
+
+    def _rows_or_error(self, rows: Callable[[], Iterable[Row]], step: int) -> list[Row]:
+        """``rows()`` as a list, or one error row when it raises (failure is data; a
+        :class:`~deqbench.core.errors.DeqbenchError`, a configuration mistake, stops the task)."""
         try:
-            return list(self.measure(ctx, step))
+            return list(rows())
         except Exception as exc:  # noqa: BLE001 - failure is data; the run goes on
             from ..core.errors import DeqbenchError
 

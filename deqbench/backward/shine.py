@@ -42,9 +42,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
-from torch.func import functional_call
 
-from ..core.backward import param_items
+from ..core.backward import f_graph, param_items
 from ..core.registry import backward_modes
 from ..solvers.base import make_stats
 from .base import BackwardMode
@@ -188,15 +187,8 @@ class _ShineFunction(torch.autograd.Function):
         z, u, U, V, *params = ctx.saved_tensors
         cfg = layer.backward_cfg
         opts = Shine().options(cfg)
-        names, _ = param_items(layer)
         need_u = ctx.needs_input_grad[2]
-        with torch.enable_grad():
-            z_ = z.detach().requires_grad_()
-            u_ = u.detach().requires_grad_(need_u)
-            p_ = [p.detach().requires_grad_() for p in params]
-            with layer.runtime.autocast(z_.device):  # the f of the forward solve
-                out = functional_call(layer.cell, dict(zip(names, p_)), (z_, u_))
-            out = out.to(z_.dtype)
+        out, z_, u_, p_ = f_graph(layer, z, u, params, need_u)
         gf = g.detach().reshape(g.shape[0], -1)
         w, bad = shine_adjoint(gf, U, V, opts.fallback, opts.fallback_threshold)
         nvjp = 1

@@ -45,15 +45,12 @@ class PhasedAnalysis(Analysis):
     def _measure(self, ctx: CellContext, step: int) -> Iterable[Row]:
         raise NotImplementedError
 
-    def _guarded(self, ctx: CellContext, step: int) -> list[Row]:
-        try:
-            return list(self._measure(ctx, step))
-        except Exception as exc:  # noqa: BLE001 - failure is data; the run goes on
-            from ..core.errors import DeqbenchError
+    def __init__(self, params: Any = None) -> None:
+        super().__init__(params)
+        self._series: list[Any] = []  # the figure's series, written by the task
 
-            if isinstance(exc, DeqbenchError):
-                raise
-            return [Row.failed(self.metric or self.name, exc, step=step)]
+    def _guarded(self, ctx: CellContext, step: int) -> list[Row]:
+        return self._rows_or_error(lambda: self._measure(ctx, step), step)
 
     def before_training(self, ctx: CellContext) -> list[Row]:
         return self._guarded(ctx, 0) if "init" in self.params.at else []  # type: ignore[attr-defined]

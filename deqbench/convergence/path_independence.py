@@ -301,10 +301,6 @@ class PathIndependence(PhasedAnalysis):
 
     params: Params  # narrowed for type checkers
 
-    def __init__(self, params: Any = None) -> None:
-        super().__init__(params)
-        self._series: list[Any] = []
-
     def _measure(self, ctx: CellContext, step: int):
         import pandas as pd
 

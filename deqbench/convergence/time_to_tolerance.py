@@ -402,10 +402,6 @@ class TimeToTolerance(PhasedAnalysis):
 
     params: Params  # narrowed for type checkers
 
-    def __init__(self, params: Any = None) -> None:
-        super().__init__(params)
-        self._series: list[Any] = []
-
     def _measure(self, ctx: CellContext, step: int):
         from ..performance._perf import measuring, preserved
         from ..performance.measure import flag_rows

@@ -25,7 +25,7 @@ point (small states; the Hessian analysis).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -87,6 +87,25 @@ def param_items(layer: Layer) -> tuple[list[str], list[Tensor]]:
             names.append(n)
             params.append(p)
     return names, params
+
+
+def f_graph(
+    layer: Layer, z: Tensor, u: Tensor, params: Sequence[Tensor], need_u: bool
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """f(z*, u) rebuilt with autograd for a backward: (out, z_, u_, p_) with fresh leaves z_, u_
+    (requiring grad when ``need_u``) and the saved parameters p_, under the forward solve's
+    autocast, out in z's dtype. f runs at the saved parameters, not the cell's attributes: under
+    ``torch.func.functional_call`` the forward ran with substituted tensors that the module no
+    longer holds when the backward runs."""
+    names, _ = param_items(layer)
+    with torch.enable_grad():
+        z_ = z.detach().requires_grad_()
+        u_ = u.detach().requires_grad_(need_u)
+        p_ = [p.detach().requires_grad_() for p in params]
+        with layer.runtime.autocast(z_.device):  # the f of the forward solve
+            out = functional_call(layer.cell, dict(zip(names, p_)), (z_, u_))
+        out = out.to(z_.dtype)
+    return out, z_, u_, p_
 
 
 class _Thunk(nn.Module):
@@ -445,16 +464,7 @@ class _ImplicitFunction(torch.autograd.Function):
         else:
             # First order: one retained graph of f at (z*, u) with plain autograd (cheaper per
             # VJP than torch.func and avoids importing torch._dynamo on the first backward).
-            with torch.enable_grad():
-                z_ = z.detach().requires_grad_()
-                u_ = u.detach().requires_grad_(u.requires_grad)
-                # f at the saved parameters, not the cell's attributes: under
-                # torch.func.functional_call the forward ran with substituted tensors that the
-                # module no longer holds when this backward runs.
-                p_ = [p.detach().requires_grad_() for p in params]
-                with layer.runtime.autocast(z_.device):  # the f of the forward solve
-                    fz_out = functional_call(cell, dict(zip(names, p_)), (z_, u_))
-                fz_out = fz_out.to(z_.dtype)
+            fz_out, z_, u_, p_ = f_graph(layer, z, u, params, u.requires_grad)
             inputs = [z_] + ([u_] if u.requires_grad else []) + p_
 
             def vjp_fn(w: Tensor) -> tuple[Tensor | None, ...]:
