@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import uuid
@@ -591,3 +592,47 @@ def test_dask_cli_cluster_survives_a_worker_killed_mid_cell(tmp_path):
             _stop(proc)
         log.close()
         dask_helpers.marker(key).unlink(missing_ok=True)
+
+
+@needs_dask
+def test_start_method_is_the_users_else_forkserver_on_gpus(monkeypatch):
+    """Dask's multiprocessing-method where the user set it (config, environment, or
+    dask.config.set to other than Dask's default), else forkserver on GPUs and spawn on CPU."""
+    import dask
+
+    from deqbench.run.executors import _forkserver as fs
+
+    monkeypatch.delenv("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", raising=False)
+    started: list[int] = []
+    monkeypatch.setattr(fs, "start_forkserver", lambda: started.append(1))
+    with dask.config.set({fs.METHOD_KEY: "spawn"}):  # Dask's default
+        assert (fs.start_method(gpu=True), fs.start_method(gpu=False)) == ("forkserver", "spawn")
+        fs.use_method("forkserver")
+        assert started == [1] and dask.config.get(fs.METHOD_KEY) == "forkserver"
+    with dask.config.set({fs.METHOD_KEY: "forkserver"}):
+        assert fs.start_method(gpu=False) == "forkserver"
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", "spawn")
+    assert fs.start_method(gpu=True) == "spawn"
+
+
+@needs_dask
+def test_prestart_on_a_gpu_starts_the_forkserver_before_distributed_and_torch():
+    """`deqbench run --executor dask` on a GPU starts the forkserver before the coordinator
+    imports distributed or torch (the server imports them for the workers meanwhile)."""
+    code = (
+        "import sys\n"
+        "from deqbench.run import env\n"
+        "from deqbench.run.executors import _forkserver as fs, prestart\n"
+        "seen = []\n"
+        "fs.start_forkserver = lambda: seen.append(('distributed' in sys.modules, "
+        "'torch' in sys.modules))\n"
+        "env.resolve_device = lambda *a, **k: 'cuda'\n"
+        "prestart('dask', path=sys.argv[1])\n"
+        "print(seen)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if "MULTIPROCESSING_METHOD" not in k}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(SMOKE)], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert out.stdout.strip() == "[(False, False)]", out.stderr[-2000:]

@@ -107,13 +107,33 @@ def test_breakdown_of_an_inline_run_adds_up(tmp_path):
     assert ext["phases"]["start-up"] == pytest.approx(1.5)
     assert ext["phases"]["exit"] == pytest.approx(0.5, abs=1e-5)
     assert ext["wall_s"] == pytest.approx(b["wall_s"] - b["phases"]["start-up"] + 2.0, abs=1e-5)
+    # figures drawn by a plot pool while the outcome checks ran: the overlap counts as plots
+    meta = json.loads((d / "run.json").read_text())
+    ph = meta["timelines"][-1]["phases"]
+    ph["plots_end"] = ph["outcomes_end"] + 1.0
+    ph["outcomes_end"] = ph["plots_start"] + 0.5
+    ph["end"] += 1.0
+    (d / "run.json").write_text(json.dumps(meta))
+    lap = breakdown(d)
+    check_breakdown(lap)
+    assert lap["phases"]["outcome checks"] == 0.0
+    assert lap["phases"]["plots"] == pytest.approx(ph["plots_end"] - ph["plots_start"])
+    assert lap["wall_s"] == pytest.approx(b["wall_s"] + 1.0)
 
 
 @needs_dask
-def test_dask_run_breakdown_lpt_order_and_suite_ordered_rows(tmp_path, fast_workers):  # noqa: F811
+def test_dask_run_breakdown_lpt_order_and_suite_ordered_rows(
+    tmp_path,
+    fast_workers,  # noqa: F811
+    monkeypatch,
+):
     """Two local workers: the breakdown adds up per phase and per worker; the long cell's first
     seed is submitted first (Dask priorities decreasing); results.csv lists the tasks in the
-    suite's order with the inline rows, whatever finished first; the Amdahl bound is computed."""
+    suite's order with the inline rows, whatever finished first; the Amdahl bound is computed.
+    A plot pool (two processes) draws the figures while the outcome checks run."""
+    from deqbench.run.plots import PLOT_PROCESSES_ENV
+
+    monkeypatch.setenv(PLOT_PROCESSES_ENV, "2")
     from deqbench.run.executors.dask import DaskExecutor
     from deqbench.run.runner import run_suite
     from deqbench.run.suite import load_suite
@@ -126,9 +146,12 @@ def test_dask_run_breakdown_lpt_order_and_suite_ordered_rows(tmp_path, fast_work
     ex = DaskExecutor(workers=2)
     with ex:
         ex.start("cpu", suite.threads, wait=False)
-        summary = run_suite(suite, out=tmp_path / "dask", executor=ex, progress=False, plots=False)
+        summary = run_suite(suite, out=tmp_path / "dask", executor=ex, progress=False, plots=True)
     assert summary.exit_code in (0, 1)
     d = summary.run_dir
+    assert summary.plots and all(p.is_file() and p.parent == d / "plots" for p in summary.plots)
+    ph = json.loads((d / "run.json").read_text())["timelines"][-1]["phases"]
+    assert ph["plots_start"] <= ph["outcomes_end"] <= ph["plots_end"]  # side by side
     long_cell, short_cell = suite.cells[1].id, suite.cells[0].id
     assert "40" in str(suite.cells[1].solver["max_iter"])
     got = [(c, s) for c, s, _ in ex.submitted]

@@ -129,3 +129,57 @@ def test_library_plots_do_not_import_pyplot(tmp_path):
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300
     )
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_plot_pool_draws_the_same_figures_in_its_processes(tmp_path):
+    """A PlotPool's processes draw the built-in figures byte for byte as the coordinator does;
+    a plot registered only here (unknown to them) and a failing one are drawn here, in the
+    same order and with the same error line; the outcome checks' callback runs meanwhile."""
+    import os
+
+    df = _results()
+    serial, pooled = tmp_path / "serial", tmp_path / "pooled"
+    for d in (serial, pooled):
+        d.mkdir()
+        ResultsWriter(d).append(df.to_dict("records"))
+
+    @plots.register("test_broken")
+    def broken(df, run_dir):
+        raise RuntimeError("boom")
+
+    @plots.register("test_extra")
+    def extra(df, run_dir):
+        fig = plots.new_figure()
+        fig.axes[0].plot([0, 1], [len(df), len(df)])
+        return {"extra": fig}
+
+    called: list[int] = []
+    pool = plots.PlotPool(set(), 2)
+    try:
+        pids = pool.pids()
+        assert len(pids) == 2 and os.getpid() not in pids
+        jobs = pool.submit(["metrics", "test_extra"], df, pooled)
+        assert pool.result(jobs["test_extra"]) is None  # not registered in the pool's processes
+        drawn = pool.result(jobs["metrics"])
+        assert drawn is not None and drawn == ([pooled / "plots" / "training_curves.png"], [])
+        got = plots.write_plots(pooled, pool=pool, meanwhile=lambda: called.append(1))
+        want = plots.write_plots(serial)
+    finally:
+        pool.close()
+        plots._REGISTRY.pop("test_broken")
+        plots._REGISTRY.pop("test_extra")
+    assert called == [1]
+    assert [p.name for p in got[0]] == [p.name for p in want[0]]
+    assert {p.name for p in got[0]} == {"extra.png", "solver_iterations.png", "training_curves.png"}
+    assert got[1] == want[1] == ["plot 'test_broken' failed: RuntimeError: boom"]
+    for a, b in zip(got[0], want[0]):
+        assert a.read_bytes() == b.read_bytes(), a.name
+
+
+def test_plot_processes_follows_the_cores_and_the_variable(monkeypatch):
+    monkeypatch.delenv(plots.PLOT_PROCESSES_ENV, raising=False)
+    assert [plots.plot_processes(c) for c in (2, 4, 8, 16, 64)] == [0, 0, 2, 4, 4]
+    monkeypatch.setenv(plots.PLOT_PROCESSES_ENV, "3")
+    assert plots.plot_processes(2) == 3
+    monkeypatch.setenv(plots.PLOT_PROCESSES_ENV, "0")
+    assert plots.plot_processes(64) == 0

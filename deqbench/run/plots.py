@@ -920,24 +920,143 @@ def _import_analyses(used: set[str], errors: list[str]) -> None:
                 _REGISTRY[name] = cls.plot
 
 
-def write_plots(run_dir: str | Path, df: Any = None) -> tuple[list[Path], list[str]]:
+def _draw_one(name: str, df: Any, run_dir: Path, paths: list[Path], errors: list[str]) -> None:
+    """Draw the figures of plot function ``name`` into ``run_dir/plots`` (one failing plot
+    leaves an error line and never stops the others)."""
+    try:
+        figs = get(name)(df, run_dir)
+        for fname, fig in figs.items():
+            paths.append(save_figure(fig, run_dir / "plots" / f"{fname}.png"))
+    except Exception as exc:
+        errors.append(f"plot '{name}' failed: {type(exc).__name__}: {exc}")
+
+
+def write_plots(
+    run_dir: str | Path, df: Any = None, pool: PlotPool | None = None, meanwhile: Any = None
+) -> tuple[list[Path], list[str]]:
     """Run every registered plot function on the run; save ``plots/<name>.png``.
 
-    Returns (written paths, error lines). One failing plot does not stop the others.
+    Returns (written paths, error lines), in the order of :func:`names` whichever process drew
+    them. One failing plot does not stop the others. ``pool``: a started :class:`PlotPool`
+    draws the figures in its processes (any it cannot, here); ``meanwhile``: called here while
+    they draw (the runner's outcome checks).
     """
     from .results import load_results
 
     run_dir = Path(run_dir)
     if df is None:
         df = load_results(run_dir)
-    paths: list[Path] = []
     errors: list[str] = []
     _import_analyses(set(df["analysis"]), errors)
+    jobs = pool.submit(names(), df, run_dir) if pool is not None else {}
+    if meanwhile is not None:
+        meanwhile()
+    paths: list[Path] = []
     for name in names():
-        try:
-            figs = get(name)(df, run_dir)
-            for fname, fig in figs.items():
-                paths.append(save_figure(fig, run_dir / "plots" / f"{fname}.png"))
-        except Exception as exc:
-            errors.append(f"plot '{name}' failed: {type(exc).__name__}: {exc}")
+        done = PlotPool.result(jobs[name]) if name in jobs else None
+        if done is None:  # no pool, the pool broke, or its processes do not know this plot
+            _draw_one(name, df, run_dir, paths, errors)
+        else:
+            paths += done[0]
+            errors += done[1]
     return paths, errors
+
+
+# -- drawing in parallel -------------------------------------------------------------------------
+#: processes of a :class:`PlotPool` (``0`` draws in the coordinator, one figure after another)
+PLOT_PROCESSES_ENV = "DEQBENCH_PLOT_PROCESSES"
+
+
+def plot_processes(cpus: int | None = None) -> int:
+    """How many processes :class:`PlotPool` starts: ``DEQBENCH_PLOT_PROCESSES`` if set, else
+    up to 4 where the machine has cores to spare while cells run (a quarter of them), else 0.
+
+    >>> plot_processes(2), plot_processes(16), plot_processes(64)  # doctest: +SKIP
+    (0, 4, 4)
+    """
+    import os
+
+    raw = os.environ.get(PLOT_PROCESSES_ENV, "").strip()
+    if raw:
+        try:
+            return max(0, int(raw))
+        except ValueError:
+            return 0
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    n = min(4, cpus // 4)
+    return n if n >= 2 else 0
+
+
+def _pool_init(analyses: list[str]) -> None:
+    """A :class:`PlotPool` process's start: what drawing needs, imported before any figure."""
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+
+    _import_analyses(set(analyses), [])
+
+
+def _pool_ready() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _pool_draw(name: str, df: Any, run_dir: str) -> tuple[list[str], list[str]] | None:
+    try:
+        get(name)
+    except KeyError:  # e.g. registered by a module only the coordinator imported
+        return None
+    paths: list[Path] = []
+    errors: list[str] = []
+    _draw_one(name, df, Path(run_dir), paths, errors)
+    return [str(p) for p in paths], errors
+
+
+class PlotPool:
+    """Processes that draw a run's figures side by side at its end (matplotlib holds the GIL
+    while it renders: threads would draw one after another). Started while the cells run
+    elsewhere (a remote executor), so that their imports are paid before the last result;
+    :func:`write_plots` hands each plot function to one of them and collects the figures in
+    :func:`names` order. A plot function they do not know (registered by a module only the
+    coordinator imported) or a pool that broke is drawn by the coordinator instead, so the
+    figures and error lines are the same as without a pool.
+    """
+
+    def __init__(self, analyses: Any, processes: int) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.processes = processes
+        self._ex = ProcessPoolExecutor(
+            processes,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_pool_init,
+            initargs=(sorted(analyses),),
+        )
+        # one job per process now: the pool spawns its processes on demand
+        self._ready = [self._ex.submit(_pool_ready) for _ in range(processes)]
+
+    def submit(self, plot_names: list[str], df: Any, run_dir: Path) -> dict[str, Any]:
+        try:
+            return {n: self._ex.submit(_pool_draw, n, df, str(run_dir)) for n in plot_names}
+        except Exception:  # noqa: BLE001 - a broken pool: the coordinator draws
+            return {}
+
+    @staticmethod
+    def result(job: Any) -> tuple[list[Path], list[str]] | None:
+        try:
+            done = job.result()
+        except Exception:  # noqa: BLE001 - the process died or the job did not pickle
+            return None
+        if done is None:
+            return None
+        return [Path(p) for p in done[0]], list(done[1])
+
+    def pids(self) -> set[int]:
+        """The processes' ids, once the first has started (for tests)."""
+        for f in self._ready:
+            f.result()
+        return set(getattr(self._ex, "_processes", None) or {})
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=False, cancel_futures=True)

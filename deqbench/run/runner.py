@@ -444,6 +444,7 @@ def _run_suite(
         written = 0
         results: Iterator[TaskResult] | None = None
         preload: threading.Thread | None = None
+        pool: Any = None  # plots.PlotPool: the figures drawn side by side at the end
         timings: list[dict[str, Any]] = []  # one per finished task (timeline.csv)
         try:
             with _Progress(len(tasks), progress) as prog:
@@ -451,6 +452,7 @@ def _run_suite(
                 phases["tasks_start"] = time.time()
                 if plots and getattr(executor, "remote", False):
                     preload = _preload_finishing(suite)  # the coordinator idles meanwhile
+                    pool = _plot_pool(suite)
                 results = iter((executor or InlineExecutor()).run(tasks, prog))
                 for r in results:
                     r.timing["received"] = time.time()
@@ -492,7 +494,11 @@ def _run_suite(
         if preload is not None:
             preload.join()  # the registries it loads must be whole before the plots read them
         timeline = {"phases": phases, "cluster": dict(getattr(executor, "timeline", None) or {})}
-        _finish(run_dir, meta, summary, plots, sig, describe, timeline, timings)
+        try:
+            _finish(run_dir, meta, summary, plots, sig, describe, timeline, timings, pool)
+        finally:
+            if pool is not None:
+                pool.close()
         if sig.late is not None and not summary.interrupted:
             name = signal.Signals(sig.late).name
             _log(run_dir, f"{name} after the last task finished: the run is complete")
@@ -522,6 +528,19 @@ def _preload_finishing(suite: Suite) -> threading.Thread:
     thread = threading.Thread(target=target, name="deqbench-preload", daemon=True)
     thread.start()
     return thread
+
+
+def _plot_pool(suite: Suite) -> Any:
+    """A :class:`~deqbench.run.plots.PlotPool` started now (its processes import while the
+    tasks run elsewhere), or None: no cores to spare (:func:`~deqbench.run.plots.plot_processes`)
+    or it could not start (the coordinator then draws, one figure after another)."""
+    try:
+        from .plots import PlotPool, plot_processes
+
+        n = plot_processes()
+        return PlotPool({name for name, _ in suite.analyses}, n) if n > 0 else None
+    except Exception:  # noqa: BLE001 - drawing in the coordinator is the fallback
+        return None
 
 
 def _record(run_dir: Path, writer: res.ResultsWriter, r: TaskResult) -> None:
@@ -603,10 +622,13 @@ def _finish(
     describe: Any,
     timeline: dict[str, Any] | None = None,
     timings: list[dict[str, Any]] | None = None,
+    pool: Any = None,
 ) -> None:
     """Statuses, plots, outcome checks and the final ``run.json`` (signals do not stop it;
     one during the plots skips the rest of them). ``timeline``: the phases so far, completed
-    here and stored in ``run.json``; ``timings``: the tasks' lines of ``timeline.csv``."""
+    here and stored in ``run.json``; ``timings``: the tasks' lines of ``timeline.csv``;
+    ``pool``: a :class:`~deqbench.run.plots.PlotPool` draws the figures while the outcome checks
+    run here (``outcomes_end`` then precedes ``plots_end``)."""
     phases = (timeline or {}).setdefault("phases", {})
     phases["finish_start"] = time.time()
     df = summary.results = res.load_results(run_dir)
@@ -620,11 +642,17 @@ def _finish(
         try:
             with sig.interruptible():
                 phases["plots_start"] = time.time()
+
+                def outcomes() -> None:
+                    _outcomes(run_dir)
+                    phases["outcomes_end"] = time.time()
+
                 if plots:  # a copy: a plugin's plot may modify it; the summary prints df
-                    summary.plots = _plots(run_dir, df.copy())
+                    side = outcomes if pool is not None else None
+                    summary.plots = _plots(run_dir, df.copy(), pool, side)
                 phases["plots_end"] = time.time()
-                _outcomes(run_dir)
-                phases["outcomes_end"] = time.time()
+                if "outcomes_end" not in phases:
+                    outcomes()
         except KeyboardInterrupt as exc:
             _log(run_dir, f"plots and outcome checks cut short by {exc}")
     if timings is not None:
@@ -664,11 +692,11 @@ def _outcomes(run_dir: Path) -> None:
         _log(run_dir, f"outcomes: {type(exc).__name__}: {exc}")
 
 
-def _plots(run_dir: Path, df: Any) -> list[Path]:
+def _plots(run_dir: Path, df: Any, pool: Any = None, meanwhile: Any = None) -> list[Path]:
     from .plots import write_plots
 
     try:
-        paths, errors = write_plots(run_dir, df)
+        paths, errors = write_plots(run_dir, df, pool, meanwhile)
     except Exception as exc:  # plotting never fails a run
         paths, errors = [], [f"plots: {type(exc).__name__}: {exc}"]
     for e in errors:

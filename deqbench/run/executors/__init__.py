@@ -90,6 +90,13 @@ def prestart(
         dev = resolve_device(
             str(device or over.get("device") or raw.get("device") or "auto"), quick=True
         )
+        if dev.startswith("cuda"):
+            # before this process imports distributed or torch: the server imports them for the
+            # workers meanwhile (._forkserver)
+            from ._forkserver import start_forkserver, start_method
+
+            if start_method(gpu=True) == "forkserver":
+                start_forkserver()
         ex = make_executor(name, scheduler=scheduler, workers=workers)
     except Exception:  # noqa: BLE001 - validation reports it properly
         return None

@@ -230,17 +230,11 @@ def _pinned_gpu() -> str | None:
 
 
 def _warm_forkserver() -> None:
-    """With Dask's ``multiprocessing-method: forkserver``, let the forkserver import torch and
-    deqbench once so that workers (and restarts after a crash) start warm. No effect once the
-    forkserver runs."""
-    import multiprocessing
+    """Use a forkserver that imported torch and deqbench once (``_forkserver``), so that workers
+    (and restarts after a crash) start warm; started now unless it runs already."""
+    from ._forkserver import use_method
 
-    from distributed.utils import get_mp_context
-
-    get_mp_context()  # Dask sets its own preload list first; ours replaces it
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["distributed", "deqbench.run.executors._warm"]
-    )
+    use_method("forkserver")
 
 
 class DaskExecutor:
@@ -535,6 +529,8 @@ class DaskExecutor:
         import dask
         from distributed import Scheduler, SpecCluster
 
+        from ._forkserver import start_method, use_method
+
         # Dask's nanny exports MALLOC_TRIM_THRESHOLD_=65536 to every worker it spawns (to hand
         # freed memory back to the OS). With PyTorch's allocation pattern glibc then trims on
         # almost every free: a CPU conv forward/backward loop ran 4x slower with it, and smoke
@@ -544,8 +540,10 @@ class DaskExecutor:
         # Dask's statistical profiler samples the cell's thread every 10 ms (taking the GIL
         # from it); the nanny hands this config to the worker processes it starts.
         dask.config.set({"distributed.worker.profile.enabled": bool(self.profile)})
-        if dask.config.get("distributed.worker.multiprocessing-method") == "forkserver":
-            _warm_forkserver()
+        # forkserver on GPUs unless the user's Dask config says otherwise (see _forkserver)
+        method = start_method(gpu=bool(getattr(self, "_gpus", None)))
+        use_method(method)
+        self.layout["start_method"] = method  # run.json: how the workers were started
         scheduler = {
             "cls": Scheduler,
             "options": {
