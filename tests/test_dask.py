@@ -415,6 +415,13 @@ def test_short_cells_add_a_worker_on_gpus_with_room(monkeypatch):
     assert executor().add_gpu_workers([1.9, 1.9, 8.0], remaining=20) == ["0"]
     assert executor().add_gpu_workers([1.9, 1.9], remaining=20) == []  # 19 s per worker
     assert executor(max_per_gpu=1).add_gpu_workers([2.0, 2.0], remaining=100) == []
+    # GPUs kept busy by one worker each: a second process would only take turns with it
+    ex = executor()
+    assert ex.add_gpu_workers([2.0, 2.0], remaining=100, busy=[0.95, 0.7]) == []
+    assert ex.layout["grouping"] == {"median_first_cell_s": 2.0, "gpu_busy": 0.825, "added": []}
+    ex = executor()
+    assert ex.add_gpu_workers([2.0, 2.0], remaining=100, busy=[0.3, 0.4]) == ["0"]
+    assert ex.layout["grouping"]["gpu_busy"] == 0.35
     ex = executor(workers=2)  # a layout the user chose stays
     assert ex.add_gpu_workers([2.0, 2.0], remaining=100) == []
     ex.cluster = ex.client = None  # nothing to close
@@ -636,3 +643,15 @@ def test_prestart_on_a_gpu_starts_the_forkserver_before_distributed_and_torch():
         timeout=300,
     )  # fmt: skip
     assert out.stdout.strip() == "[(False, False)]", out.stderr[-2000:]
+
+
+def test_gpu_busy_is_not_measured_without_a_gpu():
+    """The grouping's GPU busy fraction comes from NVML for the process's CUDA device; without
+    one (CI) it is None, never a made-up number."""
+    import torch
+
+    from deqbench.run.env import GpuBusy
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU: tests/test_gpu_dask.py measures it")
+    assert GpuBusy().start().stop() is None

@@ -52,3 +52,25 @@ def test_forked_gpu_workers_give_the_inline_rows(tmp_path):
     assert set(b.status) == {"ok"}
     # cuDNN/cuBLAS pick kernels per process: GPU rows agree to rounding, not bit for bit
     pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-4, atol=1e-7)
+
+
+def test_gpu_busy_reads_the_drivers_utilisation():
+    """Busy near 1 while the GPU runs kernels back to back, near 0 while it waits."""
+    import time
+
+    from deqbench.run.env import GpuBusy
+
+    torch.cuda.init()
+    a = torch.randn(4096, 4096, device="cuda")
+    meter = GpuBusy().start()
+    t = time.time()
+    while time.time() - t < 2.0:
+        for _ in range(20):
+            a = torch.tanh(a @ a)
+        torch.cuda.synchronize()
+    busy = meter.stop()
+    assert busy is not None and busy > 0.8, busy
+    meter = GpuBusy().start()
+    time.sleep(2.0)
+    idle = meter.stop()
+    assert idle is not None and idle < 0.2, idle

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import re
@@ -76,6 +77,79 @@ def _nvml_device_count() -> int | None:
     except (OSError, AttributeError):
         return None
     return int(n.value) if ok else None
+
+
+class _Value(ctypes.Union):
+    _fields_ = [("d", ctypes.c_double), ("ui", ctypes.c_uint), ("ull", ctypes.c_ulonglong)]
+
+
+class _Sample(ctypes.Structure):
+    _fields_ = [("timeStamp", ctypes.c_ulonglong), ("sampleValue", _Value)]
+
+
+#: NVML_GPU_UTILIZATION_SAMPLES: the percent of time a kernel ran, one sample per driver period
+_UTIL_SAMPLES = 1
+_NVML: list[Any] = []  # the initialised library, once per process
+
+
+def _nvml() -> Any:
+    if not _NVML:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit failed")
+        _NVML.append(lib)
+    return _NVML[0]
+
+
+def _util_samples(lib: Any, handle: Any, since: int) -> list[tuple[int, float]]:
+    vtype, count = ctypes.c_int(0), ctypes.c_uint(0)
+    since_c = ctypes.c_ulonglong(since)
+    get = lib.nvmlDeviceGetSamples
+    if get(handle, _UTIL_SAMPLES, since_c, ctypes.byref(vtype), ctypes.byref(count), None) != 0:
+        return []
+    buf = (_Sample * max(1, count.value))()
+    if get(handle, _UTIL_SAMPLES, since_c, ctypes.byref(vtype), ctypes.byref(count), buf) != 0:
+        return []
+    return [(int(x.timeStamp), float(x.sampleValue.ui)) for x in buf[: count.value]]
+
+
+class GpuBusy:
+    """The fraction of time this process's CUDA device ran a kernel (any process's) between
+    :meth:`start` and :meth:`stop`: the driver's utilisation samples (NVML, through ctypes; no
+    sampling thread), averaged. A second process on the GPU can only use the rest: what the
+    Dask executor's grouping of short cells reads. ``stop()`` is None without NVML, for a MIG
+    or unknown device, or when the driver kept no sample of the window."""
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self._since = 0
+
+    def start(self) -> GpuBusy:
+        try:
+            import torch
+
+            lib = _nvml()
+            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+            handle = ctypes.c_void_p()
+            key = (uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}").encode()
+            if lib.nvmlDeviceGetHandleByUUID(key, ctypes.byref(handle)) != 0:
+                return self
+            seen = _util_samples(lib, handle, 0)
+            self._since = max((t for t, _ in seen), default=0)
+            self._handle = handle
+        except Exception:  # noqa: BLE001 - no NVML, no CUDA: not measured
+            self._handle = None
+        return self
+
+    def stop(self) -> float | None:
+        if self._handle is None:
+            return None
+        try:
+            got = _util_samples(_nvml(), self._handle, self._since)
+        except Exception:  # noqa: BLE001
+            return None
+        vals = [v for t, v in got if t > self._since]
+        return sum(vals) / len(vals) / 100.0 if vals else None
 
 
 def visible_gpu_count(*, torch_fallback: bool = True) -> int | None:

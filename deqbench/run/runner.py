@@ -648,8 +648,10 @@ def _finish(
                     phases["outcomes_end"] = time.time()
 
                 if plots:  # a copy: a plugin's plot may modify it; the summary prints df
-                    side = outcomes if pool is not None else None
-                    summary.plots = _plots(run_dir, df.copy(), pool, side)
+                    if pool is None:
+                        summary.plots = _plots(run_dir, df.copy())
+                    else:
+                        summary.plots = _plots(run_dir, df.copy(), pool, outcomes)
                 phases["plots_end"] = time.time()
                 if "outcomes_end" not in phases:
                     outcomes()

@@ -14,7 +14,4 @@ for _r in (models, solvers, inits, analyses):
     _r.names()
 # torch imports torch._dynamo lazily when the first optimiser is built (seconds).
 torch.optim.Adam([torch.zeros(1, requires_grad=True)])
-try:  # the bundled digits data set
-    import sklearn.datasets  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
+# Not scikit-learn (the digits data set only, 1-3 s): a worker that needs it imports it then.
