@@ -46,7 +46,8 @@ def user_method() -> str | None:
 
 def start_method(gpu: bool) -> str:
     """The start method of a local cluster's worker processes (see the module docstring)."""
-    return user_method() or ("forkserver" if gpu else "spawn")
+    forks = "forkserver" in multiprocessing.get_all_start_methods()  # not on Windows
+    return user_method() or ("forkserver" if gpu and forks else "spawn")
 
 
 def use_method(method: str) -> None:

@@ -32,10 +32,12 @@ are grouped: on a local GPU cluster whose first cells (one per worker) took less
 two cells share each GPU (small models leave most of a GPU idle between their kernel launches);
 every Dask task is still one cell, so a dead worker costs only the cell it was running.
 
-With Dask's ``distributed.worker.multiprocessing-method: forkserver`` (environment variable
-``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=forkserver``) local workers fork from a
-server that imported torch and deqbench once, so they start and restart in well under a second
-instead of importing torch each (Dask's default, ``spawn``). Only tested on CPU.
+On GPUs local workers fork from a forkserver that imported ``distributed``, torch and deqbench
+once (:mod:`._forkserver`; ``deqbench run`` launches it before importing them itself), so they
+start and restart without those imports; Dask's ``distributed.worker.multiprocessing-method`` wins
+where the user set it (e.g. ``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=forkserver`` on
+CPU, where Dask's default ``spawn`` is kept). A second worker joins a GPU only where the first
+left it idle (:meth:`DaskExecutor.add_gpu_workers`, ``max_busy``).
 
 Example:
     >>> import deqbench
