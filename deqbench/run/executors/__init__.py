@@ -90,7 +90,9 @@ def prestart(
         dev = resolve_device(
             str(device or over.get("device") or raw.get("device") or "auto"), quick=True
         )
-        if dev.startswith("cuda"):
+        from importlib.util import find_spec
+
+        if dev.startswith("cuda") and find_spec("distributed") is not None:
             # before this process imports distributed or torch: the server imports them for the
             # workers meanwhile (._forkserver)
             from ._forkserver import start_forkserver, start_method
