@@ -150,8 +150,10 @@ def test_dask_run_breakdown_lpt_order_and_suite_ordered_rows(
     assert summary.exit_code in (0, 1)
     d = summary.run_dir
     assert summary.plots and all(p.is_file() and p.parent == d / "plots" for p in summary.plots)
-    ph = json.loads((d / "run.json").read_text())["timelines"][-1]["phases"]
+    tl = json.loads((d / "run.json").read_text())["timelines"][-1]
+    ph = tl["phases"]
     assert ph["plots_start"] <= ph["outcomes_end"] <= ph["plots_end"]  # side by side
+    assert tl["plot_pool"]["processes"] == 2 and tl["plot_pool"]["drawn"] >= 2  # drawn there
     long_cell, short_cell = suite.cells[1].id, suite.cells[0].id
     assert "40" in str(suite.cells[1].solver["max_iter"])
     got = [(c, s) for c, s, _ in ex.submitted]

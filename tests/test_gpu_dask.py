@@ -62,6 +62,8 @@ def test_gpu_busy_reads_the_drivers_utilisation():
 
     torch.cuda.init()
     a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    time.sleep(1.0)  # a driver sample period (at most 1 s) with the GPU idle
     meter = GpuBusy().start()
     t = time.time()
     while time.time() - t < 2.0:
@@ -69,8 +71,8 @@ def test_gpu_busy_reads_the_drivers_utilisation():
             a = torch.tanh(a @ a)
         torch.cuda.synchronize()
     busy = meter.stop()
-    assert busy is not None and busy > 0.8, busy
+    assert busy is not None and busy > 0.6, busy
     meter = GpuBusy().start()
     time.sleep(2.0)
     idle = meter.stop()
-    assert idle is not None and idle < 0.2, idle
+    assert idle is not None and idle < 0.4, idle

@@ -153,8 +153,19 @@ def test_plot_pool_draws_the_same_figures_in_its_processes(tmp_path):
         fig.axes[0].plot([0, 1], [len(df), len(df)])
         return {"extra": fig}
 
+    # a plot the pool's processes import too (a module of the user's), and one failing there
+    mod = tmp_path / "pool_plot_mod.py"
+    mod.write_text(
+        "from deqbench.run import plots\n"
+        "@plots.register('test_pool_broken')\n"
+        "def broken(df, run_dir):\n"
+        "    raise ValueError('in the pool')\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    import pool_plot_mod  # noqa: F401
+
     called: list[int] = []
-    pool = plots.PlotPool(set(), 2)
+    pool = plots.PlotPool(set(), 2, modules=["pool_plot_mod"])
     try:
         pids = pool.pids()
         assert len(pids) == 2 and os.getpid() not in pids
@@ -162,16 +173,30 @@ def test_plot_pool_draws_the_same_figures_in_its_processes(tmp_path):
         assert pool.result(jobs["test_extra"]) is None  # not registered in the pool's processes
         drawn = pool.result(jobs["metrics"])
         assert drawn is not None and drawn == ([pooled / "plots" / "training_curves.png"], [])
+        broke = pool.result(pool.submit(["test_pool_broken"], df, pooled)["test_pool_broken"])
+        assert broke == ([], ["plot 'test_pool_broken' failed: ValueError: in the pool"])
+        pool.drawn = 0
         got = plots.write_plots(pooled, pool=pool, meanwhile=lambda: called.append(1))
         want = plots.write_plots(serial)
+        n_names = len(plots.names())
     finally:
         pool.close()
-        plots._REGISTRY.pop("test_broken")
-        plots._REGISTRY.pop("test_extra")
+        sys.path.remove(str(tmp_path))
+        for name in ("test_broken", "test_extra", "test_pool_broken"):
+            plots._REGISTRY.pop(name)
+    # drawn there: every plot but the two registered only here (drawn here)
+    assert pool.drawn == n_names - 2 and pool.drawn >= 3
     assert called == [1]
     assert [p.name for p in got[0]] == [p.name for p in want[0]]
     assert {p.name for p in got[0]} == {"extra.png", "solver_iterations.png", "training_curves.png"}
-    assert got[1] == want[1] == ["plot 'test_broken' failed: RuntimeError: boom"]
+    assert (
+        got[1]
+        == want[1]
+        == [
+            "plot 'test_broken' failed: RuntimeError: boom",
+            "plot 'test_pool_broken' failed: ValueError: in the pool",
+        ]
+    )
     for a, b in zip(got[0], want[0]):
         assert a.read_bytes() == b.read_bytes(), a.name
 

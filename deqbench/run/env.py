@@ -117,8 +117,10 @@ class GpuBusy:
     """The fraction of time this process's CUDA device ran a kernel (any process's) between
     :meth:`start` and :meth:`stop`: the driver's utilisation samples (NVML, through ctypes; no
     sampling thread), averaged. A second process on the GPU can only use the rest: what the
-    Dask executor's grouping of short cells reads. ``stop()`` is None without NVML, for a MIG
-    or unknown device, or when the driver kept no sample of the window."""
+    Dask executor's grouping of short cells reads. The first sample after :meth:`start` covers a
+    period that began before it and is left out when later ones exist; a window shorter than
+    the driver's sample period (1/6 to 1 s) reads the newest sample. ``stop()`` is None only
+    where nothing can be read: no NVML, a MIG or unknown device, no sample at all."""
 
     def __init__(self) -> None:
         self._handle: Any = None
@@ -145,10 +147,14 @@ class GpuBusy:
         if self._handle is None:
             return None
         try:
-            got = _util_samples(_nvml(), self._handle, self._since)
+            lib = _nvml()
+            got = sorted(_util_samples(lib, self._handle, self._since))
+            vals = [v for t, v in got if t > self._since][1:]  # the first straddles start()
+            if not vals:  # a window shorter than the driver's sample period
+                latest = sorted(_util_samples(lib, self._handle, 0))
+                vals = [latest[-1][1]] if latest else []
         except Exception:  # noqa: BLE001
             return None
-        vals = [v for t, v in got if t > self._since]
         return sum(vals) / len(vals) / 100.0 if vals else None
 
 

@@ -38,7 +38,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,9 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 120) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not isinstance(fig.canvas, FigureCanvasAgg):
         FigureCanvasAgg(fig)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
+    import os
+
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")  # a plot pool's processes too
     fig.savefig(tmp, dpi=dpi)
     tmp.replace(path)
     return path
@@ -957,6 +959,7 @@ def write_plots(
         if done is None:  # no pool, the pool broke, or its processes do not know this plot
             _draw_one(name, df, run_dir, paths, errors)
         else:
+            pool.drawn += 1  # type: ignore[union-attr]  # jobs come from the pool
             paths += done[0]
             errors += done[1]
     return paths, errors
@@ -987,12 +990,22 @@ def plot_processes(cpus: int | None = None) -> int:
     return n if n >= 2 else 0
 
 
-def _pool_init(analyses: list[str]) -> None:
-    """A :class:`PlotPool` process's start: what drawing needs, imported before any figure."""
+def _pool_init(analyses: list[str], modules: list[str]) -> None:
+    """A :class:`PlotPool` process's start: what drawing needs, imported before any figure.
+    Ctrl-C (sent to the whole process group) is the coordinator's to handle."""
+    import importlib
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import matplotlib.backends.backend_agg  # noqa: F401
     import matplotlib.figure  # noqa: F401
 
     _import_analyses(set(analyses), [])
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - its plots are drawn by the coordinator instead
+            pass
 
 
 def _pool_ready() -> int:
@@ -1022,16 +1035,18 @@ class PlotPool:
     figures and error lines are the same as without a pool.
     """
 
-    def __init__(self, analyses: Any, processes: int) -> None:
+    def __init__(self, analyses: Any, processes: int, modules: Sequence[str] = ()) -> None:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         self.processes = processes
+        #: plot functions whose figures its processes drew (the rest: the coordinator)
+        self.drawn = 0
         self._ex = ProcessPoolExecutor(
             processes,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_pool_init,
-            initargs=(sorted(analyses),),
+            initargs=(sorted(analyses), list(modules)),
         )
         # one job per process now: the pool spawns its processes on demand
         self._ready = [self._ex.submit(_pool_ready) for _ in range(processes)]
@@ -1059,4 +1074,11 @@ class PlotPool:
         return set(getattr(self._ex, "_processes", None) or {})
 
     def close(self) -> None:
+        """Stop the processes now (a figure still being drawn after an interrupt included)."""
+        procs = list((getattr(self._ex, "_processes", None) or {}).values())
         self._ex.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            try:
+                proc.terminate()
+            except Exception:  # noqa: BLE001 - already gone
+                pass

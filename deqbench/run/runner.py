@@ -446,64 +446,74 @@ def _run_suite(
         preload: threading.Thread | None = None
         pool: Any = None  # plots.PlotPool: the figures drawn side by side at the end
         timings: list[dict[str, Any]] = []  # one per finished task (timeline.csv)
-        try:
-            with _Progress(len(tasks), progress) as prog:
-                sig.arm()
-                phases["tasks_start"] = time.time()
-                if plots and getattr(executor, "remote", False):
-                    preload = _preload_finishing(suite)  # the coordinator idles meanwhile
-                    pool = _plot_pool(suite)
-                results = iter((executor or InlineExecutor()).run(tasks, prog))
-                for r in results:
-                    r.timing["received"] = time.time()
-                    timings.append(
-                        {"cell_id": r.cell_id, "seed": r.seed, "status": r.status,
-                         "wall_time": r.wall_time, **r.timing}
-                    )  # fmt: skip
-                    try:
-                        with sig.deferred():  # a task's files are written whole
-                            _record(run_dir, writer, r)
-                            written += 1
-                    except OSError as exc:  # disk full, I/O error: stop, resumable
-                        summary.interrupted = True
-                        summary.cause = f"{type(exc).__name__}: {exc}"
-                        _log(run_dir, f"stopped: {summary.cause}")
-                        break
-                    prog.finished(r)
-        except KeyboardInterrupt as exc:
-            if written < len(tasks):
-                summary.interrupted = True
-                summary.signal = getattr(exc, "signum", None)
-                how = signal.Signals(summary.signal).name if summary.signal else "KeyboardInterrupt"
-                _log(run_dir, f"interrupted ({how}); finished tasks are in results.csv")
-        finally:
-            sig.finishing()  # from here on a signal no longer interrupts: the run ends as it is
-            close = getattr(results, "close", None)
-            if callable(close):
-                close()  # e.g. the Dask executor cancels what is in flight
-        phases["tasks_end"] = time.time()
-        if getattr(executor, "release_when_done", False):
-            executor.release()  # type: ignore[union-attr]  # closes while the plots are drawn
-        try:
-            with sig.interruptible():
-                canonical_order(run_dir, [(c.id, s) for c in suite.cells for s in suite.seeds])
-        except KeyboardInterrupt:
-            pass  # the rows stay in the order they finished: nothing is lost
-        except OSError as exc:
-            _log(run_dir, f"results.csv left in finishing order: {type(exc).__name__}: {exc}")
-        if preload is not None:
-            preload.join()  # the registries it loads must be whole before the plots read them
-        timeline = {"phases": phases, "cluster": dict(getattr(executor, "timeline", None) or {})}
-        try:
+        try:  # the plot pool (if any) is closed however the run ends
+            try:
+                with _Progress(len(tasks), progress) as prog:
+                    sig.arm()
+                    phases["tasks_start"] = time.time()
+                    if plots and getattr(executor, "remote", False):
+                        preload = _preload_finishing(suite)  # the coordinator idles meanwhile
+                        if not getattr(executor, "uses_local_cores", False):
+                            pool = _plot_pool(suite)
+                    results = iter((executor or InlineExecutor()).run(tasks, prog))
+                    for r in results:
+                        r.timing["received"] = time.time()
+                        timings.append(
+                            {"cell_id": r.cell_id, "seed": r.seed, "status": r.status,
+                             "wall_time": r.wall_time, **r.timing}
+                        )  # fmt: skip
+                        try:
+                            with sig.deferred():  # a task's files are written whole
+                                _record(run_dir, writer, r)
+                                written += 1
+                        except OSError as exc:  # disk full, I/O error: stop, resumable
+                            summary.interrupted = True
+                            summary.cause = f"{type(exc).__name__}: {exc}"
+                            _log(run_dir, f"stopped: {summary.cause}")
+                            break
+                        prog.finished(r)
+            except KeyboardInterrupt as exc:
+                if written < len(tasks):
+                    summary.interrupted = True
+                    summary.signal = getattr(exc, "signum", None)
+                    how = (
+                        signal.Signals(summary.signal).name
+                        if summary.signal
+                        else "KeyboardInterrupt"
+                    )
+                    _log(run_dir, f"interrupted ({how}); finished tasks are in results.csv")
+            finally:
+                sig.finishing()  # from here on a signal no longer interrupts: the run ends as it is
+                close = getattr(results, "close", None)
+                if callable(close):
+                    close()  # e.g. the Dask executor cancels what is in flight
+            phases["tasks_end"] = time.time()
+            if getattr(executor, "release_when_done", False):
+                executor.release()  # type: ignore[union-attr]  # closes while the plots are drawn
+            try:
+                with sig.interruptible():
+                    canonical_order(run_dir, [(c.id, s) for c in suite.cells for s in suite.seeds])
+            except KeyboardInterrupt:
+                pass  # the rows stay in the order they finished: nothing is lost
+            except OSError as exc:
+                _log(run_dir, f"results.csv left in finishing order: {type(exc).__name__}: {exc}")
+            if preload is not None:
+                preload.join()  # the registries it loads must be whole before the plots read them
+            timeline = {
+                "phases": phases,
+                "cluster": dict(getattr(executor, "timeline", None) or {}),
+            }
+            if pool is not None:  # filled in by _finish: how many plots the pool drew
+                timeline["plot_pool"] = {"processes": pool.processes, "drawn": 0}
             _finish(run_dir, meta, summary, plots, sig, describe, timeline, timings, pool)
+            if sig.late is not None and not summary.interrupted:
+                name = signal.Signals(sig.late).name
+                _log(run_dir, f"{name} after the last task finished: the run is complete")
+                _say(f"note: {name} after the last task finished: the run is complete")
+            return summary
         finally:
             if pool is not None:
                 pool.close()
-        if sig.late is not None and not summary.interrupted:
-            name = signal.Signals(sig.late).name
-            _log(run_dir, f"{name} after the last task finished: the run is complete")
-            _say(f"note: {name} after the last task finished: the run is complete")
-        return summary
 
 
 def _preload_finishing(suite: Suite) -> threading.Thread:
@@ -532,8 +542,11 @@ def _preload_finishing(suite: Suite) -> threading.Thread:
 
 def _plot_pool(suite: Suite) -> Any:
     """A :class:`~deqbench.run.plots.PlotPool` started now (its processes import while the
-    tasks run elsewhere), or None: no cores to spare (:func:`~deqbench.run.plots.plot_processes`)
-    or it could not start (the coordinator then draws, one figure after another)."""
+    tasks run elsewhere: a GPU cluster or a cluster of yours, never a local CPU cluster, whose
+    workers use the cores), or None: no cores to spare
+    (:func:`~deqbench.run.plots.plot_processes`) or it could not start (the coordinator then
+    draws, one figure after another). ``run.json`` ``timelines[-1].plot_pool``: its processes
+    and how many plot functions they drew."""
     try:
         from .plots import PlotPool, plot_processes
 
@@ -655,6 +668,8 @@ def _finish(
                 phases["plots_end"] = time.time()
                 if "outcomes_end" not in phases:
                     outcomes()
+                if pool is not None and timeline is not None:
+                    timeline.setdefault("plot_pool", {})["drawn"] = pool.drawn
         except KeyboardInterrupt as exc:
             _log(run_dir, f"plots and outcome checks cut short by {exc}")
     if timings is not None:

@@ -1,7 +1,8 @@
-"""Imported once by the multiprocessing forkserver of a local Dask cluster (only when Dask's
-``distributed.worker.multiprocessing-method`` is ``forkserver``), so that workers forked from it
-start, and restart after a crash, with torch, the datasets and the registries already imported.
-Must not touch CUDA: workers choose their GPU after the fork."""
+"""Imported once by the multiprocessing forkserver of a local Dask cluster (the default on
+GPUs, or wherever Dask's ``distributed.worker.multiprocessing-method`` is ``forkserver``: see
+:mod:`._forkserver`), so that workers forked from it start, and restart after a crash, with
+torch, the datasets and the registries already imported. Must not touch CUDA: workers choose
+their GPU after the fork."""
 
 from __future__ import annotations
 

@@ -27,9 +27,10 @@ cluster starts in the background (:meth:`DaskExecutor.start` with ``wait=False``
 run`` does) while the coordinator writes the run directory and builds the tasks, and every
 worker warms up at start, before it registers (imports, CUDA context, first kernels:
 :mod:`deqbench.run.executors.worker`, reported on its first cell's ``process`` rows). Short cells
-are grouped: on a local GPU cluster whose first cells (one per worker) took less than
-``short_task`` seconds each, a second worker joins on every GPU with room in its memory, so that
-two cells share each GPU (small models leave most of a GPU idle between their kernel launches);
+are grouped: on a local GPU cluster whose first cells (a few per worker) took less than
+``short_task`` seconds each and whose GPUs one worker leaves idle enough (``max_busy``), a second
+worker joins on every GPU with room in its memory, so that two cells share each GPU (small
+models leave most of a GPU idle between their kernel launches);
 every Dask task is still one cell, so a dead worker costs only the cell it was running.
 
 On GPUs local workers fork from a forkserver that imported ``distributed``, torch and deqbench
@@ -416,6 +417,13 @@ class DaskExecutor:
 
     #: the cells run in other processes: the coordinator may prepare its plots meanwhile
     remote = True
+
+    @property
+    def uses_local_cores(self) -> bool:
+        """A local cluster on CPU: its workers use this machine's cores (no plot pool beside
+        them)."""
+        return self.scheduler is None and not self.layout.get("gpus")
+
     #: set by :func:`~deqbench.run.executors.open_executor` (``deqbench run``), whose executor
     #: serves one run: the runner then calls :meth:`release` once the last task returned
     release_when_done = False
@@ -590,11 +598,12 @@ class DaskExecutor:
     def add_gpu_workers(
         self, first_walls: Sequence[float], remaining: int, busy: Sequence[float] | None = None
     ) -> list[str]:
-        """Group short cells: when the median of ``first_walls`` (the first finished cells,
-        one per worker) is under ``short_task`` s, the ``remaining`` cells keep the workers
-        busy for a while and the GPUs are idle enough for a second process (the median of
-        ``busy``, the workers' GPU busy fractions over their second cells, under ``max_busy``;
-        None: not measured), add a worker on every GPU that has fewer than ``max_per_gpu`` and
+        """Group short cells: when the median of ``first_walls`` (the cells finished by the
+        time the workers' GPU busy fractions were read: at least one per worker, up to three)
+        is under ``short_task`` s, the ``remaining`` cells keep the workers busy for a while and
+        the GPUs are idle enough for a second process (the median of ``busy``, the fractions
+        read over the workers' second cells, under ``max_busy``; None: none could be read, e.g.
+        no NVML), add a worker on every GPU that has fewer than ``max_per_gpu`` and
         room for one more of them in its free memory. Returns the GPU ids that got one (the
         workers join once warm; the coordinator submits to them as they do)."""
         if not self._may_add_workers() or not first_walls:
@@ -720,7 +729,8 @@ class DaskExecutor:
         lost: deque[tuple[str, str, bool]] = deque()  # (worker, key, expected), event thread
         watch = self.cluster is None and _watch_removed_workers(client, keys, lost)
         first_walls: list[float] | None = [] if self._may_add_workers() else None
-        busy: list[float | None] = []  # the workers' GPU busy fractions (their second cells)
+        busy: list[float] = []  # the workers' GPU busy fractions (their second cells)
+        unread = 0  # cells whose worker could not read its GPU's busy fraction
         submitted: dict[tuple[int, int], float] = {}  # (index, attempt) -> epoch seconds
         n_first = len(self._specs)
 
@@ -803,16 +813,16 @@ class DaskExecutor:
                     for r in results:
                         if "gpu_busy" in r.timing:
                             b = r.timing["gpu_busy"]
-                            # the first cell compiles and captures (the GPU waits): not read
-                            if b is None or r.timing.get("worker_task", 0) >= 1:
-                                busy.append(b)
+                            if b is None:  # no NVML on that worker: nothing to wait for
+                                unread += 1
+                            elif r.timing.get("worker_task", 0) >= 1:
+                                busy.append(b)  # the first cell compiles and captures: not read
                     if len(first_walls) >= min(n_first, len(tasks)) and (
-                        None in busy or len(busy) >= n_first or len(first_walls) >= 3 * n_first
+                        len(busy) + unread >= n_first
+                        or len(first_walls) >= 3 * n_first
+                        or not queue
                     ):
-                        read = [b for b in busy if b is not None]
-                        self.add_gpu_workers(
-                            first_walls, len(queue), busy=read if None not in busy else None
-                        )
+                        self.add_gpu_workers(first_walls, len(queue), busy=busy or None)
                         first_walls = None
                 yield from results
         finally:
