@@ -94,8 +94,8 @@ def test_short_labels_drop_shared_parts():
     }
 
 
-def test_registry_and_write_plots_survive_a_failing_plot(tmp_path):
-    ResultsWriter(tmp_path).append(_results().to_dict("records"))
+def _register_test_plots() -> None:
+    """Two plots registered in this process only: one failing, one drawing (``extra.png``)."""
 
     @plots.register("test_broken")
     def broken(df, run_dir):
@@ -106,6 +106,12 @@ def test_registry_and_write_plots_survive_a_failing_plot(tmp_path):
         fig = plots.new_figure()
         fig.axes[0].plot([0, 1], [len(df), len(df)])
         return {"extra": fig}
+
+
+def test_registry_and_write_plots_survive_a_failing_plot(tmp_path):
+    ResultsWriter(tmp_path).append(_results().to_dict("records"))
+
+    _register_test_plots()
 
     try:
         assert {"solver_stats", "metrics", "test_broken", "test_extra"} <= set(plots.names())
@@ -143,15 +149,7 @@ def test_plot_pool_draws_the_same_figures_in_its_processes(tmp_path):
         d.mkdir()
         ResultsWriter(d).append(df.to_dict("records"))
 
-    @plots.register("test_broken")
-    def broken(df, run_dir):
-        raise RuntimeError("boom")
-
-    @plots.register("test_extra")
-    def extra(df, run_dir):
-        fig = plots.new_figure()
-        fig.axes[0].plot([0, 1], [len(df), len(df)])
-        return {"extra": fig}
+    _register_test_plots()
 
     # a plot the pool's processes import too (a module of the user's), and one failing there
     mod = tmp_path / "pool_plot_mod.py"
