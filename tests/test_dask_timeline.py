@@ -138,6 +138,13 @@ def test_dask_run_breakdown_lpt_order_and_suite_ordered_rows(
     from deqbench.run.runner import run_suite
     from deqbench.run.suite import load_suite
 
+    # no pool beside a local CPU cluster (its workers use the cores); this one stands in for a
+    # GPU cluster or a cluster of yours
+    cpu = DaskExecutor(workers=2)
+    cpu.layout = cpu.worker_specs("cpu", None)[1]
+    assert cpu.uses_local_cores
+    monkeypatch.setattr(DaskExecutor, "uses_local_cores", property(lambda self: False))
+
     p = write_suite(tmp_path, replace=LPT)
     r = invoke("run", p, *FLAGS, "--out", tmp_path / "inline")
     assert r.exit_code in (0, 1), r.output
