@@ -72,10 +72,10 @@ def fast_workers():
         pytest.skip("dask[distributed] is not installed")
     import dask
 
-    from deqbench.run.executors.dask import _warm_forkserver
+    from deqbench.run.executors._forkserver import use_method
 
     with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
-        _warm_forkserver()
+        use_method("forkserver")
         yield
 
 

@@ -60,20 +60,26 @@ def resolve_device(requested: str, *, quick: bool = False) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_NVML: list[Any] = []  # the initialised library, once per process
+
+
+def _nvml() -> Any:
+    """The NVIDIA driver's management library (NVML, through ctypes), initialised once per
+    process; OSError without it."""
+    if not _NVML:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit failed")
+        _NVML.append(lib)
+    return _NVML[0]
+
+
 def _nvml_device_count() -> int | None:
     """The GPUs the NVIDIA driver reports (NVML through ctypes, a few ms), or None without the
     driver's library."""
-    import ctypes
-
     try:
-        lib = ctypes.CDLL("libnvidia-ml.so.1")
-        if lib.nvmlInit_v2() != 0:
-            return None
-        try:
-            n = ctypes.c_uint(0)
-            ok = lib.nvmlDeviceGetCount_v2(ctypes.byref(n)) == 0
-        finally:
-            lib.nvmlShutdown()
+        n = ctypes.c_uint(0)
+        ok = _nvml().nvmlDeviceGetCount_v2(ctypes.byref(n)) == 0
     except (OSError, AttributeError):
         return None
     return int(n.value) if ok else None
@@ -89,16 +95,6 @@ class _Sample(ctypes.Structure):
 
 #: NVML_GPU_UTILIZATION_SAMPLES: the percent of time a kernel ran, one sample per driver period
 _UTIL_SAMPLES = 1
-_NVML: list[Any] = []  # the initialised library, once per process
-
-
-def _nvml() -> Any:
-    if not _NVML:
-        lib = ctypes.CDLL("libnvidia-ml.so.1")
-        if lib.nvmlInit_v2() != 0:
-            raise OSError("nvmlInit failed")
-        _NVML.append(lib)
-    return _NVML[0]
 
 
 def _util_samples(lib: Any, handle: Any, since: int) -> list[tuple[int, float]]:

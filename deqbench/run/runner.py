@@ -503,8 +503,6 @@ def _run_suite(
                 "phases": phases,
                 "cluster": dict(getattr(executor, "timeline", None) or {}),
             }
-            if pool is not None:  # filled in by _finish: how many plots the pool drew
-                timeline["plot_pool"] = {"processes": pool.processes, "drawn": 0}
             _finish(run_dir, meta, summary, plots, sig, describe, timeline, timings, pool)
             if sig.late is not None and not summary.interrupted:
                 name = signal.Signals(sig.late).name
@@ -668,10 +666,10 @@ def _finish(
                 phases["plots_end"] = time.time()
                 if "outcomes_end" not in phases:
                     outcomes()
-                if pool is not None and timeline is not None:
-                    timeline.setdefault("plot_pool", {})["drawn"] = pool.drawn
         except KeyboardInterrupt as exc:
             _log(run_dir, f"plots and outcome checks cut short by {exc}")
+    if pool is not None and timeline is not None:  # how many plot functions it drew
+        timeline["plot_pool"] = {"processes": pool.processes, "drawn": pool.drawn}
     if timings is not None:
         _write_timeline(run_dir, timings)
     if callable(describe):  # the cluster as it ended (workers joined, grouping)

@@ -95,10 +95,9 @@ def prestart(
         if dev.startswith("cuda") and find_spec("distributed") is not None:
             # before this process imports distributed or torch: the server imports them for the
             # workers meanwhile (._forkserver)
-            from ._forkserver import start_forkserver, start_method
+            from ._forkserver import start_method, use_method
 
-            if start_method(gpu=True) == "forkserver":
-                start_forkserver()
+            use_method(start_method(gpu=True))
         ex = make_executor(name, scheduler=scheduler, workers=workers)
     except Exception:  # noqa: BLE001 - validation reports it properly
         return None

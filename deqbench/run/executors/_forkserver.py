@@ -62,10 +62,10 @@ def use_method(method: str) -> None:
         start_forkserver()
 
 
-def start_forkserver() -> bool:
-    """Start the forkserver with :data:`PRELOAD` now, unless it runs already. Returns whether
-    this call started it. Cheap here (one process launched); the server imports in the
-    background and answers the first fork once it is done."""
+def start_forkserver() -> None:
+    """Start the forkserver with :data:`PRELOAD` now, unless it runs already. Cheap here (one
+    process launched); the server imports in the background and answers the first fork once it
+    is done."""
     from multiprocessing import forkserver
 
     server: Any = getattr(forkserver, "_forkserver", None)
@@ -73,4 +73,3 @@ def start_forkserver() -> bool:
     if not running:  # a running server keeps the preload it started with
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
-    return not running

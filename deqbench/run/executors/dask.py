@@ -245,14 +245,6 @@ def _pinned_gpu() -> str | None:
     return os.environ.get(PINNED_ENV)
 
 
-def _warm_forkserver() -> None:
-    """Use a forkserver that imported torch and deqbench once (``_forkserver``), so that workers
-    (and restarts after a crash) start warm; started now unless it runs already."""
-    from ._forkserver import use_method
-
-    use_method("forkserver")
-
-
 class DaskExecutor:
     """Runs tasks on a Dask cluster (see the module docstring).
 
