@@ -1,6 +1,9 @@
-"""Bandwidth of Broyden's two fused update kernels (``fused.broyden_update``) on the conv64
-state (batch 128 x 65536, issue 31): time per call and effective GB/s (rows read twice, four
-rows written) for several pair counts and tilings, beside a plain copy of the same rows.
+"""Bandwidth of Broyden's fused update kernels (``fused.broyden_update``) on the conv64 state
+(batch 128 x 65536, issue 31): time per call and effective GB/s (rows read twice, five rows
+written) for several pair counts, warps and unroll factors, beside a plain copy of the same
+rows (the copy of the whole contiguous buffer gives the card's bandwidth); then whole captured
+conv64 solves at rel 1e-4 and 1e-6 with their overhead and this representation's floor (f
+plus the update's bytes at that bandwidth).
 
     python benchmarks/broyden_kernel_probe.py [--quick]
 """
@@ -19,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cells as cellmod  # noqa: E402
 
 from deqbench.solvers import fused  # noqa: E402
-from deqbench.solvers.base import chunking  # noqa: E402
+from deqbench.solvers.base import chunking, clear_graph_cache  # noqa: E402
 
 
 def timed(fn, n: int = 30) -> float:
@@ -50,47 +53,61 @@ def main() -> int:
     gx = torch.randn(bsz, nc, cd, device=dev)
     cnt = torch.tensor([5, 3, 0, 0], device=dev)
     skipped = torch.zeros(bsz, dtype=torch.int64, device=dev)
-    defaults = (fused.BROYDEN_PIECE, fused.BROYDEN_TILE, fused.BROYDEN_WARPS)
-    print("pb rows | copy ms GB/s | piece tile warps: ms GB/s ...")
-    for pb in (2, 4, 8, 12, 16, 20):
+    defaults = (fused.BROYDEN_WARPS, fused.BROYDEN_UNROLL)
+    variants = [(w, u) for w in (4, 8) for u in (1, 2, 4)]
+    print("pb rows | copy ms GB/s | warps/unroll: ms GB/s (rows read twice, 5 written) ...")
+    bw = 0.0
+    for pb in (2, 4, 6, 8, 12, 16, 20):
         rp = 2 + 2 * pb
         nbytes = (2 * rp + 5) * bsz * dim * 4
         src = A[:, :, :rp]
         cms = timed(lambda src=src: src.clone())
+        if rp == R:  # the whole buffer, contiguous: the card's copy bandwidth (read + write)
+            bw = 2 * rp * bsz * dim * 4 / cms / 1e6
         line = f"{pb:2d} {rp:3d} | {cms:.3f} {2 * rp * bsz * dim * 4 / cms / 1e6:6.0f} |"
-        for piece, tile, warps in itertools.product(
-            (1 << 10, 1 << 12), (1 << 11, 1 << 12, 1 << 13), (4, 8)
-        ):
-            fused.BROYDEN_PIECE, fused.BROYDEN_TILE, fused.BROYDEN_WARPS = piece, tile, warps
+        for warps, unroll in variants:
+            fused.BROYDEN_WARPS, fused.BROYDEN_UNROLL = warps, unroll
             scratch = fused.broyden_buffers(A)
             ms = timed(
                 lambda s=scratch, p=pb: fused.broyden_update(
                     A, x, gx, cnt, skipped, s, p, cap, 1e-3
                 )
             )
-            line += f" {piece >> 10}k/{tile >> 10}k/{warps}: {ms:.3f} {nbytes / ms / 1e6:5.0f}"
-        fused.BROYDEN_PIECE, fused.BROYDEN_TILE, fused.BROYDEN_WARPS = defaults
+            line += f" {warps}/{unroll}: {ms:.3f} {nbytes / ms / 1e6:5.0f}"
+        fused.BROYDEN_WARPS, fused.BROYDEN_UNROLL = defaults
         print(line, flush=True)
-    # whole captured solves on the conv64 cell: pairs per graph bucket (LARGE_GRAIN)
+    # whole captured solves on the conv64 cell (pairs read: exactly those in use)
     from deqbench.deq import DEQLayer, SolverConfig
-    from deqbench.solvers import broyden as bmod
 
     cell = cellmod.cells(args.quick, dev)[0]
     with torch.no_grad():
         tf = timed(lambda: cell.module(cell.z0, cell.x), 20)
-    for tol in (1e-4, 1e-6):
-        for grain in (1, 2, 4):
-            bmod.LARGE_GRAIN = grain
-            layer = DEQLayer(cell.module, SolverConfig("broyden", max_iter=100, tol=tol))
-            z, st = layer.solve(cell.x, torch.zeros_like(cell.z0))
-            ms = timed(lambda layer=layer: layer.solve(cell.x, torch.zeros_like(cell.z0)), 10)
-            z, st = layer.solve(cell.x, torch.zeros_like(cell.z0))
-            n = st.extra.get("nstep_to_tol", st.nstep)
-            print(
-                f"solve tol {tol:g} grain {grain}: {ms:.2f} ms path {st.path} nstep {st.nstep} "
-                f"to_tol {n} overhead {ms / (n * tf):.2f} (t_f {tf:.3f} ms)",
-                flush=True,
-            )
+    for tol, (warps, unroll) in itertools.product((1e-4, 1e-6), ((4, 1), defaults)):
+        fused.BROYDEN_WARPS, fused.BROYDEN_UNROLL = warps, unroll
+        clear_graph_cache()  # graphs captured with the other kernels must not replay
+        layer = DEQLayer(cell.module, SolverConfig("broyden", max_iter=100, tol=tol))
+        z, st = layer.solve(cell.x, torch.zeros_like(cell.z0))
+        ms = timed(lambda layer=layer: layer.solve(cell.x, torch.zeros_like(cell.z0)), 10)
+        z, st = layer.solve(cell.x, torch.zeros_like(cell.z0))
+        n = st.extra.get("nstep_to_tol", st.nstep)
+        # the floor of this representation: n evaluations of f, and per update the pair
+        # rows read twice plus gx, x read and u, v, dx, x, gx written (2 rp + 8 rows of the
+        # state) at the copy bandwidth of the contiguous buffer; pairs in use as the eager
+        # path counts them (restart rule, memory 20: one more per update from the second
+        # evaluation, a full memory restarted to the restart's own pair)
+        nrows, npairs = 0, 0
+        for _ in range(2, n):  # the updates after evaluations 0 and 1 make none
+            full = npairs >= 20
+            nrows += 2 * (2 + 2 * (0 if full else npairs)) + 8
+            npairs = 1 if full else npairs + 1
+        floor = (n * tf + nrows * cell.z0.numel() * 4 / bw / 1e6) / (n * tf)
+        print(
+            f"solve tol {tol:g} warps {warps} unroll {unroll}: {ms:.2f} ms path "
+            f"{st.path} nstep {st.nstep} to_tol {n} overhead {ms / (n * tf):.2f} "
+            f"(t_f {tf:.3f} ms); floor {floor:.2f} (update bytes at {bw:.0f} GB/s)",
+            flush=True,
+        )
+    fused.BROYDEN_WARPS, fused.BROYDEN_UNROLL = defaults
     return 0
 
 

@@ -191,11 +191,20 @@ def test_large_state_buckets_of_one_pair(monkeypatch, opts):
     static = cell.run(z0_like(cell), cuda_graph=True, **kw)
     assert_same_solve(eager, static)
     cap = opts.get("memory", 20)
-    # one pair more per evaluation, up to the memory: no bucket rounded up to 4 pairs
-    cap = opts.get("memory", 20)
-    # one chunk per evaluation, reading the pairs made before it (n - 2 after n evaluations)
-    assert seen == [min(cap, max(1, n - 2)) for n in range(static[1].nstep)]
-    if not opts:  # a bucket one pair short drops a pair in use: the iterates change
+    # one chunk per evaluation, reading the pairs in use then: the eager path's pair count
+    # (one more per update from the second evaluation on; the restart rule empties a full
+    # memory and keeps the restart's own pair; a ring stays full; a line search: the bound
+    # n - 2, since a rejected trial makes no pair)
+    want, npairs = [], 0
+    for n in range(static[1].nstep):
+        full = npairs >= cap and opts.get("on_full", "restart") == "restart"
+        want.append(min(cap, max(1, n - 2 if "line_search" in opts else 0 if full else npairs)))
+        if n >= 2:
+            npairs = 1 if full else npairs + 1
+    assert seen == want
+    if opts.get("memory") == 3 and "on_full" not in opts:
+        assert static[1].nstep > 6 and min(seen[5:]) < 3  # pairs read fell after a restart
+    if "line_search" not in opts:  # a bucket one pair short drops a pair in use
         seen.clear()
         short[0] = 1
         with pytest.raises(AssertionError):

@@ -1,4 +1,4 @@
-"""The fused Broyden step (``fused.broyden_update``, two Triton kernels) against the torch code
+"""The fused Broyden step (``fused.broyden_update``, three Triton kernels) against the torch code
 of ``_static_steps`` it replaces and against the eager Broyden path: whole solves with restarts,
 ring wraparound, chunked and split layouts and rejected updates. CPU: the kernels run under
 Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be set before Triton is
@@ -36,7 +36,7 @@ CHECKS = textwrap.dedent(
         _update(*a, **k)
 
     fused.broyden_update = counted
-    PIECE, TILE = fused.BROYDEN_PIECE, fused.BROYDEN_TILE
+    PIECE, UNROLL = fused.BROYDEN_PIECE, fused.BROYDEN_UNROLL
 
     class Cell:
         # z -> tanh(W z + b), ||W||_2 = 0.8; sample 1 of a ``degenerate`` cell is z -> z + b
@@ -88,31 +88,31 @@ CHECKS = textwrap.dedent(
             assert p0.shape == p1.shape, what
             close(p1, p0, r, what + " points")
 
-    # (dtype, B, D, nc, piece, tile, on_full, degenerate, memory, max_iter); the solves stop
+    # (dtype, B, D, nc, piece, unroll, on_full, degenerate, memory, max_iter); the solves stop
     # before the residual reaches rounding level (where the skip decisions would be noise and a
     # residual could round to 0): float32 after 8 steps (rel ~1e-5; 12 reached 4e-8, below
     # float32's eps), float64 after 14 (~1e-9) or 24 (~6e-14); checked by ``floor`` below
     cases = [
-        (torch.float64, 3, 12, 1, PIECE, TILE, "restart", False, 3, 14),
-        (torch.float64, 3, 12, 1, PIECE, TILE, "ring", True, 3, 14),
-        (torch.float64, 3, 12, 3, PIECE, TILE, "restart", True, 3, 14),
-        (torch.float64, 3, 12, 3, PIECE, TILE, "ring", False, 3, 14),
-        (torch.float64, 3, 12, 1, 5, 16, "restart", False, 3, 14),  # 3 pieces, 2-column tiles
-        (torch.float64, 3, 12, 2, 4, 16, "ring", True, 3, 14),  # 2 chunks of 2 pieces
-        (torch.float32, 3, 12, 1, PIECE, TILE, "restart", True, 3, 8),
-        (torch.float32, 3, 12, 3, PIECE, TILE, "ring", False, 3, 8),
-        (torch.float32, 3, 12, 2, 4, 16, "restart", False, 3, 8),
+        (torch.float64, 3, 12, 1, PIECE, UNROLL, "restart", False, 3, 14),
+        (torch.float64, 3, 12, 1, PIECE, UNROLL, "ring", True, 3, 14),
+        (torch.float64, 3, 12, 3, PIECE, UNROLL, "restart", True, 3, 14),
+        (torch.float64, 3, 12, 3, PIECE, UNROLL, "ring", False, 3, 14),
+        (torch.float64, 3, 12, 1, 5, 1, "restart", False, 3, 14),  # 3 pieces, rolled loops
+        (torch.float64, 3, 12, 2, 4, 2, "ring", True, 3, 14),  # 2 chunks of 2 pieces
+        (torch.float32, 3, 12, 1, PIECE, UNROLL, "restart", True, 3, 8),
+        (torch.float32, 3, 12, 3, PIECE, UNROLL, "ring", False, 3, 8),
+        (torch.float32, 3, 12, 2, 4, 2, "restart", False, 3, 8),
     ]
-    if not cpu:  # the real tile sizes: 2 pieces of 2500; 20 pairs (64-row tiles); 4 chunks
+    if not cpu:  # the real sizes: 2 pieces of 2500; 20 pairs (42 rows, unrolled by 3); 4 chunks
         cases += [
-            (torch.float64, 8, 5000, 1, PIECE, TILE, "restart", True, 20, 24),
-            (torch.float32, 8, 5000, 1, PIECE, TILE, "ring", False, 4, 8),
-            (torch.float32, 8, 4096, 4, PIECE, TILE, "restart", True, 4, 8),
+            (torch.float64, 8, 5000, 1, PIECE, 3, "restart", True, 20, 24),
+            (torch.float32, 8, 5000, 1, PIECE, UNROLL, "ring", False, 4, 8),
+            (torch.float32, 8, 4096, 4, PIECE, UNROLL, "restart", True, 4, 8),
         ]
     out = {}
-    for dt, B, D, nc, piece, tile, on_full, degenerate, memory, n in cases:
+    for dt, B, D, nc, piece, unroll, on_full, degenerate, memory, n in cases:
         bm.chunking = lambda bsz, dim, device, nc=nc: (nc, dim // nc)
-        fused.BROYDEN_PIECE, fused.BROYDEN_TILE = piece, tile
+        fused.BROYDEN_PIECE, fused.BROYDEN_UNROLL = piece, unroll
         cell = Cell(B, D, dt, degenerate)
         # tol 0: convergence needs a residual strictly below tol, so max_iter is certain (1e-30
         # was met by a residual that rounds to exactly 0)

@@ -910,7 +910,7 @@ def graph_loop(
     same addresses (the usual static-input CUDA-graph pattern).
 
     ``phase``: the steps differ by phase (Broyden reads only the memory rows that can be in
-    use by then): ``phase(n)`` (n: steps made before a chunk, non-decreasing in n) is passed to
+    use by then): ``phase(n)`` (n: steps made before a chunk) is passed to
     ``body``, and one graph is captured per phase when first reached (sharing one memory pool).
     """
     nstep = 0

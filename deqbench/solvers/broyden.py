@@ -375,7 +375,7 @@ def _static_steps(
     path's first (fixed-point) step. Neither stores a pair or counts a skip.
 
     Without a line search, where :func:`~deqbench.solvers.fused.usable` (CUDA with Triton), the
-    update and ``gx = g`` are :func:`~deqbench.solvers.fused.broyden_update`: two Triton
+    update and ``gx = g`` are :func:`~deqbench.solvers.fused.broyden_update`: three Triton
     kernels instead of ~60 small torch ones (restart rule; ~45 for the ring), the same
     arithmetic up to sum order; the torch code below is the reference and runs elsewhere.
     """
@@ -427,21 +427,36 @@ def _static_steps(
     tiny = torch.finfo(dt).eps ** 0.5
     xv = xs.view(bsz, nc, cd)
     g, dx = A[:, :, 0], A[:, :, 1]
-    # the update and gx = g as two Triton kernels (fused.broyden_update) where they can run
+    # the update and gx = g as three Triton kernels (fused.broyden_update) where they can run
     fz = not line_search and fused.usable(A, xs, *(() if gx is None else (gx,)))
     if fz and "fused" not in st:
-        st["fused"] = fused.broyden_buffers(A)  # partial products, counter snapshot
+        st["fused"] = fused.broyden_buffers(A)  # partial products, snapshot, coefficients
     Wn = A[:, :, :2].view(bsz * nc, 2, cd)  # [g+, dx]
 
     # at most ~8 buckets, hence captured graphs; a state above AUTO_NUMEL is bandwidth-bound,
     # and reading pairs not in use costs more there than capturing a graph per pair count
     grain = LARGE_GRAIN if z0.numel() > AUTO_NUMEL else max(4, -(-cap // 8))
 
+    def pairs_read(n: int) -> int:
+        """Pairs in use by the update after n evaluations (without a line search the pair
+        count follows the step count: an update is made from the second evaluation on, and a
+        restart at ``cap`` pairs leaves one; with a line search a rejected trial makes none, so
+        only the bound n - 2)."""
+        if line_search or n < 2 + cap:
+            return max(0, n - 2)
+        if not restart:  # a full ring
+            return cap
+        # restart rule, after the first restart (update n = cap + 2 reads none): a cycle of
+        # cap updates reading 1, 2, ..., cap - 1 pairs, then a restart (none)
+        j = (n - cap - 3) % cap + 1
+        return 0 if j >= cap else j
+
     def rows_in_use(n: int) -> int:
-        """Pairs a step can use when n evaluations were made before its chunk: the update
-        after evaluation k (k >= 2) reads the k - 2 pairs made before it, so at most
-        n + steps - 3, rounded up to a multiple of ``grain`` (one captured graph per bucket)."""
-        return min(cap, max(1, -(-(n + steps - 3) // grain) * grain))
+        """Pairs the ``steps`` updates of a chunk after n evaluations can use, rounded up to a
+        multiple of ``grain`` (one captured graph per bucket): the update after evaluation k
+        (k >= 2) reads the pairs made before it, which the last restart emptied."""
+        most = max(pairs_read(n + i) for i in range(steps))
+        return min(cap, max(1, -(-most // grain) * grain))
 
     views: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 

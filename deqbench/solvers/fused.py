@@ -15,11 +15,11 @@ kernels here do the same arithmetic in fewer launches:
 * :func:`anderson_weights` (one kernel): the regularised m x m least-squares system per sample,
   solved in float64 by Gauss-Jordan elimination (the matrix is symmetric positive definite), the
   normalised weights, and the one-hot fallback for a sample whose solve is not finite.
-* :func:`broyden_update` (two kernels): Broyden's static step without a line search (the
+* :func:`broyden_update` (three kernels): Broyden's static step without a line search (the
   update from the last evaluation and the next point), ~60 small torch kernels a step
-  otherwise: the chunks' partial products of the pair buffer with g+ and dx, then per
-  (sample, chunk) the per-sample coefficients and decisions from them, B g+, the new pair
-  [u, v], the next step dx and x + dx, the skip count, pair count and restart count.
+  otherwise: the pieces' partial products of the pair buffer's rows with g+ and dx, then per
+  sample the coefficients and decisions from them (skip count, pair count, restart count),
+  then per (sample, piece) B g+, the new pair [u, v], the next step dx and x + dx.
 
 They replace the torch code of :meth:`~deqbench.solvers.base.Tracker.device_record` and
 Anderson's static step exactly up to rounding (sum order of the norms); the torch code stays
@@ -46,12 +46,14 @@ ENABLED = ENABLED_BY_ENV
 #: samples of 65536) keep every SM streaming; shorter ones take one program per sample (two)
 SPLIT_MIN = 1 << 14
 CHUNK = 1 << 13
-#: Broyden: a chunk of the pair buffer longer than this is split over several programs; a
-#: program reads its rows in tiles of at most BROYDEN_TILE elements (rows x columns)
+#: Broyden: a chunk of the pair buffer longer than this is split over several programs, each
+#: reading its piece of every row in one load (issue 31: one row at a time streamed at 3.0-3.8
+#: TB/s on an H200 with 8 warps and the row loop unrolled 4 times, against 2.2-3.4 for 2-D
+#: tiles of rows x columns; ``benchmarks/broyden_kernel_probe.py``)
 BROYDEN_PIECE = 1 << 12
-BROYDEN_TILE = 1 << 13
-#: warps per program of the two Broyden kernels
-BROYDEN_WARPS = 4
+#: warps per program of the Broyden kernels, and rows per unrolled iteration of their loops
+BROYDEN_WARPS = 8
+BROYDEN_UNROLL = 4
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -385,11 +387,12 @@ if triton is not None:
     @triton.jit
     def _broyden_products_kernel(
         A_ptr, gx_ptr, part_ptr, cnt_ptr, snap_ptr, R, rp, cd, L, K,
-        RESTART: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+        RESTART: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
     ):  # fmt: skip
-        """Programs (sample, piece of a chunk): the partial products of rows r < rp of the pair
-        buffer A (B, nc, R, cd) with g+ (row 0) and dx (row 1), and dx . gx (``RESTART``), into
-        part (B, nc K, R + 1, 2); program (0, 0) snapshots the counters [it, npairs, nrestarts]."""
+        """Programs (sample, piece of a chunk), one row at a time: the piece's products of rows
+        r < rp of the pair buffer A (B, nc, R, cd) with g+ (row 0) and dx (row 1), and dx . gx
+        (``RESTART``), into part (B, nc K, R + 1, 2); program (0, 0) snapshots the counters
+        [it, npairs, nrestarts]. Each row is one contiguous load of the piece (BLOCK >= L)."""
         b = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1).to(tl.int64)
         S = tl.num_programs(1)
@@ -397,58 +400,43 @@ if triton is not None:
         lo = (p - c * K) * L
         ch = b * (S // K) + c  # (sample, chunk)
         base = ch * R * cd
-        rr = tl.arange(0, RP)
-        rm = rr < rp
-        dt = A_ptr.dtype.element_ty
-        acc_g = tl.zeros([RP], dtype=dt)
-        acc_d = tl.zeros([RP], dtype=dt)
-        acc_x = tl.zeros([BLOCK], dtype=dt)
-        for off in range(0, L, BLOCK):
-            k = lo + off + tl.arange(0, BLOCK)
-            km = (k < cd) & (off + tl.arange(0, BLOCK) < L)
-            g = tl.load(A_ptr + base + k, mask=km, other=0.0)
-            dx = tl.load(A_ptr + base + cd + k, mask=km, other=0.0)
-            t = tl.load(A_ptr + base + rr[:, None] * cd + k[None, :],
-                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
-            acc_g += tl.sum(t * g[None, :], axis=1)
-            acc_d += tl.sum(t * dx[None, :], axis=1)
-            if RESTART:
-                acc_x += dx * tl.load(gx_ptr + ch * cd + k, mask=km, other=0.0)
+        j = tl.arange(0, BLOCK)
+        k = lo + j
+        km = (j < L) & (k < cd)
+        g = tl.load(A_ptr + base + k, mask=km, other=0.0)
+        dx = tl.load(A_ptr + base + cd + k, mask=km, other=0.0)
         q = part_ptr + (b * S + p) * (R + 1) * 2
-        tl.store(q + rr * 2, acc_g, mask=rm)
-        tl.store(q + rr * 2 + 1, acc_d, mask=rm)
+        for r in tl.range(0, rp, loop_unroll_factor=UNROLL):
+            t = tl.load(A_ptr + base + r * cd + k, mask=km, other=0.0)
+            tl.store(q + r * 2, tl.sum(t * g, axis=0))
+            tl.store(q + r * 2 + 1, tl.sum(t * dx, axis=0))
         if RESTART:
-            tl.store(q + R * 2, tl.sum(acc_x, axis=0))
+            tl.store(
+                q + R * 2, tl.sum(dx * tl.load(gx_ptr + ch * cd + k, mask=km, other=0.0), axis=0)
+            )
         if (b == 0) & (p == 0):
             i = tl.arange(0, 4)
             tl.store(snap_ptr + i, tl.load(cnt_ptr + i, mask=i < 3), mask=i < 3)
 
     @triton.jit
-    def _broyden_update_kernel(
-        A_ptr, x_ptr, gx_ptr, part_ptr, snap_ptr, cnt_ptr, skip_ptr, R, rp, cd, L, K, cap, tiny,
-        RESTART: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr,
+    def _broyden_coef_kernel(
+        part_ptr, snap_ptr, cnt_ptr, skip_ptr, coef_ptr, R, rp, S, cap, tiny,
+        RESTART: tl.constexpr, RP: tl.constexpr,
     ):  # fmt: skip
-        """Programs (sample, piece of a chunk): the sample's coefficients and decisions from the
-        partial products, then over the piece B g+, v, u, the next dx, x + dx and gx = g+."""
+        """One program per sample: its coefficients and decisions from the partial products
+        (the rows' weights in B g+ and in v, then 1 / den, the step's scale a, and on a restart
+        ri and ce) into coef (B, 2 R + 4); counts skipped updates and advances the counters."""
         b = tl.program_id(0).to(tl.int64)
-        p = tl.program_id(1).to(tl.int64)
-        S = tl.num_programs(1)
-        c = p // K
-        lo = (p - c * K) * L
-        ch = b * (S // K) + c
-        base = ch * R * cd
-        dt = A_ptr.dtype.element_ty
+        dt = coef_ptr.dtype.element_ty
         it = tl.load(snap_ptr)
         npairs = tl.load(snap_ptr + 1)
         upd = it >= 2  # whether an update is made (counted)
         if RESTART:
             rs = npairs >= cap  # B = -I again, then this step's update of it
             eff = tl.where(rs, 0, npairs)
-            slot = eff
         else:
             rs = npairs < 0
             eff = tl.minimum(npairs, cap)
-            slot = npairs % cap
         # -- the sample's products: P[r, 1] (rows . dx), P[r + 1, 0], P[r - 1, 1], dx . gx ----
         rr = tl.arange(0, RP)
         Pd = tl.zeros([RP], dtype=dt)
@@ -488,40 +476,72 @@ if triton is not None:
             a = tl.where(rs, -1.0, a)
             ri = tl.where(rs, inv, 0.0)
             ce = tl.where(rs, -e, 0.0)
-        if p == 0:
-            tl.store(skip_ptr + b, tl.load(skip_ptr + b) + tl.where(upd & (ok == 0), 1, 0))
-            if b == 0:  # the counters (the other programs read the snapshot)
-                tl.store(cnt_ptr, it + 1)  # the evaluation that follows (was a torch add_)
-                if RESTART:
-                    tl.store(cnt_ptr + 2, tl.load(snap_ptr + 2) + tl.where(rs & upd, 1, 0))
-                    tl.store(cnt_ptr + 1, tl.where(upd, tl.where(rs, 1, npairs + 1), npairs))
-                else:
-                    tl.store(cnt_ptr + 1, tl.where(upd, npairs + 1, npairs))
-        # -- the piece: every row read before the new pair's rows are written (a ring slot may
-        # be one of them) ---------------------------------------------------------------------
-        su = base + (2 + 2 * slot) * cd
-        rm = rr < rp
-        for off in range(0, L, BLOCK):
-            k = lo + off + tl.arange(0, BLOCK)
-            km = (k < cd) & (off + tl.arange(0, BLOCK) < L)
-            t = tl.load(A_ptr + base + rr[:, None] * cd + k[None, :],
-                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
-            bg = tl.sum(c0[:, None] * t, axis=0)
-            v = tl.sum(c1[:, None] * t, axis=0)
-            u = bg * -inv
-            dxn = bg * a
+        tl.store(skip_ptr + b, tl.load(skip_ptr + b) + tl.where(upd & (ok == 0), 1, 0))
+        if b == 0:  # the counters (the other programs read the snapshot)
+            tl.store(cnt_ptr, it + 1)  # the evaluation that follows (was a torch add_)
             if RESTART:
-                dx = tl.load(A_ptr + base + cd + k, mask=km, other=0.0)
-                gxo = tl.load(gx_ptr + ch * cd + k, mask=km, other=0.0)
-                u = u + dx * ri
-                u = u - gxo * ri
-                dxn = dxn + u * ce
-                tl.store(gx_ptr + ch * cd + k, tl.load(A_ptr + base + k, mask=km), mask=km)
-            tl.store(A_ptr + su + k, u, mask=km)
-            tl.store(A_ptr + su + cd + k, v, mask=km)
-            tl.store(A_ptr + base + cd + k, dxn, mask=km)
-            x = tl.load(x_ptr + ch * cd + k, mask=km)
-            tl.store(x_ptr + ch * cd + k, x + dxn, mask=km)
+                tl.store(cnt_ptr + 2, tl.load(snap_ptr + 2) + tl.where(rs & upd, 1, 0))
+                tl.store(cnt_ptr + 1, tl.where(upd, tl.where(rs, 1, npairs + 1), npairs))
+            else:
+                tl.store(cnt_ptr + 1, tl.where(upd, npairs + 1, npairs))
+        cb = coef_ptr + b * (2 * R + 4)
+        tl.store(cb + rr, c0, mask=rr < rp)
+        tl.store(cb + R + rr, c1, mask=rr < rp)
+        tl.store(cb + 2 * R, (-inv).to(dt))
+        tl.store(cb + 2 * R + 1, a.to(dt))
+        tl.store(cb + 2 * R + 2, ri.to(dt))
+        tl.store(cb + 2 * R + 3, ce.to(dt))
+
+    @triton.jit
+    def _broyden_update_kernel(
+        A_ptr, x_ptr, gx_ptr, snap_ptr, coef_ptr, R, rp, cd, L, K, cap,
+        RESTART: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+    ):  # fmt: skip
+        """Programs (sample, piece of a chunk), one row at a time with the sample's coefficients
+        (``_broyden_coef_kernel``): over the piece B g+, v, u, the next dx, x + dx and gx = g+."""
+        b = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1).to(tl.int64)
+        S = tl.num_programs(1)
+        c = p // K
+        lo = (p - c * K) * L
+        ch = b * (S // K) + c
+        base = ch * R * cd
+        dt = A_ptr.dtype.element_ty
+        npairs = tl.load(snap_ptr + 1)
+        if RESTART:
+            slot = tl.where(npairs >= cap, 0, npairs)
+        else:
+            slot = npairs % cap
+        cb = coef_ptr + b * (2 * R + 4)
+        ninv = tl.load(cb + 2 * R)
+        a = tl.load(cb + 2 * R + 1)
+        j = tl.arange(0, BLOCK)
+        k = lo + j
+        km = (j < L) & (k < cd)
+        bg = tl.zeros([BLOCK], dtype=dt)
+        v = tl.zeros([BLOCK], dtype=dt)
+        # every row read before the new pair's rows are written (a ring slot may be one of them)
+        for r in tl.range(0, rp, loop_unroll_factor=UNROLL):
+            t = tl.load(A_ptr + base + r * cd + k, mask=km, other=0.0)
+            bg += tl.load(cb + r) * t
+            v += tl.load(cb + R + r) * t
+        u = bg * ninv
+        dxn = bg * a
+        if RESTART:
+            ri = tl.load(cb + 2 * R + 2)
+            ce = tl.load(cb + 2 * R + 3)
+            dx = tl.load(A_ptr + base + cd + k, mask=km, other=0.0)
+            gxo = tl.load(gx_ptr + ch * cd + k, mask=km, other=0.0)
+            u = u + dx * ri
+            u = u - gxo * ri
+            dxn = dxn + u * ce
+            tl.store(gx_ptr + ch * cd + k, tl.load(A_ptr + base + k, mask=km), mask=km)
+        su = base + (2 + 2 * slot) * cd
+        tl.store(A_ptr + su + k, u, mask=km)
+        tl.store(A_ptr + su + cd + k, v, mask=km)
+        tl.store(A_ptr + base + cd + k, dxn, mask=km)
+        x = tl.load(x_ptr + ch * cd + k, mask=km)
+        tl.store(x_ptr + ch * cd + k, x + dxn, mask=km)
 
 
 def record(
@@ -694,13 +714,15 @@ def broyden_pieces(cd: int) -> int:
     return -(-cd // BROYDEN_PIECE)
 
 
-def broyden_buffers(A: Tensor) -> tuple[Tensor, Tensor]:
+def broyden_buffers(A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Scratch for :func:`broyden_update` on the pair buffer A (B, nc, R, cd): the partial
-    products (B, nc * pieces, R + 1, 2) and the counter snapshot (4,)."""
+    products (B, nc * pieces, R + 1, 2), the counter snapshot (4,) and the per-sample
+    coefficients (B, 2 R + 4)."""
     B, nc, R, cd = A.shape
     K = broyden_pieces(cd)
     part = torch.empty(B, nc * K, R + 1, 2, dtype=A.dtype, device=A.device)
-    return part, torch.zeros(4, dtype=torch.int64, device=A.device)
+    coef = torch.empty(B, 2 * R + 4, dtype=A.dtype, device=A.device)
+    return part, torch.zeros(4, dtype=torch.int64, device=A.device), coef
 
 
 def broyden_update(
@@ -709,13 +731,14 @@ def broyden_update(
     gx: Tensor | None,
     cnt: Tensor,
     skipped: Tensor,
-    scratch: tuple[Tensor, Tensor],
+    scratch: tuple[Tensor, Tensor, Tensor],
     pb: int,
     cap: int,
     tiny: float,
 ) -> None:
     """Broyden's static step without a line search (``_static_steps``' torch update followed
-    by ``gx = g``) in two launches, on the first 2 + 2 ``pb`` rows of the pair buffer
+    by ``gx = g``) in three launches (the rows' products, each sample's coefficients, the
+    rows' combinations), on the first 2 + 2 ``pb`` rows of the pair buffer
     A = [g+, dx, u_0, v_0, ...] (B, nc, R, cd).
 
     Writes the new pair [u, v] into the rows of its slot (also when no update is made), the
@@ -727,21 +750,25 @@ def broyden_update(
     Without ``gx`` the pairs form a ring of ``cap`` slots.
     """
     B, nc, R, cd = A.shape
-    part, snap = scratch
+    part, snap, coef = scratch
     K = broyden_pieces(cd)
     L = -(-cd // K)
     rp = 2 + 2 * pb
     RP = max(2, 1 << (rp - 1).bit_length())
-    blk = max(2, min(1 << max(0, (L - 1).bit_length()), BROYDEN_TILE // RP))
     restart = gx is not None
     g_x = gx if gx is not None else A  # not read without the restart rule
     grid = (B, nc * K)
     assert part.shape[1] == nc * K and part.shape[2] == R + 1, "scratch for another layout"
     nw = BROYDEN_WARPS
+    blk = max(16, 1 << max(0, (L - 1).bit_length()))
     _broyden_products_kernel[grid](
-        A, g_x, part, cnt, snap, R, rp, cd, L, K, RESTART=restart, RP=RP, BLOCK=blk, num_warps=nw
+        A, g_x, part, cnt, snap, R, rp, cd, L, K,
+        RESTART=restart, BLOCK=blk, UNROLL=BROYDEN_UNROLL, num_warps=nw,
+    )  # fmt: skip
+    _broyden_coef_kernel[(B,)](
+        part, snap, cnt, skipped, coef, R, rp, nc * K, cap, tiny, RESTART=restart, RP=RP
     )
     _broyden_update_kernel[grid](
-        A, x, g_x, part, snap, cnt, skipped, R, rp, cd, L, K, cap, tiny,
-        RESTART=restart, RP=RP, BLOCK=blk, num_warps=nw,
+        A, x, g_x, snap, coef, R, rp, cd, L, K, cap,
+        RESTART=restart, BLOCK=blk, UNROLL=BROYDEN_UNROLL, num_warps=nw,
     )  # fmt: skip
