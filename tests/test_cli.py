@@ -294,3 +294,26 @@ def test_address_space_limit_at_import_is_one_line_exit_2(tmp_path, cmd):
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith("error: out of memory while loading PyTorch (address-space limit")
     assert "ulimit -v 1572864" in out.stderr and "raise `ulimit -v`" in out.stderr
+
+
+def test_summary_shows_f_evaluation_columns_only_with_solver_stats(capsys):
+    """The summary table's f-evaluation columns appear when some cell ran ``solver_stats``
+    (one-cell analysis suites such as ``deqbench landscape``'s do not: no empty columns)."""
+    import pandas as pd
+
+    from deqbench.run.console import print_summary
+
+    def row(cell, analysis, metric, value, variant="", step=None):
+        return dict(cell_id=cell, analysis=analysis, metric=metric, variant=variant, step=step,
+                    value=value, status="ok")  # fmt: skip
+
+    base = [row("a", "runner", "wall_time", 1.5), row("a", "metrics", "accuracy", 0.9, "test", 0)]
+    print_summary(pd.DataFrame(base))
+    out = capsys.readouterr().out
+    assert "test acc" in out and "f-evals" not in out and "0.9" in out
+    stats = [row("a", "solver_stats", "forward_nstep", 7.0, "train", 0)]
+    print_summary(pd.DataFrame(base + stats))
+    out = capsys.readouterr().out
+    assert "fwd f-evals/batch" in out and "bwd f-evals" not in out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("│ a ")]
+    assert [c.strip() for c in line.split("│")][1:5] == ["a", "ok 1/1", "0.9", "7"]

@@ -34,7 +34,7 @@ def esc(text: Any) -> str:
 def print_summary(df: Any) -> None:
     """One table row per cell: tasks ok (and flagged/failed), last-epoch test accuracy and test
     MSE (separate columns, each shown when some cell has it), forward/backward f-evaluations per
-    training batch (last epoch), the share of training batches whose forward / adjoint solve
+    training batch (last epoch; each shown when some cell has it), the share of training batches whose forward / adjoint solve
     converged (worst seed; "-" where the forward is not a solve or no adjoint ran; when the
     test-set evaluation solves after epoch 1 missed tolerance, their converged share in
     brackets), median wall time in seconds; then one line of totals."""
@@ -51,7 +51,12 @@ def print_summary(df: Any) -> None:
     cols = ["cell", "status"]
     cols += ["test acc"] if has["accuracy"] else []
     cols += ["test MSE"] if has["mse"] else []
-    cols += ["fwd f-evals/batch", "bwd f-evals/batch", "converged train fwd/bwd, eval", "wall s"]
+    # f-evaluations per training batch: shown when some cell ran the solver_stats analysis (the
+    # one-cell suites of `deqbench landscape` / `hessian` / `ntk` do not)
+    labels = {"forward_nstep": "fwd f-evals/batch", "backward_nstep": "bwd f-evals/batch"}
+    nsteps = [m for m in labels if ((df.analysis == "solver_stats") & (df.metric == m)).any()]
+    cols += [labels[m] for m in nsteps]
+    cols += ["converged train fwd/bwd, eval", "wall s"]
     for col in cols:
         t.add_column(col, overflow="fold")
 
@@ -82,13 +87,12 @@ def print_summary(df: Any) -> None:
             ok = " ".join(f"[yellow]{b}[/yellow]" if b == FLAGGED else f"[red]{b}[/red]"
                           for b in bad) + f" {int((r.status != 'ok').sum())}/{len(r)}"  # fmt: skip
         metrics = [last(g, "metrics", m, "test") for m in ("accuracy", "mse") if has[m]]
-        fwd = last(g, "solver_stats", "forward_nstep", "train")
-        bwd = last(g, "solver_stats", "backward_nstep", "train")
+        evals = [last(g, "solver_stats", m, "train") for m in nsteps]
         # training batches fwd/bwd, then the evaluation passes after training started
         conv = f"{converged(g, 'forward')}/{converged(g, 'adjoint')}"
         ev = converged(g, "forward", "eval")
         conv += f" eval {ev}" if ev != "-" else ""
-        t.add_row(esc(cell), ok, *metrics, fwd, bwd, conv, f"{r.value.median():.2f}")
+        t.add_row(esc(cell), ok, *metrics, *evals, conv, f"{r.value.median():.2f}")
     out_console().print(t)
     total = sum(counts.values())
     parts = [f"{counts.get('ok', 0)} ok"]
