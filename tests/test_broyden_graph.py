@@ -211,6 +211,35 @@ def test_large_state_buckets_of_one_pair(monkeypatch, opts):
             assert_same_solve(eager, cell.run(z0_like(cell), cuda_graph=True, **kw))
 
 
+@pytest.mark.parametrize(
+    "opts", [{}, {"memory": 3}, {"memory": 3, "on_full": "ring"}, {"line_search": True}]
+)
+@pytest.mark.parametrize("large", [True, False])
+def test_uninitialised_buffers_are_never_read(monkeypatch, opts, large):
+    """Every static buffer the path allocates uninitialised (torch.empty, filled with NaN here)
+    is written before it is read: on a large state (exact pairs per step) only [g, dx] and the
+    first pair are zeroed at the start, so a row read before this solve wrote it would spread
+    NaN into the iterates (zero coefficients do not cancel it)."""
+    import deqbench.solvers.broyden as mod
+
+    real = torch.empty
+
+    def nan_empty(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    if large:
+        monkeypatch.setattr(mod, "AUTO_NUMEL", B * N - 1)
+    cell = Cell()
+    kw = dict(max_iter=100, tol=1e-10, graph_steps=1, **opts)
+    eager = cell.run(z0_like(cell), **kw)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    static = cell.run(z0_like(cell), cuda_graph=True, **kw)
+    monkeypatch.setattr(torch, "empty", real)
+    assert_same_solve(eager, static)
+    assert static[1].status == "converged"
+
+
 @pytest.mark.parametrize("max_iter", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("opts", [{}, {"line_search": True}, {"on_full": "ring", "memory": 2}])
 def test_max_iter_reached(max_iter, opts):

@@ -407,7 +407,17 @@ def _static_steps(
             st["okb"] = torch.empty(bsz + 1, dtype=torch.bool, device=dev)  # Armijo, accept
     xs, A, C, ids, cnt, skipped = st["xs"], st["A"], st["C"], st["ids"], st["cnt"], st["skipped"]
     xs.copy_(z0)
-    A.zero_()  # also: zero coefficients must meet finite rows
+    # at most ~8 buckets, hence captured graphs; a state above AUTO_NUMEL is bandwidth-bound,
+    # and reading pairs not in use costs more there than capturing a graph per pair count
+    grain = LARGE_GRAIN if z0.numel() > AUTO_NUMEL else max(4, -(-cap // 8))
+    # zero coefficients must meet finite rows (a NaN left by an earlier solve would spread):
+    # where each step reads exactly the pairs in use (one pair per bucket and per graph, no line
+    # search) every row it reads was written in this solve, except [g, dx] and the first pair
+    # (read, unused, before any pair is made); else every row (33.5 MB a row on conv64)
+    if grain == 1 and steps == 1 and not line_search:
+        A[:, :, :4].zero_()
+    else:
+        A.zero_()
     cnt.zero_()
     skipped.zero_()
     it, npairs, nrestarts, trials = cnt[0:1], cnt[1:2], cnt[2:3], cnt[3:4]
@@ -432,10 +442,6 @@ def _static_steps(
     if fz and "fused" not in st:
         st["fused"] = fused.broyden_buffers(A)  # partial products, snapshot, coefficients
     Wn = A[:, :, :2].view(bsz * nc, 2, cd)  # [g+, dx]
-
-    # at most ~8 buckets, hence captured graphs; a state above AUTO_NUMEL is bandwidth-bound,
-    # and reading pairs not in use costs more there than capturing a graph per pair count
-    grain = LARGE_GRAIN if z0.numel() > AUTO_NUMEL else max(4, -(-cap // 8))
 
     def pairs_read(n: int) -> int:
         """Pairs in use by the update after n evaluations (without a line search the pair
