@@ -23,6 +23,7 @@ import cells as cellmod  # noqa: E402
 
 from deqbench.solvers import fused  # noqa: E402
 from deqbench.solvers.base import chunking, clear_graph_cache  # noqa: E402
+from deqbench.solvers.broyden import pairs_in_use  # noqa: E402
 
 
 def timed(fn, n: int = 30) -> float:
@@ -91,15 +92,9 @@ def main() -> int:
         z, st = layer.solve(cell.x, torch.zeros_like(cell.z0))
         n = st.extra.get("nstep_to_tol", st.nstep)
         # the floor of this representation: n evaluations of f, and per update the pair
-        # rows read twice plus gx, x read and u, v, dx, x, gx written (2 rp + 8 rows of the
-        # state) at the copy bandwidth of the contiguous buffer; pairs in use as the eager
-        # path counts them (restart rule, memory 20: one more per update from the second
-        # evaluation, a full memory restarted to the restart's own pair)
-        nrows, npairs = 0, 0
-        for _ in range(2, n):  # the updates after evaluations 0 and 1 make none
-            full = npairs >= 20
-            nrows += 2 * (2 + 2 * (0 if full else npairs)) + 8
-            npairs = 1 if full else npairs + 1
+        # rows in use read twice plus gx, x read and u, v, dx, x, gx written (2 rp + 8 rows of
+        # the state) at the copy bandwidth of the contiguous buffer (restart rule, memory 20)
+        nrows = sum(2 * (2 + 2 * pairs_in_use(k, 20, True, False)) + 8 for k in range(2, n))
         floor = (n * tf + nrows * cell.z0.numel() * 4 / bw / 1e6) / (n * tf)
         print(
             f"solve tol {tol:g} warps {warps} unroll {unroll}: {ms:.2f} ms path "

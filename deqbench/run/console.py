@@ -34,10 +34,11 @@ def esc(text: Any) -> str:
 def print_summary(df: Any) -> None:
     """One table row per cell: tasks ok (and flagged/failed), last-epoch test accuracy and test
     MSE (separate columns, each shown when some cell has it), forward/backward f-evaluations per
-    training batch (last epoch; each shown when some cell has it), the share of training batches whose forward / adjoint solve
-    converged (worst seed; "-" where the forward is not a solve or no adjoint ran; when the
-    test-set evaluation solves after epoch 1 missed tolerance, their converged share in
-    brackets), median wall time in seconds; then one line of totals."""
+    training batch (last epoch; each shown when some cell has it), the share of training
+    batches whose forward / adjoint solve converged (worst seed; "-" where the forward is not a
+    solve or no adjoint ran; when the test-set evaluation solves after epoch 1 missed
+    tolerance, their converged share in brackets), median wall time in seconds; then one line
+    of totals."""
     from rich.table import Table
 
     from .results import CONVERGENCE, FLAGGED, RUNNER

@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,6 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 120) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not isinstance(fig.canvas, FigureCanvasAgg):
         FigureCanvasAgg(fig)
-    import os
-
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")  # a plot pool's processes too
     fig.savefig(tmp, dpi=dpi)
     tmp.replace(path)
@@ -977,8 +976,6 @@ def plot_processes(cpus: int | None = None) -> int:
     >>> plot_processes(2), plot_processes(16), plot_processes(64)  # doctest: +SKIP
     (0, 4, 4)
     """
-    import os
-
     raw = os.environ.get(PLOT_PROCESSES_ENV, "").strip()
     if raw:
         try:
@@ -1009,8 +1006,6 @@ def _pool_init(analyses: list[str], modules: list[str]) -> None:
 
 
 def _pool_ready() -> int:
-    import os
-
     return os.getpid()
 
 

@@ -113,6 +113,21 @@ class BroydenOptions(GraphOptions):
 LARGE_GRAIN = 1
 
 
+def pairs_in_use(n: int, cap: int, restart: bool, line_search: bool) -> int:
+    """Pairs the update after n evaluations reads (``_static_steps``): without a line search
+    the pair count follows the step count (an update is made from the second evaluation on,
+    and the restart rule's restart at ``cap`` pairs leaves one; a ring stays full); with a line
+    search a rejected trial makes none, so only the bound n - 2."""
+    if line_search or n < 2 + cap:
+        return max(0, n - 2)
+    if not restart:  # a full ring
+        return cap
+    # restart rule, after the first restart (update n = cap + 2 reads none): a cycle of cap
+    # updates reading 1, 2, ..., cap - 1 pairs, then a restart (none)
+    j = (n - cap - 3) % cap + 1
+    return 0 if j >= cap else j
+
+
 def _dot(a: Tensor, b: Tensor) -> Tensor:
     """Per-sample dot products of chunked vectors: (B, nc, cd) x (B, nc, cd) -> (B,)."""
     return torch.linalg.vecdot(a, b).sum(1)
@@ -443,25 +458,11 @@ def _static_steps(
         st["fused"] = fused.broyden_buffers(A)  # partial products, snapshot, coefficients
     Wn = A[:, :, :2].view(bsz * nc, 2, cd)  # [g+, dx]
 
-    def pairs_read(n: int) -> int:
-        """Pairs in use by the update after n evaluations (without a line search the pair
-        count follows the step count: an update is made from the second evaluation on, and a
-        restart at ``cap`` pairs leaves one; with a line search a rejected trial makes none, so
-        only the bound n - 2)."""
-        if line_search or n < 2 + cap:
-            return max(0, n - 2)
-        if not restart:  # a full ring
-            return cap
-        # restart rule, after the first restart (update n = cap + 2 reads none): a cycle of
-        # cap updates reading 1, 2, ..., cap - 1 pairs, then a restart (none)
-        j = (n - cap - 3) % cap + 1
-        return 0 if j >= cap else j
-
     def rows_in_use(n: int) -> int:
         """Pairs the ``steps`` updates of a chunk after n evaluations can use, rounded up to a
         multiple of ``grain`` (one captured graph per bucket): the update after evaluation k
         (k >= 2) reads the pairs made before it, which the last restart emptied."""
-        most = max(pairs_read(n + i) for i in range(steps))
+        most = max(pairs_in_use(n + i, cap, restart, line_search) for i in range(steps))
         return min(cap, max(1, -(-most // grain) * grain))
 
     views: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
