@@ -183,12 +183,12 @@ def _pcdeq_rows() -> list[dict]:
 def test_pcdeq_extractors(tmp_path):
     run = write_run(tmp_path, _pcdeq_rows(), {"data": {"name": "mnist5k"}})
     it = extract("002-iterations", run).kwargs
-    assert it == {"forward_iterations": {"tanh": [[5.0] * 3] * 3, "relu6": [[5.0] * 3] * 3},
+    assert it == {"forward_iterations": {"L:tanh": [[5.0] * 3] * 3, "L:relu6": [[5.0] * 3] * 3},
                   "scale": "cpu", "paper_data": False}  # fmt: skip
     assert check("002-iterations", it).verdict == "reproduced"
     un = extract("002-unconstrained", run).kwargs
     assert un is not None
-    assert un["control_iterations"] == [[9.0, 13.0, 17.0]] * 3
+    assert un["control_iterations"] == {"L": [[9.0, 13.0, 17.0]] * 3}
     assert check("002-unconstrained", un).verdict == "reproduced"
     lip = extract("002-lipschitz", run).kwargs
     assert lip == {"sigma_max": {"tanh": [[1.5] * 3] * 3, "relu6": [[0.5] * 3] * 3}}

@@ -1,4 +1,4 @@
-"""Reproductions that test the source papers' own claims (issue 26).
+"""Reproductions that test the source papers' own claims.
 
 * :mod:`.claims`: the claim table (:data:`CLAIMS`, one :class:`Claim` per claim of papers
   001-004: where in the paper, the paper's value, the suite, the checker, the scale) and

@@ -1,4 +1,4 @@
-"""The claim table: what each source paper states, where, with which number (issue 26, part 2).
+"""The claim table: what each source paper states, where, with which number.
 
 Every row of :data:`CLAIMS` is one claim of one paper in the paper's own direction, with its
 place in the paper (verified against the text in ``shared/papers``), the paper's number(s) as
@@ -321,7 +321,7 @@ CLAIMS: tuple[Claim, ...] = (
         check="check_landscape_repeats",
         scale="trend",
         data_note="sklearn digits stand in for CIFAR-10; the DEQ's forward solves must "
-        "converge at >= 95% of the grid points (issue 26)",
+        "converge at >= 95% of the grid points",
     ),
 )
 

@@ -1,4 +1,4 @@
-"""``deqbench reproduce``: run the claim suites, apply the checkers, write the report (issue 26).
+"""``deqbench reproduce``: run the claim suites, apply the checkers, write the report.
 
 :func:`reproduce` picks the claims (by paper or id), resolves each claim's suite file for the
 scale (:func:`suite_file`), runs every needed suite once through the runner (claims sharing a

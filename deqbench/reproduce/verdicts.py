@@ -1,4 +1,4 @@
-"""What a claim's verdict rests on, without running anything (issue 26): the report's columns,
+"""What a claim's verdict rests on, without running anything: the report's columns,
 which suite file measures a claim at each scale, what data it read, and :func:`verdict_for`
 (extract the claim's values from a run directory, apply its checker).
 

@@ -1,4 +1,4 @@
-"""Checkers of the claim table (issue 26, part 3): measured values in, a verdict out.
+"""Checkers of the claim table: measured values in, a verdict out.
 
 Each checker encodes one claim of :data:`deqbench.reproduce.claims.CLAIMS` in the paper's
 direction, with thresholds taken from the paper (cited at each constant), never from our own
@@ -7,10 +7,11 @@ says exactly what) and returns a :class:`Verdict`: exactly one of ``reproduced``
 reproduced``, ``not run``, a separate ``reason`` and the ``measured`` value as text beside the
 paper's. Extracting the values from run directories is the runner's job, not this module's.
 
-Shared rules (issue 26):
+Shared rules:
 
-* A trend counts as reproduced only when it holds in the median of >= 3 seeds and exceeds the
-  seed spread: :func:`seed_trend` (one rule for every checker).
+* A trend counts as reproduced only when every one of >= 3 seeds goes the paper's way by more
+  than the claim's ``min_effect`` (cited where it is defined): :func:`seed_trend` (one rule for
+  every checker). A mixed-sign set is ``not reproduced``; a larger effect can never flip it.
 * Fewer than 3 seeds: ``not run``, reason ``seeds: ...``.
 * An absolute claim at scale ``cpu``: ``not run``, reason ``scale``; at paper scale on a stand-in
   dataset: ``not run``, reason ``data: ...``.
@@ -55,9 +56,9 @@ NOT_REPRODUCED: VerdictWord = "not reproduced"
 NOT_RUN: VerdictWord = "not run"
 VERDICTS: tuple[VerdictWord, ...] = (REPRODUCED, NOT_REPRODUCED, NOT_RUN)
 
-#: a trend needs at least this many seeds (issue 26)
+#: a trend needs at least this many seeds
 MIN_SEEDS = 3
-#: the share of solves behind a claim that must reach their tolerance (issue 26: "the
+#: the share of solves behind a claim that must reach their tolerance ("the
 #: landscape's DEQ at >= 95% of grid points"; the same bar for every claim resting on solves)
 MIN_CONVERGED = 0.95
 
@@ -81,6 +82,10 @@ class Verdict:
     reason: str
     measured: str
     paper_value: str
+    #: where the measured effect points, whatever the verdict: ``"with the paper"``,
+    #: ``"against the paper"``, or ``""`` when nothing was measured (a ``not run`` for a gate,
+    #: e.g. convergence or the step budget, keeps the direction of what was measured)
+    direction: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -89,8 +94,37 @@ class Verdict:
             raise ValueError("a 'not run' verdict needs a reason")
 
 
+WITH_PAPER = "with the paper"
+AGAINST_PAPER = "against the paper"
+
+
 def _verdict(claim_id: str, word: VerdictWord, reason: str, measured: str) -> Verdict:
-    return Verdict(claim_id, word, reason, measured, claim(claim_id).paper_value)
+    direction = {REPRODUCED: WITH_PAPER, NOT_REPRODUCED: AGAINST_PAPER}.get(word, "")
+    return Verdict(claim_id, word, reason, measured, claim(claim_id).paper_value, direction)
+
+
+def gated(v: Verdict, reason: str, measured: str = "") -> Verdict:
+    """``not run`` for ``reason`` (a gate: convergence, the step budget, ...), keeping what was
+    measured and the direction it went, so a reader sees both ("converged 0% < 95%; measured:
+    with the paper"). A verdict already ``not run`` gets ``reason`` in front of its own.
+
+    Example:
+        >>> v = Verdict("002-lipschitz", "reproduced", "", "tanh: 80%", "", WITH_PAPER)
+        >>> g = gated(v, "scale: 320 of 37520 paper steps")
+        >>> g.verdict, g.direction, g.reason
+        ('not run', 'with the paper', 'scale: 320 of 37520 paper steps; measured direction: with the paper')
+    """
+    if v.verdict == NOT_RUN:
+        why = f"{reason}; {v.reason}" if v.reason else reason
+    else:
+        why = f"{reason}; measured direction: {v.direction}"
+    text = f"{v.measured} [{measured}]" if measured else v.measured
+    return Verdict(v.claim_id, NOT_RUN, why, text, v.paper_value, v.direction)
+
+
+def _after_gate(v: Verdict, gate: Verdict | None) -> Verdict:
+    """``v`` unless a gate (e.g. :func:`_converged`'s ``not run``) closed: then :func:`gated`."""
+    return v if gate is None else gated(v, gate.reason, gate.measured)
 
 
 # -- the shared trend rule -----------------------------------------------------------------------
@@ -100,8 +134,9 @@ def _verdict(claim_id: str, word: VerdictWord, reason: str, measured: str) -> Ve
 class Trend:
     """Per-seed effects in the paper's direction (positive agrees with the paper).
 
-    ``holds``: at least :data:`MIN_SEEDS` finite effects, and their median is > 0, > ``spread``
-    (the sample standard deviation of the effects over seeds) and > ``min_effect``.
+    ``holds``: at least :data:`MIN_SEEDS` finite effects, and **every one of them** is above
+    ``min_effect`` (and above 0). A larger effect in one seed can never flip the verdict: the
+    rule looks at each seed's sign and size against the threshold, not at their spread.
     """
 
     n: int
@@ -110,41 +145,60 @@ class Trend:
     min_effect: float
     holds: bool
     dropped: int = 0
+    #: the finite per-seed effects, in seed order
+    effects: tuple[float, ...] = ()
 
     @property
     def enough_seeds(self) -> bool:
         return self.n >= MIN_SEEDS
 
+    @property
+    def agreeing(self) -> int:
+        """How many seeds' effects are above ``min_effect`` (and 0)."""
+        return sum(e > max(self.min_effect, 0.0) for e in self.effects)
+
     def text(self, unit: str = "") -> str:
-        s = f"median {_g(self.median)}{unit} (sd {_g(self.spread)}{unit}, {self.n} seeds"
+        each = ", ".join(f"{e:+.3g}" for e in self.effects)
+        s = f"{self.agreeing} of {self.n} seeds > {_g(self.min_effect)}{unit} ({each}{unit}"
         if self.dropped:
-            s += f", {self.dropped} non-finite dropped"
+            s += f"; {self.dropped} non-finite dropped"
         return s + ")"
 
 
 def seed_trend(effects: Sequence[float], min_effect: float = 0.0) -> Trend:
-    """The shared trend rule of issue 26.
+    """The shared trend rule: every seed must go the paper's way by more than ``min_effect``.
 
     Args:
         effects: one effect per seed, signed so that a positive value goes the paper's way
             (e.g. ``log(random_mse / informed_mse)``). Non-finite values (failed seeds) are
             dropped and counted.
-        min_effect: the smallest effect that counts, in the effect's unit (0: any; e.g. one
-            iteration for iteration counts).
+        min_effect: the smallest effect that counts, in the effect's unit (0: any effect in the
+            paper's direction; each checker cites where its threshold comes from).
 
     Returns:
-        A :class:`Trend`; ``holds`` is True only when >= 3 seeds remain and the median effect is
-        positive, above the seed spread (sample standard deviation) and above ``min_effect``.
+        A :class:`Trend`; ``holds`` is True only when >= :data:`MIN_SEEDS` seeds remain and
+        each of their effects is > max(0, ``min_effect``). A mixed-sign set does not hold; with
+        fewer than :data:`MIN_SEEDS` seeds the checkers answer ``not run``. The median and the
+        sample standard deviation are kept for the report's text only: they decide nothing
+        (so +10.3, +153.9, +6.6 holds: every seed agrees; under the former rule "median above
+        the spread" the large seed inflated the spread and flipped the verdict).
+
+    Example:
+        >>> seed_trend([10.3, 153.9, 6.6], min_effect=1.0).holds
+        True
+        >>> seed_trend([10.3, -2.0, 6.6]).holds
+        False
     """
     vals = [float(e) for e in effects]
-    good = [e for e in vals if math.isfinite(e)]
+    good = tuple(e for e in vals if math.isfinite(e))
     n = len(good)
     if n == 0:
         return Trend(0, math.nan, math.nan, min_effect, False, len(vals))
     med = statistics.median(good)
     sd = statistics.stdev(good) if n >= 2 else math.nan
-    holds = n >= MIN_SEEDS and med > 0 and med > sd and med > min_effect
-    return Trend(n, med, sd, min_effect, holds, len(vals) - n)
+    floor = max(float(min_effect), 0.0)
+    holds = n >= MIN_SEEDS and all(e > floor for e in good)
+    return Trend(n, med, sd, min_effect, holds, len(vals) - n, good)
 
 
 def _med(xs: Iterable[float]) -> float:
@@ -163,7 +217,7 @@ def _seeds(claim_id: str, n: int, what: str = "seeds") -> Verdict | None:
         return _verdict(
             claim_id,
             NOT_RUN,
-            f"seeds: {n} {what} < {MIN_SEEDS} (a trend needs the median of >= {MIN_SEEDS})",
+            f"seeds: {n} {what} < {MIN_SEEDS} (a trend needs every one of >= {MIN_SEEDS} seeds)",
             f"{n} {what}",
         )
     return None

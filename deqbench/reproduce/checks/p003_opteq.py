@@ -69,7 +69,7 @@ def check_residual_vs_k(*, residual: Mapping[int, Sequence[float]]) -> Verdict:
     bad = _few(cid, trends, measured)
     if bad:
         return bad
-    reason = f"residual does not fall beyond the seed spread at {', '.join(falls)}" if falls else ""
+    reason = f"residual does not fall in every seed at {', '.join(falls)}" if falls else ""
     return _verdict(cid, _word(not falls), reason, measured + " (median over seeds)")
 
 
@@ -98,7 +98,7 @@ def check_accuracy_vs_k(*, accuracy: Mapping[int, Sequence[float]]) -> Verdict:
     bad = _few(cid, [t], measured)
     if bad:
         return bad
-    reason = "" if t.holds else f"accuracy at K={hi} not above K={lo} beyond the seed spread"
+    reason = "" if t.holds else f"accuracy at K={hi} not above K={lo} in every seed"
     return _verdict(cid, _word(t.holds), reason, measured)
 
 
@@ -190,5 +190,5 @@ def check_ift_memory(
     bad = _few(cid, [t], measured)
     if bad:
         return bad
-    reason = "" if t.holds else "IFT memory not below every unrolled K beyond the seed spread"
+    reason = "" if t.holds else "IFT memory not below every unrolled K in every seed"
     return _verdict(cid, _word(t.holds), reason, measured)

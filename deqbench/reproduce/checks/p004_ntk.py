@@ -14,6 +14,7 @@ from . import (
     MIN_SEEDS,
     NOT_RUN,
     Verdict,
+    _after_gate,
     _checker,
     _converged,
     _few,
@@ -188,7 +189,7 @@ def check_trajectory_init(*, iterations: Mapping[str, Sequence[float]]) -> Verdi
     bad = _few(cid, [t], measured)
     if bad:
         return bad
-    reason = "" if t.holds else "small init not faster to settle beyond the seed spread"
+    reason = "" if t.holds else "small init not faster to settle in every seed"
     return _verdict(cid, _word(t.holds), reason, measured)
 
 
@@ -213,7 +214,8 @@ def check_trajectory_separation(
     """
     cid = "004-trajectory-separation"
     n = _paired(cid, {"init": silhouette_init, "trained": silhouette_trained})
-    bad = _seeds(cid, n) or _converged(cid, "the trained model's probe solves", converged)
+    bad = _seeds(cid, n)
+    gate = _converged(cid, "the trained model's probe solves", converged)
     if bad:
         return bad
     t = seed_trend([float(b) - float(a) for a, b in zip(silhouette_init, silhouette_trained)])
@@ -224,8 +226,8 @@ def check_trajectory_separation(
     bad = _few(cid, [t], measured)
     if bad:
         return bad
-    reason = "" if t.holds else "separation does not rise beyond the seed spread"
-    return _verdict(cid, _word(t.holds), reason, measured)
+    reason = "" if t.holds else "separation does not rise in every seed"
+    return _after_gate(_verdict(cid, _word(t.holds), reason, measured), gate)
 
 
 #: Fig. 4.4's order of the small-loss area: repeat-6 < repeat-11 < repeat-18 < DEQ
@@ -243,7 +245,7 @@ def check_landscape_repeats(
             grid whose loss is within the chosen level of the centre loss (the same level and
             plane construction for every model).
         deq_converged: per seed, the share of grid points at which the DEQ's forward solve
-            converged (>= :data:`MIN_CONVERGED` in every seed, issue 26).
+            converged (>= :data:`MIN_CONVERGED` in every seed).
 
     For each consecutive pair of :data:`LANDSCAPE_ORDER` the per-seed increase must be a trend.
     """
@@ -252,9 +254,8 @@ def check_landscape_repeats(
     if missing:
         return _verdict(cid, NOT_RUN, f"data: no landscape for {', '.join(missing)}", "")
     groups = {m: low_loss_area[m] for m in LANDSCAPE_ORDER}
-    bad = _seeds(cid, _paired(cid, groups)) or _converged(
-        cid, "the DEQ at grid points", deq_converged
-    )
+    bad = _seeds(cid, _paired(cid, groups))
+    gate = _converged(cid, "the DEQ at grid points", deq_converged)
     if bad:
         return bad
     measured = ", ".join(f"{m} {_pct(_med(groups[m]))}" for m in LANDSCAPE_ORDER)
@@ -267,5 +268,7 @@ def check_landscape_repeats(
     bad = _few(cid, trends, measured)
     if bad:
         return bad
-    reason = f"area does not grow beyond the seed spread: {', '.join(flat)}" if flat else ""
-    return _verdict(cid, _word(not flat), reason, measured + " (median small-loss area)")
+    reason = f"area does not grow in every seed: {', '.join(flat)}" if flat else ""
+    return _after_gate(
+        _verdict(cid, _word(not flat), reason, measured + " (median small-loss area)"), gate
+    )

@@ -1,4 +1,4 @@
-"""Run directory -> the keyword arguments of a claim's checker (issue 26, part 4).
+"""Run directory -> the keyword arguments of a claim's checker.
 
 One extractor per claim of :data:`deqbench.reproduce.claims.CLAIMS`, registered in
 :data:`EXTRACTORS` under the claim id. Each reads a run directory written by the runner

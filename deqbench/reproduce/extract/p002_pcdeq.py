@@ -50,12 +50,6 @@ def _pcdeq_cells(df: Any) -> list[tuple[str, str, str, bool]]:
     return out
 
 
-def _primary(archs: set[str]) -> str:
-    """The architecture whose curves are keyed by activation alone (SC: paper 002 Section 5.3's
-    statements are about SC; else L)."""
-    return next((a for a in ("SC", "L", "MC") if a in archs), "")
-
-
 @_extractor("002-mnist-accuracy")
 def mnist_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
     """Final ``family_stats`` ``test_accuracy`` (else ``metrics`` test accuracy) per seed of each
@@ -78,22 +72,20 @@ def mnist_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
 
 
 def _pcdeq_iterations(df: Any, nonneg: bool) -> dict[str, list[list[float]]]:
+    """``"ARCH:activation"`` -> per seed, per-epoch mean forward iterations (epochs >= 1)."""
     seeds = seeds_of(df)
-    cells = [x for x in _pcdeq_cells(df) if x[3] == nonneg]
-    prim = _primary({a for _, a, _, _ in cells})
     out = {}
-    for c, arch, act, _ in cells:
+    for c, arch, act, _ in (x for x in _pcdeq_cells(df) if x[3] == nonneg):
         d = _rows(df[df["cell_id"] == c], "family_stats", "forward_nstep", "")
-        out[act if arch == prim else f"{arch}:{act}"] = _curves(d, seeds, min_step=1)
+        out[f"{arch}:{act}"] = _curves(d, seeds, min_step=1)
     return out
 
 
 @_extractor("002-iterations")
 def iterations(df: Any, run_dir: Path, scale: str) -> Extracted:
-    """Per activation, per seed, the per-epoch mean forward iterations (``family_stats``
-    ``forward_nstep``, variant "" = mean over layers, epochs >= 1) of the constrained pcDEQ
-    cells; activations of the primary architecture (SC, else L) by name, others as
-    ``ARCH:activation``."""
+    """Per ``"ARCH:activation"`` (``"SC:tanh"``), per seed, the per-epoch mean forward
+    iterations (``family_stats`` ``forward_nstep``, variant "" = mean over layers, epochs >= 1)
+    of the constrained pcDEQ cells."""
     it = _pcdeq_iterations(df, nonneg=True)
     if not it:
         return _missing("no family_stats forward_nstep of a constrained pcDEQ cell")
@@ -133,11 +125,17 @@ def lipschitz(df: Any, run_dir: Path, scale: str) -> Extracted:
 
 @_extractor("002-unconstrained")
 def unconstrained(df: Any, run_dir: Path, scale: str) -> Extracted:
-    """Per seed per-epoch forward iterations of the tanh pcDEQ and of the unconstrained tanh
-    control of the same architecture (the primary one: SC, else L)."""
+    """Per architecture (L, SC, MC) with both cells, per seed, the per-epoch forward iterations
+    of the tanh pcDEQ and of its unconstrained tanh control (``nonneg: false``)."""
     pc, ctl = _pcdeq_iterations(df, nonneg=True), _pcdeq_iterations(df, nonneg=False)
-    if "tanh" not in pc or "tanh" not in ctl:
+    archs = [k.split(":")[0] for k in ctl if k.endswith(":tanh") and k in pc]
+    if not archs:
         return _missing(
             "needs a constrained tanh pcDEQ and its unconstrained control (nonneg false)"
         )
-    return Extracted({"pcdeq_iterations": pc["tanh"], "control_iterations": ctl["tanh"]})
+    return Extracted(
+        {
+            "pcdeq_iterations": {a: pc[f"{a}:tanh"] for a in archs},
+            "control_iterations": {a: ctl[f"{a}:tanh"] for a in archs},
+        }
+    )
