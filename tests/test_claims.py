@@ -29,7 +29,9 @@ IDS = [
     "004-pr-fb",
     "004-ntk-lambda-min",
     "004-trajectory-init",
+    "004-trajectory-init-var",
     "004-trajectory-separation",
+    "004-trajectory-separation-var",
     "004-landscape-repeats",
 ]
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from deqbench.outcomes import base_suite, claims_for, run_scale, suite_name, summarize
-from deqbench.reproduce.run import DATA_TEXT, REPORT_COLUMNS
+from deqbench.reproduce.run import REPORT_COLUMNS
 from deqbench.run.results import ResultsWriter
 
 SEEDS = (0, 1, 2)
@@ -46,9 +46,10 @@ def write_run(
     return run
 
 
-def pcdeq_rows() -> list[dict]:
+def pcdeq_rows(steps_per_epoch: int = 12_510) -> list[dict]:
     """Two pcDEQ cells whose iterations stay flat, one unconstrained control whose iterations
-    grow; sigma_max of tanh above 1, of relu6 below; 3 seeds."""
+    grow; sigma_max of tanh above 1, of relu6 below; 3 seeds. Epochs 1-3 of
+    ``steps_per_epoch`` optimizer steps each (default: 37,530, the paper's budget of 37,520)."""
     rows = []
     cells = (("pcdeq_l-activation=tanh", 1), ("pcdeq_l-activation=relu6", 1),
              ("pcdeq_l-activation=tanh-nonneg=false", 0))  # fmt: skip
@@ -66,6 +67,9 @@ def pcdeq_rows() -> list[dict]:
                     row(cell, s, "family_stats", "test_accuracy", 0.9 + e / 100, step=e,
                         model="pcdeq_l"),
                 ]  # fmt: skip
+                if e:
+                    rows.append(row(cell, s, "family_stats", "steps", steps_per_epoch, step=e,
+                                    model="pcdeq_l"))  # fmt: skip
             rows.append(row(cell, s, "runner", "wall_time", 1.0, model="pcdeq_l"))
     return rows
 
@@ -88,7 +92,9 @@ def test_pcdeq_run_writes_the_claim_verdicts(tmp_path):
     assert {r["scale"] for r in rows} == {"cpu"}
     assert {r["run_dir"] for r in rows} == {run.name}
     assert {r["paper"] for r in rows} == {"002"}
-    assert got["002-iterations"]["data"] == DATA_TEXT["pcdeq_cpu"]
+    # generated from the run's suite.yaml, not written by hand
+    assert got["002-iterations"]["data"].startswith("mnist5k (5,000 real 28x28 MNIST digits")
+    assert "stand-in for MNIST" in got["002-iterations"]["data"]
     # the paper's direction: pcDEQ iterations do not grow, the unconstrained control's do
     assert got["002-iterations"]["verdict"] == "reproduced", got["002-iterations"]["reason"]
     assert got["002-unconstrained"]["verdict"] == "reproduced"
@@ -99,6 +105,21 @@ def test_pcdeq_run_writes_the_claim_verdicts(tmp_path):
     assert "softsign" in got["002-lipschitz"]["reason"]
     assert all(r["paper_value"] and r["claim"] and r["where"] for r in rows)
     assert sorted(p.name for p in run.iterdir() if "summary" in p.name) == ["summary.csv"]
+
+
+def test_below_the_papers_step_budget_a_trend_is_not_run(tmp_path):
+    """320 optimizer steps against the paper's 37,520: the training-dynamics claims are not run
+    whatever their direction, the direction and both step counts shown."""
+    run = write_run(tmp_path, pcdeq_rows(steps_per_epoch=100), {"name": "pcdeq_cpu",
+                    "data": {"name": "mnist5k"}}, {"suite": "pcdeq_cpu"})  # fmt: skip
+    summarize(run)
+    got = {r["claim_id"]: r for r in read_summary(run)}
+    for cid in ("002-iterations", "002-unconstrained"):
+        r = got[cid]
+        assert r["verdict"] == "not run", r
+        assert r["reason"].startswith("scale: 300 of 37520 paper steps"), r["reason"]
+        assert r["direction"] == "with the paper" and "measured direction" in r["reason"]
+        assert r["steps"] == "300 of 37520" and r["window"] == "training"
 
 
 def test_a_flat_control_is_not_reproduced(tmp_path):
@@ -170,7 +191,8 @@ def test_claims_for_and_run_scale():
     assert [c.id for c in claims_for("kglm_pcdeq_sigma")] == ["002-lipschitz"]
     assert [c.id for c in claims_for("mondeq_gpu")] == ["004-pr-fb"]
     assert [c.id for c in claims_for("trajectory_cpu")] == [
-        "004-trajectory-init", "004-trajectory-separation"]  # fmt: skip
+        "004-trajectory-init", "004-trajectory-init-var", "004-trajectory-separation",
+        "004-trajectory-separation-var"]  # fmt: skip
     assert claims_for("kglm") == [] and claims_for("smoke") == []
     assert run_scale("pcdeq") == "cpu" and run_scale("pcdeq_cpu") == "cpu"
     assert run_scale("pcdeq_gpu") == "paper" and run_scale("pcdeq_paper") == "paper"

@@ -272,7 +272,8 @@ def test_ntk(tmp_path):
 
 def test_trajectory(tmp_path):
     rows = []
-    for cell, std, its in (("c-init=var1", 1.0, 100.0), ("c-init=var0.01", 0.1, 10.0)):
+    for cell, std, its in (("c-init=var1", 1.0, 100.0), ("c-init=var0.01", 0.1, 10.0),
+                           ("c-init=std0.01", 0.01, 5.0)):  # fmt: skip
         for s in SEEDS:
             rows.append(row(cell, s, "trajectory", "cell_weight_std", std))
             for e, sil in ((0, 0.1), (1, 0.4)):
@@ -281,8 +282,10 @@ def test_trajectory(tmp_path):
                 rows.append(row(cell, s, "trajectory", "converged_frac", 1.0, step=e))
             rows.append(done(cell, s))
     run = write_run(tmp_path, rows)
-    init = extract("004-trajectory-init", run).kwargs
-    assert init == {"iterations": {"standard": [100.0] * 3, "small": [10.0] * 3}}
+    init = extract("004-trajectory-init", run).kwargs  # std 0.01, the primary reading
+    assert init == {"iterations": {"standard": [100.0] * 3, "small": [5.0] * 3}}
+    var = extract("004-trajectory-init-var", run).kwargs  # variance 0.01
+    assert var == {"iterations": {"standard": [100.0] * 3, "small": [10.0] * 3}}
     sep = extract("004-trajectory-separation", run).kwargs
     assert sep == {"silhouette_init": [0.1] * 3, "silhouette_trained": [0.4] * 3,
                    "converged": [1.0] * 3}  # fmt: skip

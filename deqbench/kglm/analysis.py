@@ -223,8 +223,10 @@ def _time_inits(
 def init_cost_fc(
     width: int, *, repeats: int = 10, device: Any = "cpu", dtype: torch.dtype = torch.float32
 ) -> dict[str, list[float]]:
-    """Seconds per init of an n x n hidden (W) and readout (V) weight pair: PyTorch's default
-    uniform init vs the kGLM init (SE kernel on a grid, lam = ||K||_2, W = -K/lam, V = K/lam)."""
+    """Seconds per init of an n x n hidden (W) and readout (V) weight pair: a random Gaussian
+    init (entries N(0, 1/n), the paper's baseline: "random Gaussian initialisation", Tsuchida
+    et al. 2022, App. F) vs the kGLM init (SE kernel on a grid, lam = ||K||_2, W = -K/lam,
+    V = K/lam)."""
     from ..inits.kglm import kernel_weights
 
     device = torch.device(device)
@@ -232,10 +234,12 @@ def init_cost_fc(
     V = torch.empty(width, width, device=device, dtype=dtype)
     x = torch.linspace(-2 * math.pi, 2 * math.pi, width, dtype=torch.float64).unsqueeze(1)
 
+    std = 1.0 / math.sqrt(width)
+
     def random_init() -> None:
         with torch.no_grad():
-            nn.init.kaiming_uniform_(W, a=math.sqrt(5))
-            nn.init.kaiming_uniform_(V, a=math.sqrt(5))
+            W.normal_(0.0, std)
+            V.normal_(0.0, std)
 
     def kglm_init() -> None:
         p = kernel_weights("se", x, None)

