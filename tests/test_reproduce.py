@@ -202,7 +202,7 @@ def test_pcdeq_extractors(tmp_path):
 
 def _opteq_rows() -> list[dict]:
     rows = []
-    cells = [(f"u{k}", "unrolled", "unroll_k", k) for k in (5, 10, 20)]
+    cells = [(f"u{k}", "unrolled", "unroll_k", k) for k in (5, 10, 20)]  # timed on cuda
     cells += [(f"ift{t}", "ift", "threshold", t) for t in (1e-2, 1e-3)]
     for cell, bw, key, x in cells:
         for s in SEEDS:
@@ -223,6 +223,7 @@ def _opteq_rows() -> list[dict]:
 
 def test_opteq_extractors(tmp_path):
     run = write_run(tmp_path, _opteq_rows())
+    (run / "run.json").write_text('{"device": "cuda"}')
     res = extract("003-residual-vs-k", run).kwargs
     assert res is not None and sorted(res["residual"]) == [5, 10, 20]
     assert res["residual"][20] == [1e-4] * 3

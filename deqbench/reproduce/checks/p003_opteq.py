@@ -21,6 +21,7 @@ from . import (
     _seeds,
     _verdict,
     _word,
+    gated,
     seed_trend,
 )
 
@@ -29,7 +30,11 @@ __all__ = [
     "check_residual_vs_k",
     "check_accuracy_vs_k",
     "TABLE8_PAIRS",
+    "TABLE8_SPEEDUP",
+    "SPEEDUP_FACTOR",
     "check_unrolled_speed",
+    "MUCH_LESS",
+    "MEMORY_K",
     "check_ift_memory",
 ]
 
@@ -105,20 +110,32 @@ def check_accuracy_vs_k(*, accuracy: Mapping[int, Sequence[float]]) -> Verdict:
 #: Table 8's pairs at a comparable relative residual: IFT threshold -> unrolled K
 #: (thd 1e-3: 7.33e-4 vs K=20: 4.81e-4; thd 1e-2: 9.52e-3 vs K=10: 4.88e-3)
 TABLE8_PAIRS: dict[float, int] = {1e-3: 20, 1e-2: 10}
+#: Table 8's inference-time ratio IFT / unrolled at each pair: 16.3 s / 3.9 s and 15.6 s / 2.2 s
+TABLE8_SPEEDUP: dict[float, float] = {1e-3: 16.3 / 3.9, 1e-2: 15.6 / 2.2}
+#: how far our ratio may fall short of Table 8's and still match it: within a factor 2 (a GTX
+#: 1070 against today's cards, other kernels; our stated tolerance, the paper gives none)
+SPEEDUP_FACTOR = 2.0
 
 
 @_checker("003-unrolled-speed")
 def check_unrolled_speed(
-    *, unrolled: Mapping[int, Sequence[float]], ift: Mapping[float, Sequence[float]]
+    *,
+    unrolled: Mapping[int, Sequence[float]],
+    ift: Mapping[float, Sequence[float]],
+    device: str = "cuda",
 ) -> Verdict:
-    """003-unrolled-speed: unrolled inference faster than IFT at a comparable residual.
+    """003-unrolled-speed: unrolled inference faster than IFT at a comparable residual, by the
+    paper's ratio within :data:`SPEEDUP_FACTOR`.
 
     Args:
         unrolled: K -> per-seed inference time (seconds, same batches for every method).
         ift: IFT threshold -> per-seed inference time.
+        device: where the timings were taken (``"cuda"``, ``"cpu"``): Table 8 times a GPU, so
+            CPU timings are ``not run`` (reason ``scale``), their direction shown.
 
     Compared at Table 8's pairs (:data:`TABLE8_PAIRS`) that were measured: per seed
-    ``log(t_ift / t_unrolled)`` must be a trend at each.
+    ``log(t_ift / t_unrolled) - log(TABLE8_SPEEDUP / SPEEDUP_FACTOR)`` must be positive in
+    every seed at each pair.
     """
     cid = "003-unrolled-speed"
     pairs = [(thd, k) for thd, k in TABLE8_PAIRS.items() if k in unrolled and _has(ift, thd)]
@@ -133,16 +150,27 @@ def check_unrolled_speed(
     parts, slow, trends = [], [], []
     for thd, k in pairs:
         ti = _get(ift, thd)
-        t = seed_trend([_log_ratio(i, u) for u, i in zip(unrolled[k], ti)])
+        need = TABLE8_SPEEDUP[thd] / SPEEDUP_FACTOR
+        t = seed_trend([_log_ratio(i, u) - math.log(need) for u, i in zip(unrolled[k], ti)])
         trends.append(t)
         if not t.holds:
             slow.append(f"K={k} vs thd {thd:g}")
-        parts.append(f"K={k} {_g(_med(unrolled[k]))} s vs IFT thd {thd:g} {_g(_med(ti))} s")
+        ratios = ", ".join(_g(i / u) if u > 0 else "nan" for u, i in zip(unrolled[k], ti))
+        parts.append(
+            f"K={k} {_g(_med(unrolled[k]))} s vs IFT thd {thd:g} {_g(_med(ti))} s: IFT/unrolled "
+            f"{ratios}x (paper {TABLE8_SPEEDUP[thd]:.1f}x, needed >= {need:.2f}x)"
+        )
     bad = _few(cid, trends, "; ".join(parts))
     if bad:
         return bad
-    reason = f"unrolled not faster: {', '.join(slow)}" if slow else ""
-    return _verdict(cid, _word(not slow), reason, "; ".join(parts))
+    reason = (
+        f"unrolled not faster by the paper's ratio / {SPEEDUP_FACTOR:g} in every seed: "
+        f"{', '.join(slow)}" if slow else ""
+    )  # fmt: skip
+    v = _verdict(cid, _word(not slow), reason, "; ".join(parts))
+    if not str(device).startswith("cuda"):
+        return gated(v, f"scale: timed on {device}; Table 8 times a GPU (GTX 1070)")
+    return v
 
 
 def _has(d: Mapping[float, Sequence[float]], key: float) -> bool:
@@ -153,42 +181,52 @@ def _get(d: Mapping[float, Sequence[float]], key: float) -> Sequence[float]:
     return next(v for k, v in d.items() if math.isclose(k, key, rel_tol=1e-9))
 
 
+#: "much less memory" (Section 7.4; Section 5.3: unrolling "consumes much memory during
+#: training", it stores every one of its K iterates): IFT's training-step activation memory at
+#: most this fraction of unrolling's at K = 20, the K that Table 8 compares at a comparable
+#: residual (our reading of "much": at least a factor 2; the paper gives no number)
+MUCH_LESS = 0.5
+#: the unrolled K the memory claim compares IFT with (Table 8's pair for thd 1e-3)
+MEMORY_K = 20
+
+
 @_checker("003-ift-memory")
 def check_ift_memory(
     *, unrolled: Mapping[int, Sequence[float]], ift: Mapping[float, Sequence[float]]
 ) -> Verdict:
-    """003-ift-memory: IFT training uses less memory than unrolled training.
+    """003-ift-memory: IFT training uses much less memory than unrolled training.
 
     Args:
         unrolled: K -> per-seed peak memory (bytes) of one training step.
         ift: IFT threshold -> per-seed peak memory of one training step.
 
-    Per seed effect = log(smallest unrolled memory / largest IFT memory): IFT must be below every
-    K measured (the paper compares IFT with K = 5 ... 40); it must be a trend.
+    Per seed effect = log(K=20 memory / largest IFT memory) - log(1 / :data:`MUCH_LESS`): IFT
+    must use at most half of unrolling's memory at K = 20 in every seed.
     """
     cid = "003-ift-memory"
-    if not unrolled or not ift:
-        return _verdict(cid, NOT_RUN, "data: unrolled and IFT memory both needed", "")
+    if MEMORY_K not in unrolled or not ift:
+        return _verdict(cid, NOT_RUN, f"data: unrolled K={MEMORY_K} and IFT memory needed", "")
     groups = {f"K={k}": v for k, v in unrolled.items()} | {f"thd={t:g}": v for t, v in ift.items()}
     bad = _seeds(cid, _paired(cid, groups))
     if bad:
         return bad
     n = len(next(iter(groups.values())))
-    eff = [
-        _log_ratio(
-            min(float(v[i]) for v in unrolled.values()), max(float(v[i]) for v in ift.values())
-        )
-        for i in range(n)
-    ]
+    k20 = unrolled[MEMORY_K]
+    worst = [max(float(v[i]) for v in ift.values()) for i in range(n)]
+    eff = [_log_ratio(float(k20[i]), worst[i]) + math.log(MUCH_LESS) for i in range(n)]
     t = seed_trend(eff)
     mib = 2.0**20
+    ratio = ", ".join(_g(w / float(u)) if float(u) > 0 else "nan" for w, u in zip(worst, k20))
     measured = (
         ", ".join(f"K={k}: {_med(v) / mib:.2f} MiB" for k, v in sorted(unrolled.items()))
         + "; "
         + ", ".join(f"IFT thd {k:g}: {_med(v) / mib:.2f} MiB" for k, v in sorted(ift.items()))
+        + f"; IFT / K={MEMORY_K}: {ratio} (needed <= {MUCH_LESS:g})"
     )
     bad = _few(cid, [t], measured)
     if bad:
         return bad
-    reason = "" if t.holds else "IFT memory not below every unrolled K in every seed"
+    reason = (
+        "" if t.holds else f"IFT memory not <= {MUCH_LESS:g}x unrolled K={MEMORY_K} in every seed"
+    )
     return _verdict(cid, _word(t.holds), reason, measured)

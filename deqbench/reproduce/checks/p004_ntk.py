@@ -26,6 +26,7 @@ from . import (
     _seeds,
     _verdict,
     _word,
+    gated,
     seed_trend,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "Sweep",
     "check_pr_fb",
     "NTK_LAMBDA_FRACTION",
+    "NTK_MAX_MARGIN",
     "check_ntk_lambda_min",
     "check_trajectory_init",
     "check_trajectory_init_var",
@@ -100,6 +102,12 @@ def check_pr_fb(*, sweeps: Sequence[Sweep]) -> Verdict:
 #: with eq. 3.14 lambda_min(K(t)) >= lambda_0^2 / 4: the NTK's lambda_min may fall to a quarter
 #: of its value at init, no further
 NTK_LAMBDA_FRACTION = 0.25
+#: thesis Condition 2, eq. (3.18): lambda_0^2 >= 20 ||X||_F^2 (... + lambda_U^2), with
+#: lambda_U >= ||U(0)||_2; Lemma 3.3.3 bounds lambda_0 = sigma_min(Z(0)) <= ||Z(0)||_F <=
+#: ||X||_F ||U(0)||_2 / m. Both hold only when m^2 <= 1/20: a monDEQ with a larger monotonicity
+#: margin m can never meet the theorem's condition (our derivation from the thesis's lemma; the
+#: thesis leaves the satisfiability of Condition 2 open, Ch. 5)
+NTK_MAX_MARGIN = 1.0 / math.sqrt(20.0)
 
 
 @_checker("004-ntk-lambda-min")
@@ -109,6 +117,7 @@ def check_ntk_lambda_min(
     log_loss_slope: Sequence[float],
     converged: Sequence[bool],
     predicted_slope: Sequence[float] | None = None,
+    margin: float | None = None,
 ) -> Verdict:
     """004-ntk-lambda-min: lambda_min of the monDEQ's NTK stays >= lambda_min(init)/4 during GD
     training, and the loss falls linearly (log-loss slope < 0, at least as steep as the
@@ -120,6 +129,9 @@ def check_ntk_lambda_min(
         converged: per seed, every NTK evaluation's solves met their tolerance (none flagged).
         predicted_slope: optional, per seed, the mean guaranteed slope 2 log(1 - 2 eta
             lambda_min / R) (a value >= 0: no decay guaranteed, not compared).
+        margin: the monDEQ's monotonicity margin m. The theorem's Condition 2 cannot hold for
+            m > :data:`NTK_MAX_MARGIN`: then ``not run (conditions)``, the measured direction
+            shown.
 
     Not run when a seed's solves missed their tolerance, or lambda_min at init is not positive
     (the theorem needs lambda_0 > 0).
@@ -161,7 +173,14 @@ def check_ntk_lambda_min(
             if not fit <= pred:
                 ok = False
                 reasons.append("the loss decays slower than the lambda_min guarantee")
-    return _verdict(cid, _word(ok), "; ".join(reasons), measured)
+    v = _verdict(cid, _word(ok), "; ".join(reasons), measured)
+    if margin is not None and not margin <= NTK_MAX_MARGIN:
+        return gated(
+            v,
+            f"conditions: Thm. 3.3.5's Condition 2 (3.18) with Lemma 3.3.3 needs m <= "
+            f"{NTK_MAX_MARGIN:.3f}; the monDEQ has m = {margin:g}",
+        )
+    return v
 
 
 def _trajectory_init(cid: str, iterations: Mapping[str, Sequence[float]]) -> Verdict:

@@ -90,7 +90,18 @@ def unrolled_speed(df: Any, run_dir: Path, scale: str) -> Extracted:
     ift = _opteq_table(df, "inference_ms_median", "ift", 1e-3)
     if not un or not ift:
         return _missing("no unroll_compare inference_ms_median of unrolled and IFT cells")
-    return Extracted({"unrolled": un, "ift": ift})
+    return Extracted({"unrolled": un, "ift": ift, "device": run_device(run_dir)})
+
+
+def run_device(run_dir: Path) -> str:
+    """The run's device from its ``run.json`` (``"cuda"``, ``"cpu"``; ``"unknown"``)."""
+    import json
+
+    try:
+        meta = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "unknown"
+    return str(meta.get("device") or "unknown")
 
 
 def _positive(table: Mapping[Any, Sequence[float]]) -> bool:
@@ -100,11 +111,11 @@ def _positive(table: Mapping[Any, Sequence[float]]) -> bool:
 @_extractor("003-ift-memory")
 def ift_memory(df: Any, run_dir: Path, scale: str) -> Extracted:
     """Per seed memory of one training step (bytes) of the unrolled cells (by K) and the IFT
-    cells (by threshold): ``unroll_compare`` ``peak_memory`` (the CUDA allocator's peak) where
-    it is positive in every cell and seed, else ``activation_memory`` (the bytes autograd saves
-    in one training forward; on CPU ``peak_memory`` is a fresh process's peak RSS, too coarse
-    for small models, or not measured with ``memory_cpu: false``)."""
-    for metric in ("peak_memory", "activation_memory"):
+    cells (by threshold): ``unroll_compare`` ``activation_memory`` (the bytes autograd saves in
+    one training forward: what unrolling multiplies by K) where it is positive in every cell and
+    seed, else ``peak_memory`` (the CUDA allocator's peak, weights and optimizer state included;
+    on CPU a fresh process's peak RSS)."""
+    for metric in ("activation_memory", "peak_memory"):
         un = _opteq_table(df, metric, "unrolled")
         ift = _opteq_table(df, metric, "ift")
         if _positive(un) and _positive(ift):

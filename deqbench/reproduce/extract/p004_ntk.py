@@ -108,7 +108,38 @@ def ntk_lambda_min(df: Any, run_dir: Path, scale: str) -> Extracted:
                          "pred_log_loss_slope") for s in seeds_of(df)]  # fmt: skip
     if all(math.isfinite(p) for p in pred):
         kw["predicted_slope"] = pred
+    margin = _model_setting(run_dir, cells[0], _first(df, cells[0], "model"), "m")
+    if margin is not None:
+        kw["margin"] = margin
     return Extracted(kw)
+
+
+def _model_setting(run_dir: Path, cell: str, model: str, key: str) -> float | None:
+    """A model setting of ``cell``: the run's ``suite.yaml`` (a case whose id is in the cell id,
+    else the defaults), else the model factory's default; None when neither has it."""
+    import inspect
+
+    from ...core.registry import models
+    from . import suite_raw
+
+    raw = suite_raw(run_dir)
+    found = None
+    defaults = raw.get("defaults") if isinstance(raw.get("defaults"), dict) else {}
+    dm = defaults.get("model") if isinstance(defaults.get("model"), dict) else {}
+    if key in dm:
+        found = dm[key]
+    matrix = raw.get("matrix") if isinstance(raw.get("matrix"), dict) else {}
+    for case in matrix.get("case") or []:
+        cm = case.get("model") if isinstance(case, dict) else None
+        if isinstance(cm, dict) and key in cm and str(case.get("id", "")) in cell:
+            found = cm[key]
+    if found is None and model in models:
+        p = inspect.signature(models.get(model)).parameters.get(key)
+        found = None if p is None or p.default is inspect.Parameter.empty else p.default
+    try:
+        return None if found is None else float(found)
+    except (TypeError, ValueError):
+        return None
 
 
 #: the cell of each reading of the thesis's "N(0, 0.01)" (Section 4.1.1): std 0.01 (primary)
