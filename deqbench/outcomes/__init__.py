@@ -155,16 +155,23 @@ def summarize(
 
     if not claims:
         return pd.DataFrame(columns=list(REPORT_COLUMNS))
-    from ..reproduce.verdicts import SuiteRun, report_row, run_steps, steps_text, verdict_for
+    from ..reproduce.verdicts import (
+        SuiteRun,
+        report_row,
+        run_epochs,
+        run_steps,
+        steps_text,
+        verdict_for,
+    )
 
     file = _suite_file(run_dir, name)
     scale = scale or run_scale(name, file)
     sr = SuiteRun(file=Path(file.name), run_dir=run_dir)
     rows = []
-    steps = run_steps(run_dir)
+    steps, epochs = run_steps(run_dir), run_epochs(run_dir)
     for c in claims:
         v, data = verdict_for(c, scale, sr)
-        row = report_row(c, v, data, scale, run_dir.name, steps_text(c, steps))
+        row = report_row(c, v, data, scale, run_dir.name, steps_text(c, steps, epochs))
         rows.append([row[k] for k in REPORT_COLUMNS])
     out = pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
     if write:

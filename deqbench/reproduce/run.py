@@ -48,6 +48,7 @@ from .verdicts import (
     data_text,
     describe_data,
     report_row,
+    run_epochs,
     run_steps,
     steps_text,
     suite_file,
@@ -65,6 +66,7 @@ __all__ = [
     "SuiteRun",
     "data_text",
     "describe_data",
+    "rejudgeable_claims",
     "reproduce",
     "run_one",
     "select_claims",
@@ -73,6 +75,18 @@ __all__ = [
     "verdict_for",
     "write_report",
 ]
+
+
+def rejudgeable_claims(paper: str, out: Path) -> list[str]:
+    """The claim ids of ``paper`` that a report folder ``out`` can judge at paper scale without
+    running anything: those whose paper-scale suite has a finished run under ``out/runs``, and
+    those with no paper-scale suite (``not run``)."""
+    ids = []
+    for c in select_claims([paper]):
+        f = None if c.suite is None else suite_file(c.suite, "paper")
+        if f is None or previous_run(Path(out), f) is not None:
+            ids.append(c.id)
+    return ids
 
 
 def select_claims(papers: Sequence[str] = (), ids: Sequence[str] = ()) -> list[Claim]:
@@ -252,11 +266,23 @@ def reproduce(
         sr = runs.get(f) if f is not None else None
         v, data = verdict_for(c, scale, sr)
         rel = _rel(sr.run_dir, out) if sr and sr.run_dir else ""
-        steps = steps_text(c, run_steps(sr.run_dir) if sr else None)
+        rd = sr.run_dir if sr else None
+        steps = steps_text(c, run_steps(rd), run_epochs(rd))
         rows.append(report_row(c, v, data, scale, rel, steps))
     write_report(out, rows, scale, runs, time.perf_counter() - t0)
     print(f"reproduce: wrote {out / 'reproduction.csv'} and {out / 'reproduction.md'}", file=log)
     return out
+
+
+def _judged_by() -> str:
+    """The commit of the code that judged (``+dirty`` for uncommitted changes), ``unknown``
+    outside a git checkout."""
+    from ..run.env import git_info
+
+    g = git_info()
+    if not g.get("commit"):
+        return "unknown"
+    return str(g["commit"])[:12] + ("+dirty" if g.get("dirty") else "")
 
 
 def _rel(p: Path, base: Path) -> str:
@@ -315,6 +341,9 @@ def write_report(
         f"{len(rows)} claims: "
         + ", ".join(f"{n} {k}" for k, n in counts.items())
         + f"; {len(runs)} suite runs, {seconds:.0f} s in total.",
+        "",
+        f"Verdicts by deqbench at commit {_judged_by()}; each run's own commit is in the last "
+        "table.",
         "",
         "A trend is reproduced when every one of >= 3 seeds goes the paper's way beyond the "
         "claim's threshold (thresholds and their sources: `thresholds` column of "

@@ -217,7 +217,7 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
         return not_run(f"check: {type(exc).__name__}: {exc}"), data
     if ex.notes:
         v = Verdict(v.claim_id, v.verdict, v.reason, f"{v.measured} [{'; '.join(ex.notes)}]",
-                    v.paper_value)  # fmt: skip
+                    v.paper_value, v.direction)  # fmt: skip
     if sr.error and v.verdict == NOT_RUN:
         v = Verdict(v.claim_id, v.verdict, f"{v.reason}; run: {sr.error}", v.measured,
                     v.paper_value, v.direction)  # fmt: skip
@@ -253,19 +253,20 @@ def budget_gate(claim: Claim, v: Verdict, steps: int | None, epochs: int | None 
     return v
 
 
-def steps_text(claim: Claim, steps: int | None) -> str:
+def steps_text(claim: Claim, steps: int | None, epochs: int | None = None) -> str:
     """The ``steps`` column: the run's optimizer steps beside the paper's for the claim's
-    window (``"320 of 37520"``), ``""`` for a claim about no training."""
+    window (``"320 of 37520"``; epochs where the paper states only epochs), ``""`` for a claim
+    about no training."""
     if claim.window in ("none",):
         return ""
     if claim.window == "init":
         return "0 (at initialisation)"
+    if not claim.paper_steps and claim.paper_epochs:
+        ours = "unknown" if epochs is None else str(epochs)
+        return f"{ours} of {claim.paper_epochs} epochs (the paper's steps not stated)"
     ours = "unknown" if steps is None else str(steps)
     paper = str(claim.paper_steps) if claim.paper_steps else "not stated"
-    text = f"{ours} of {paper}"
-    if not claim.paper_steps and claim.paper_epochs:
-        text += f" ({claim.paper_epochs} paper epochs)"
-    return text
+    return f"{ours} of {paper}"
 
 
 def run_epochs(run_dir: Path | None) -> int | None:
