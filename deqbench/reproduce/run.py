@@ -16,9 +16,9 @@ Scales:
   ``--data-root`` and ``mnist5k`` standing in elsewhere (the ``data`` column says which); none:
   the claim is ``not run`` with reason ``no paper-scale suite``.
 
-A suite that fails or is flagged still yields verdicts from whatever it wrote (flagged solves:
-the checker's convergence rule decides); a suite that wrote nothing gives ``not run`` with the
-error as the reason.
+Flagged and diverged cells are measurements (the checker's convergence rule decides); a suite
+that failed (an error, errored tasks) or was interrupted gives ``not run`` for every claim resting
+on it, with that reason, and the command's exit code says so (:func:`reproduce_run`).
 
 Example:
     >>> from deqbench.reproduce.run import suite_file
@@ -28,11 +28,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -68,6 +69,7 @@ __all__ = [
     "describe_data",
     "rejudgeable_claims",
     "reproduce",
+    "reproduce_run",
     "run_one",
     "select_claims",
     "suite_file",
@@ -167,11 +169,16 @@ def run_one(
     earlier = previous_run(out, path) if opt.resume else None
     if earlier is not None:
         status, code = _status(earlier)
-        if status == "complete":
+        errored = errored_tasks(earlier)
+        if status == "complete" and not errored:
             res.run_dir, res.exit_code, res.seconds = earlier, code, 0.0
             print(f"reproduce: suite {path.stem} reused ({earlier}, complete)", file=log,
                   flush=True)  # fmt: skip
             return res
+        if status == "complete":  # errored tasks are run again, in a new run of the suite
+            print(f"reproduce: suite {path.stem}: {len(errored)} errored task(s) in {earlier}, "
+                  "running the suite again", file=log, flush=True)  # fmt: skip
+            earlier = None
     what = f"resumed ({earlier})" if earlier is not None else f"started ({path})"
     print(f"reproduce: suite {path.stem} {what}", file=log, flush=True)
     t0 = time.perf_counter()
@@ -184,8 +191,14 @@ def run_one(
         res.run_dir, res.exit_code = Path(summary.run_dir), summary.exit_code
         if summary.cause:
             res.error = str(summary.cause)
-    except KeyboardInterrupt:
-        raise
+        if summary.interrupted and not summary.cause:
+            res.interrupted = summary.exit_code
+        res.errored = [f"{c} seed {sd} {st}: {n}" for c, sd, st, n in summary.failed
+                       if st in ERRORED]  # fmt: skip
+    except KeyboardInterrupt as exc:
+        res.interrupted = getattr(exc, "exit_code", 130)
+        found = sorted((out / "runs" / _suite_name(path)).glob("*/results.csv"))
+        res.run_dir = found[-1].parent if found else None
     except Exception as exc:  # a failed suite still gives verdicts ("not run": why)
         res.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         found = sorted((out / "runs" / _suite_name(path)).glob("*/results.csv"))
@@ -200,6 +213,26 @@ def run_one(
         flush=True,
     )
     return res
+
+
+#: task statuses of a task whose training failed (a run with one of them is run again by
+#: ``--resume``; a flagged or diverged task is a measurement and stays)
+ERRORED = ("error", "oom")
+
+
+def errored_tasks(run_dir: Path) -> list[str]:
+    """``cell seed status: note`` of the tasks of ``run_dir`` whose training failed."""
+    from ..run.results import load_results, task_status
+
+    try:
+        st = task_status(load_results(run_dir, check_keys=False))
+    except Exception:
+        return []
+    return [
+        f"{c} seed {int(sd)} {t}: {n}"
+        for c, sd, t, n in zip(st["cell_id"], st["seed"], st["status"], st["note"])
+        if t in ERRORED
+    ]
 
 
 def _suite_name(path: Path) -> str:
@@ -223,7 +256,8 @@ def reproduce(
     options: RunOptions | None = None,
     runner: Callable[..., SuiteRun] = run_one,
 ) -> Path:
-    """Run the suites of the chosen claims and write the report; returns the output folder.
+    """Run the suites of the chosen claims and write the report; returns the output folder
+    (:func:`reproduce_run` also returns the exit code).
 
     Args:
         papers: paper numbers (``"001"`` ...); all when empty.
@@ -235,11 +269,36 @@ def reproduce(
         options: ``--set`` overrides and the executor for every suite (:class:`RunOptions`).
         runner: runs one suite (tests pass a fake).
     """
+    folder, _ = reproduce_run(
+        papers, scale=scale, claim_ids=claim_ids, out=out, data_root=data_root, log=log,
+        options=options, runner=runner,
+    )  # fmt: skip
+    return folder
+
+
+def reproduce_run(
+    papers: Sequence[str] = (),
+    *,
+    scale: str = "cpu",
+    claim_ids: Sequence[str] = (),
+    out: Path | None = None,
+    data_root: Path | None = None,
+    log: TextIO | None = None,
+    options: RunOptions | None = None,
+    runner: Callable[..., SuiteRun] | None = None,
+) -> tuple[Path, int]:
+    """:func:`reproduce`, returning ``(folder, exit code)``: 0 when every suite ran to its end
+    with every task trained, 1 when some suite failed (its claims are ``not run``, reason
+    ``run failed``), 130 / 143 when a signal stopped the command (the suite running then and
+    those after it are not run; the report says so and the resume command is printed). One
+    writer per ``--out`` folder: a second ``reproduce`` on it is refused (RunLocked, exit 2)."""
     from ..core.errors import ConfigError
+    from ..run.lock import RunLock
 
     if scale not in ("cpu", "paper"):
         raise ConfigError(f"--scale must be cpu or paper, got {scale!r}")
     log = sys.stderr if log is None else log
+    runner = run_one if runner is None else runner
     claims = select_claims(papers, claim_ids)
     if not claims:
         raise ConfigError("no claim selected")
@@ -248,6 +307,8 @@ def reproduce(
             raise ConfigError("--resume continues a report folder: name it with --out DIR")
         out = Path("results") / "reproduction" / time.strftime("%Y%m%d-%H%M%S")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a folder; name a folder")
     out.mkdir(parents=True, exist_ok=True)
     if data_root is not None:
         data_root = Path(data_root).expanduser()
@@ -257,21 +318,76 @@ def reproduce(
         skip = c.scale == "absolute" and scale == "cpu"
         files[c.id] = None if skip or c.suite is None else suite_file(c.suite, scale)
     runs: dict[Path, SuiteRun] = {}
+    stopped: int | None = None
     t0 = time.perf_counter()
-    for path in dict.fromkeys(p for p in files.values() if p is not None):
-        runs[path] = runner(path, out, data_root, log, options)
-    rows = []
-    for c in claims:
-        f = files[c.id]
-        sr = runs.get(f) if f is not None else None
-        v, data = verdict_for(c, scale, sr)
-        rel = _rel(sr.run_dir, out) if sr and sr.run_dir else ""
-        rd = sr.run_dir if sr else None
-        steps = steps_text(c, run_steps(rd), run_epochs(rd))
-        rows.append(report_row(c, v, data, scale, rel, steps))
-    write_report(out, rows, scale, runs, time.perf_counter() - t0)
+    with RunLock(out, command=list(sys.argv)), _terminate_interrupts():
+        for path in dict.fromkeys(p for p in files.values() if p is not None):
+            if stopped is not None:
+                runs[path] = SuiteRun(path, error="not started: the command was interrupted")
+                continue
+            try:
+                sr = runner(path, out, data_root, log, options)
+            except KeyboardInterrupt as exc:
+                sr = SuiteRun(path, interrupted=getattr(exc, "exit_code", 130))
+            runs[path] = sr
+            if sr.interrupted is not None:
+                stopped = sr.interrupted
+        rows = []
+        for c in claims:
+            f = files[c.id]
+            used = runs.get(f) if f is not None else None
+            v, data = verdict_for(c, scale, used)
+            rel = _rel(used.run_dir, out) if used and used.run_dir else ""
+            rd = used.run_dir if used else None
+            steps = steps_text(c, run_steps(rd), run_epochs(rd))
+            rows.append(report_row(c, v, data, scale, rel, steps))
+        write_report(out, rows, scale, runs, time.perf_counter() - t0)
     print(f"reproduce: wrote {out / 'reproduction.csv'} and {out / 'reproduction.md'}", file=log)
-    return out
+    if stopped is not None:
+        again = " ".join(_resume_command(papers, scale, claim_ids, out, data_root))
+        print(f"reproduce: interrupted; the report marks the claims of unfinished suites "
+              f"'not run'. Resume with: {again}", file=log)  # fmt: skip
+        return out, stopped
+    failed = [f.stem for f, sr in runs.items() if not sr.complete]
+    if failed:
+        print(f"reproduce: {len(failed)} suite(s) failed: {', '.join(failed)} (their claims are "
+              "not run; see the report's last table)", file=log)  # fmt: skip
+        return out, 1
+    return out, 0
+
+
+@contextlib.contextmanager
+def _terminate_interrupts() -> Iterator[None]:
+    """SIGTERM between suites interrupts like Ctrl-C (``Interrupted``, exit 143); inside a suite
+    the runner's own handlers take over. Main thread only; the previous handler comes back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from ..run.runner import Interrupted
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _resume_command(
+    papers: Sequence[str], scale: str, claim_ids: Sequence[str], out: Path,
+    data_root: Path | None,
+) -> list[str]:  # fmt: skip
+    cmd = ["deqbench", "reproduce", *papers, "--scale", scale, "--out", str(out), "--resume"]
+    if claim_ids:
+        cmd += ["--claims", ",".join(claim_ids)]
+    if data_root is not None:
+        cmd += ["--data-root", str(data_root)]
+    return cmd
 
 
 def _judged_by() -> str:

@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +141,8 @@ def data_text(sr: SuiteRun, default: str) -> str:
     seeds = raw.get("seeds")
     if isinstance(seeds, list):
         text += f"; {len(seeds)} seed{'s' if len(seeds) != 1 else ''}"
-    paper = raw.get("paper") if isinstance(raw.get("paper"), dict) else {}
-    dev = paper.get("deviations") if isinstance(paper.get("deviations"), dict) else {}
+    paper: dict[str, Any] = raw["paper"] if isinstance(raw.get("paper"), dict) else {}
+    dev: dict[str, Any] = paper["deviations"] if isinstance(paper.get("deviations"), dict) else {}
     if dev.get("data"):
         return f"{text}; {dev['data']}"
     data = raw.get("data")
@@ -184,6 +184,34 @@ class SuiteRun:
     seconds: float = math.nan
     error: str = ""
     exit_code: int | None = None
+    #: the exit code of a signal that stopped the suite (130 SIGINT, 143 SIGTERM), else None
+    interrupted: int | None = None
+    #: tasks that errored (training failed: ``error``, ``oom``), as ``cell seed status: note``
+    errored: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """The suite ran to its end and every task trained (flagged or diverged cells are
+        measurements: the checkers judge them)."""
+        return (
+            self.interrupted is None
+            and not self.error
+            and not self.errored
+            and self.run_dir is not None
+        )
+
+    def incomplete_reason(self) -> str:
+        """Why no verdict may rest on this suite ("" when :attr:`complete`)."""
+        if self.interrupted is not None:
+            return f"suite interrupted (exit {self.interrupted}): resume with --resume"
+        if self.error:
+            return f"run failed: {self.error}"
+        if self.errored:
+            more = f" (+{len(self.errored) - 1} more)" if len(self.errored) > 1 else ""
+            return f"run failed: {len(self.errored)} task(s) errored: {self.errored[0]}{more}"
+        if self.run_dir is None:
+            return "suite not run"
+        return ""
 
 
 def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict, str]:
@@ -203,8 +231,10 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
     if sr is None:
         return not_run("no paper-scale suite" if scale == "paper" else "no suite"), ""
     data = data_text(sr, claim.data_note)
+    if sr.run_dir is not None and not sr.complete:
+        return not_run(sr.incomplete_reason()), data
     if sr.run_dir is None or not (sr.run_dir / "results.csv").is_file():
-        return not_run(f"run failed: {sr.error or 'no results'}"), data
+        return not_run(sr.incomplete_reason() or "run failed: no results"), data
     try:
         ex = extract(claim.id, sr.run_dir, scale)
     except Exception as exc:

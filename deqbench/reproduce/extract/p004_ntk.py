@@ -124,11 +124,11 @@ def _model_setting(run_dir: Path, cell: str, model: str, key: str) -> float | No
 
     raw = suite_raw(run_dir)
     found = None
-    defaults = raw.get("defaults") if isinstance(raw.get("defaults"), dict) else {}
-    dm = defaults.get("model") if isinstance(defaults.get("model"), dict) else {}
+    defaults: dict[str, Any] = raw["defaults"] if isinstance(raw.get("defaults"), dict) else {}
+    dm: dict[str, Any] = defaults["model"] if isinstance(defaults.get("model"), dict) else {}
     if key in dm:
         found = dm[key]
-    matrix = raw.get("matrix") if isinstance(raw.get("matrix"), dict) else {}
+    matrix: dict[str, Any] = raw["matrix"] if isinstance(raw.get("matrix"), dict) else {}
     for case in matrix.get("case") or []:
         cm = case.get("model") if isinstance(case, dict) else None
         if isinstance(cm, dict) and key in cm and str(case.get("id", "")) in cell:
