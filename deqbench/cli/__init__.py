@@ -352,7 +352,9 @@ def run(
     A collection file (one with a list under suites:) runs its suites one after another, each
     into its own run directory; the exit code is the worst of theirs. Exit codes: 0 every cell
     ok, 1 some cell failed or flagged, 2 bad input (or the run directory is locked by another
-    run, or writing it failed, e.g. disk full, or memory ran out while PyTorch loaded), 130 interrupted (SIGINT), 143 (SIGTERM)."""
+    run, or writing it failed, e.g. disk full, or memory ran out while PyTorch loaded), 130 interrupted (SIGINT), 143 (SIGTERM).
+    Only those signals interrupt: a plugin's sys.exit() or KeyboardInterrupt is its cell's error
+    (or its analysis's failed row), and the run goes on."""
     with handle_errors(), ExitStack() as stack:
         from ..core.errors import ConfigError
         from ..run.executors import prestart

@@ -20,7 +20,10 @@ once per distinct model spec and solver of the suite(s), built-ins and plugins a
   a model's declared compatibility (``declare_defaults(solvers=..., backward_modes=...)``)
   admits the cell's solver and backward mode.
 
-Every violation is one line naming the distribution, the entry point and the clause::
+Plugin code that calls ``sys.exit()`` or raises ``KeyboardInterrupt``/``GeneratorExit`` breaks
+its clause like any exception (only a signal to this process interrupts the checks,
+:mod:`deqbench.run.interrupts`). Every violation is one line naming the distribution, the entry
+point and the clause::
 
     plugin my-deq 0.1.0: solver 'only_z' (my_deq.solvers:only_z): [solver.returns] returned a
     Tensor, not (z, SolverStats)
