@@ -451,7 +451,9 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
         if is_interruption(exc):
             raise
         status, tb = "error", traceback.format_exc()
-        note = _one_line(exc) if isinstance(exc, Exception) else f"{plugin_fault(exc)} {stage}"
+        note = (
+            _one_line(exc) if isinstance(exc, Exception) else f"{plugin_fault(exc)} while {stage}"
+        )
     if status == "ok":
         flags += [
             r["note"] if r["analysis"] == CONVERGENCE else f"{r['analysis']}: {r['note']}"
