@@ -176,7 +176,9 @@ class Analysis:
       the figures as :meth:`plot` (``df, run_dir -> {name: Figure}``, drawn with
       :mod:`deqbench.plots`); :func:`mean_max` and :meth:`Row.skipped` make the usual rows;
     * **hooks**: override any of :meth:`before_training`, :meth:`on_step`, :meth:`on_epoch`,
-      :meth:`after_training`; each returns an iterable of :class:`Row`.
+      :meth:`after_training`; each returns an iterable of :class:`Row`. A hook that raises
+      (``sys.exit()`` too) keeps the rows it gave, adds one failed row and ends the analysis for
+      that (cell, seed); training and the other analyses go on and the cell is flagged.
     """
 
     name: ClassVar[str] = "analysis"
@@ -231,7 +233,8 @@ class Analysis:
 
     def _rows_or_error(self, rows: Callable[[], Iterable[Row]], step: int) -> list[Row]:
         """``rows()`` as a list, or one error row when it raises (failure is data; a
-        :class:`~deqbench.core.errors.DeqbenchError`, a configuration mistake, stops the task)."""
+        :class:`~deqbench.core.errors.DeqbenchError`, a configuration mistake, propagates: the
+        runner records it as the analysis's failed row and calls none of its later hooks)."""
         try:
             return list(rows())
         except Exception as exc:  # noqa: BLE001 - failure is data; the run goes on

@@ -99,12 +99,21 @@ def fail(message: str, code: int = 2) -> None:
 
 @contextmanager
 def handle_errors() -> Iterator[None]:
-    """DeqbenchError -> exit 2 with its lines; KeyboardInterrupt -> exit 130 (143 for the
-    runner's SIGTERM)."""
+    """DeqbenchError -> exit 2 with its lines; a signal (SIGINT, SIGTERM) -> exit 130 / 143.
+    A ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit`` that plugin code raised and
+    nothing below recorded (:mod:`deqbench.run.interrupts`) -> exit 2 and one line naming it,
+    never the plugin's exit code or an "interrupted"."""
     from ..core.errors import DeqbenchError
+    from ..run.interrupts import fault_line, is_interruption, marked_signals
 
     try:
-        yield
+        with marked_signals():  # Ctrl-C arrives as Interrupted: a plain KeyboardInterrupt is code's
+            try:
+                yield
+            except (KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
+                if is_interruption(exc):  # judged while the marking handler is in place
+                    raise
+                fail(f"stopped: {fault_line(exc)}", 2)
     except DeqbenchError as exc:
         fail(str(exc), 2)
     except KeyboardInterrupt as exc:
@@ -343,7 +352,9 @@ def run(
     A collection file (one with a list under suites:) runs its suites one after another, each
     into its own run directory; the exit code is the worst of theirs. Exit codes: 0 every cell
     ok, 1 some cell failed or flagged, 2 bad input (or the run directory is locked by another
-    run, or writing it failed, e.g. disk full, or memory ran out while PyTorch loaded), 130 interrupted (SIGINT), 143 (SIGTERM)."""
+    run, or writing it failed, e.g. disk full, or memory ran out while PyTorch loaded), 130 interrupted (SIGINT), 143 (SIGTERM).
+    Only those signals interrupt: a plugin's sys.exit() or KeyboardInterrupt is its cell's error
+    (or its analysis's failed row), and the run goes on."""
     with handle_errors(), ExitStack() as stack:
         from ..core.errors import ConfigError
         from ..run.executors import prestart

@@ -132,9 +132,10 @@ def cpu_peak_rss(
     model and the batch; the worker has its own copy) and sent to a new ``python -c`` process
     (not multiprocessing: nothing of the caller's ``__main__`` is re-imported). The worker warms
     up, reads ``VmRSS``, resets the high-water mark through ``/proc/self/clear_refs``, calls
-    ``step()`` once and reports ``VmHWM - VmRSS``. glibc's mmap threshold is fixed at 64 KiB in
-    the worker, so freed tensors leave the RSS instead of being recycled unseen. ``threads`` defaults to this process's torch
-    thread count.
+    ``step()`` once and reports ``VmHWM - VmRSS`` (NaN, the note saying why, when ``step``
+    cannot be pickled, e.g. a model holding a lambda). glibc's mmap threshold is fixed at
+    64 KiB in the worker, so freed tensors leave the RSS instead of being recycled unseen.
+    ``threads`` defaults to this process's torch thread count.
     """
     import json
     import subprocess
@@ -143,7 +144,16 @@ def cpu_peak_rss(
     if not os.path.exists("/proc/self/status"):
         return Memory(math.nan, note="no /proc (peak RSS needs Linux)")
     buf = io.BytesIO()
-    torch.save(step, buf)
+    try:
+        torch.save(step, buf)
+    except Exception as exc:  # noqa: BLE001 - e.g. a model holding a lambda or a local class
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        return Memory(
+            math.nan,
+            method="rss_fresh_worker",
+            note=f"the model cannot be pickled for the fresh worker ({why}); CPU peak RSS "
+            "not measured (memory_cpu: false skips it)",
+        )
     header = json.dumps({"warmup": int(warmup), "threads": int(threads or torch.get_num_threads())})
     code = "from deqbench.performance.memory import _rss_worker_main; _rss_worker_main()"
     env = dict(os.environ)

@@ -20,7 +20,10 @@ once per distinct model spec and solver of the suite(s), built-ins and plugins a
   a model's declared compatibility (``declare_defaults(solvers=..., backward_modes=...)``)
   admits the cell's solver and backward mode.
 
-Every violation is one line naming the distribution, the entry point and the clause::
+Plugin code that calls ``sys.exit()`` or raises ``KeyboardInterrupt``/``GeneratorExit`` breaks
+its clause like any exception (only a signal to this process interrupts the checks,
+:mod:`deqbench.run.interrupts`). Every violation is one line naming the distribution, the entry
+point and the clause::
 
     plugin my-deq 0.1.0: solver 'only_z' (my_deq.solvers:only_z): [solver.returns] returned a
     Tensor, not (z, SolverStats)
@@ -45,6 +48,7 @@ from typing import Any
 
 from ..core.contracts import CLAUSES, MonotoneCell, missing_members, structure_of
 from ..core.errors import ConfigError, DeqbenchError, PluginError
+from .interrupts import fault_line, is_interruption, marked_signals, plugin_fault
 
 #: f-evaluations allowed in the forward pass of a model check
 FORWARD_STEPS = 5
@@ -95,6 +99,13 @@ def _describe(kind: str, name: str) -> tuple[str, str]:
     return entry.origin, f"{mod}:{qual}"
 
 
+def _unless_interrupt(exc: BaseException) -> None:
+    """Re-raise ``exc`` when it is a signal to this process (:mod:`deqbench.run.interrupts`);
+    anything else that plugin code raised (``sys.exit()`` too) is a broken contract."""
+    if is_interruption(exc):
+        raise exc
+
+
 def _raised(exc: BaseException) -> str:
     """``raised Type: message (at file:line in fn)``, at the innermost frame outside torch."""
     text = " ".join(str(exc).split())
@@ -130,11 +141,15 @@ def dataset_shape(
         fn = datasets.get(name)
     except PluginError as exc:
         return None, ("dataset.import", datasets.entry(name).error or str(exc))
+    except KeyboardInterrupt as exc:  # the import raised it: the registry passes it on
+        _unless_interrupt(exc)
+        return None, ("dataset.import", plugin_fault(exc))
     if not callable(fn):
         return None, ("dataset.import", f"names a {type(fn).__name__}, not a callable")
     try:
         shape = declared_shape(fn, params)
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+        _unless_interrupt(exc)
         return None, ("dataset.declared", f"shape({params}) {_raised(exc)}")
     if shape is not None:
         return shape, None
@@ -144,7 +159,8 @@ def dataset_shape(
             d = fn(**params)
     except ConfigError as exc:
         return None, ("dataset.load", f"{call}: {exc}")
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+        _unless_interrupt(exc)
         return None, ("dataset.load", f"{call} {_raised(exc)}")
     problem = bundle_problem(d)
     if problem is not None:
@@ -359,7 +375,8 @@ class _Checks:
                 opts = f" with options {options}" if options else ""
                 self.add("solver", name, "solver.signature", f"{role}{opts}: {exc}")
             return
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+            _unless_interrupt(exc)
             if errors:
                 self.add("solver", name, clause, f"{role} on {what}: {_raised(exc)}")
             return
@@ -416,7 +433,8 @@ class _Checks:
         except ConfigError as exc:
             self.add("model", name, "model.factory", f"params {params}: {exc}")
             return
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+            _unless_interrupt(exc)
             self.add(
                 "model",
                 name,
@@ -449,7 +467,8 @@ class _Checks:
             except ConfigError as exc:
                 self.add("init", iname, "init.call", f"on model '{name}': {exc}", c.id)
                 continue
-            except Exception as exc:
+            except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+                _unless_interrupt(exc)
                 self.add("init", iname, "init.call", f"on model '{name}': {_raised(exc)}", c.id)
                 continue
             if out is not None:
@@ -613,7 +632,8 @@ class _Checks:
             scfg = replace(scfg, max_iter=min(int(scfg.max_iter), FORWARD_STEPS))
             try:
                 deq.configure(model, scfg, c.backward_config())
-            except Exception as exc:
+            except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+                _unless_interrupt(exc)
                 self.add("model", name, "model.forward", f"configuring: {_raised(exc)}", c.id)
                 return
         g = torch.Generator().manual_seed(0)
@@ -625,7 +645,8 @@ class _Checks:
                 out = model(x)
         except _CellBroken:  # reported under [model.cell]; the forward pass is not judged
             return
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+            _unless_interrupt(exc)
             if isinstance(exc, PluginError) and deq.own_solver(model) is not None:
                 # raised by the hook reading the model's own solve after its forward
                 self.add("model", name, "model.solve_stats", str(exc))
@@ -843,31 +864,42 @@ def check_all(suites: Iterable[Any]) -> list[Violation]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny problems: one thread is fastest, and never oversubscribed
     try:
-        for suite in suites:
-            # solvers first: a broken solver is not used in the models' forward passes
-            for c in suite.cells:
-                checks.solver(c.solver["name"], c.solver_config().options, adjoint=False)
-                if c.backward.get("name") == "ift":
-                    bcfg = c.backward_config()
-                    checks.solver(bcfg.solver, bcfg.options, adjoint=True)
-            groups: dict[Any, list[Any]] = {}
-            for c in suite.cells:
-                dname, dparams = c.data_params()
-                dkey = (dname, _key(dparams))
-                if dkey not in shapes:  # each dataset spec once, over all the suites
-                    shapes[dkey], broken = dataset_shape(dname, dparams)
-                    if broken is not None:
-                        checks.add("dataset", dname, *broken)
-                shape = shapes[dkey]
-                if shape is None:
-                    continue
-                key = (_key(c.model), shape, suite.dtype)
-                groups.setdefault(key, []).append(c)
-            for (_, shape, dtype), cells in groups.items():
-                checks.model(cells, shape, dtype)
+        with marked_signals():  # a SIGINT arrives as Interrupted: a KeyboardInterrupt is code's
+            try:
+                _check_all(checks, suites, shapes)
+            except BaseException as exc:  # noqa: BLE001 - escaped a check (a plugin import's)
+                if isinstance(exc, Exception) or is_interruption(exc):
+                    raise
+                raise PluginError(f"the contract checks stopped: {fault_line(exc)}") from None
     finally:
         torch.set_num_threads(threads)
     return checks.violations
+
+
+def _check_all(checks: _Checks, suites: Iterable[Any], shapes: dict[tuple[str, str], Any]) -> None:
+    """The checks of :func:`check_all`, into ``checks`` (``shapes``: the datasets' shapes)."""
+    for suite in suites:
+        # solvers first: a broken solver is not used in the models' forward passes
+        for c in suite.cells:
+            checks.solver(c.solver["name"], c.solver_config().options, adjoint=False)
+            if c.backward.get("name") == "ift":
+                bcfg = c.backward_config()
+                checks.solver(bcfg.solver, bcfg.options, adjoint=True)
+        groups: dict[Any, list[Any]] = {}
+        for c in suite.cells:
+            dname, dparams = c.data_params()
+            dkey = (dname, _key(dparams))
+            if dkey not in shapes:  # each dataset spec once, over all the suites
+                shapes[dkey], broken = dataset_shape(dname, dparams)
+                if broken is not None:
+                    checks.add("dataset", dname, *broken)
+            shape = shapes[dkey]
+            if shape is None:
+                continue
+            key = (_key(c.model), shape, suite.dtype)
+            groups.setdefault(key, []).append(c)
+        for (_, shape, dtype), cells in groups.items():
+            checks.model(cells, shape, dtype)
 
 
 def check_suites(suites: Iterable[Any]) -> None:

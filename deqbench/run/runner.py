@@ -6,7 +6,9 @@ The coordinator (:func:`run_suite`) alone writes the run directory: ``run.json``
 ``log.txt`` (tracebacks of failed tasks) and ``plots/``. It holds ``run.lock``
 (:mod:`deqbench.run.lock`) while it lives, so a run directory has one writer. SIGINT and SIGTERM
 stop it cleanly (finished tasks on disk, ``run.json`` ``interrupted``, exit 130 / 143); a signal
-after the last task finished leaves it ``complete``. Tasks (:class:`deqbench.run.task.Task`) are
+after the last task finished leaves it ``complete``. Nothing else interrupts it: a ``SystemExit``,
+``KeyboardInterrupt`` or ``GeneratorExit`` raised by plugin code is the failure of the task (or
+analysis) that ran it (:mod:`deqbench.run.interrupts`), and the run goes on. Tasks (:class:`deqbench.run.task.Task`) are
 picklable and independent; an :class:`Executor` runs them and yields their
 :class:`~deqbench.run.task.TaskResult` in any order. :class:`InlineExecutor` runs them one by one in
 this process; a distributed executor (Dask) implements the same ``run`` method.
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.errors import ConfigError
 from . import results as res
+from .interrupts import Interrupted, is_interruption, marking, plugin_fault
 from .lock import RunLock
 from .task import Listener, Task, TaskResult, apply_numeric_flags, run_task
 
@@ -97,19 +100,6 @@ class RunSummary:
         return 1 if self.failed else 0
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM while a run lives. A KeyboardInterrupt, so whatever handles Ctrl-C
-    (the executors, the CLI) handles SIGTERM alike."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
 class _Signals:
     """SIGINT and SIGTERM handlers for the life of a run (main thread only; the previous
     handlers come back on exit). Modes: ``defer`` (record the signal: while the run directory
@@ -138,6 +128,7 @@ class _Signals:
             signal.signal(s, h)
         self._old.clear()
 
+    @marking  # a real signal raises Interrupted or is recorded, never a plain KeyboardInterrupt
     def _handle(self, signum: int, frame: Any) -> None:
         if self.mode.startswith("finish"):
             self.late = self.late or signum
@@ -712,8 +703,10 @@ def _plots(run_dir: Path, df: Any, pool: Any = None, meanwhile: Any = None) -> l
 
     try:
         paths, errors = write_plots(run_dir, df, pool, meanwhile)
-    except Exception as exc:  # plotting never fails a run
-        paths, errors = [], [f"plots: {type(exc).__name__}: {exc}"]
+    except BaseException as exc:  # plotting never fails a run (nor a plot's sys.exit ends it)
+        if is_interruption(exc):
+            raise
+        paths, errors = [], [f"plots: {plugin_fault(exc)}"]
     for e in errors:
         _log(run_dir, e)
         _say(_plot_error_line(e))  # also on stderr (e.g. a full disk); the exit code stays

@@ -4,9 +4,13 @@
 (inline, a process pool, Dask) can run it. It never writes ``results.csv``: it returns its rows
 and series in a :class:`TaskResult` and the coordinator (:mod:`deqbench.run.runner`) writes them.
 Failures never escape: NaN/inf and divergence (from :func:`deqbench.run.train.train`), CUDA
-out-of-memory and any exception become the task's status (``nan | diverged | oom | error``) with
-the reason in ``note``; rows measured before the failure are kept. Only KeyboardInterrupt
-propagates.
+out-of-memory and any exception of building or training the model become the task's status
+(``nan | diverged | oom | error``) with the reason in ``note``; rows measured before the failure
+are kept. An analysis hook that raises gives that analysis one failed row (``error``/``oom``,
+its note naming the hook) and no further calls; training and the other analyses go on and the
+task is ``flagged``, naming the analysis. A ``SystemExit``, ``KeyboardInterrupt`` or
+``GeneratorExit`` of plugin code counts like any exception (:mod:`deqbench.run.interrupts`);
+only a signal to this process (:class:`~deqbench.run.interrupts.Interrupted`) propagates.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analyses.base import CellContext, Row
+from .interrupts import is_interruption, marked_signals, plugin_fault
 from .results import CONVERGENCE, FLAGGED, RUNNER
 from .solves import Tallies
 
@@ -95,6 +100,71 @@ class _TaskContext(CellContext):
         fname = f"{name}__{self.cell_id}__seed{self.seed}.csv"
         self.extra.setdefault("_series", {})[fname] = df.to_csv(index=False)
         return Path(self.run_dir) / "series" / fname if self.run_dir is not None else None
+
+
+#: the hooks of an analysis that the runner calls
+HOOKS = ("before_training", "on_step", "on_epoch", "after_training")
+
+
+class _Guarded:
+    """An analysis whose hooks never raise: a hook that raises (whatever it raises, but a signal
+    to this process) gives the rows it produced before, one failed row (status ``error``, or
+    ``oom``; value NaN; the note names the hook) and ends the analysis for the task: its later
+    hooks are not called. An analysis that cannot be created (its import or its constructor
+    raised) gives its failed row at its first hook. Other attributes are the analysis's."""
+
+    def __init__(self, name: str, params: Any) -> None:
+        from ..core.registry import analyses
+
+        self._name, self._analysis = name, None
+        self._pending: list[Row] = []
+        self.failed = False
+        try:
+            self._analysis = analyses.get(name)(params)
+        except BaseException as exc:  # noqa: BLE001 - an analysis's failure is its own
+            self._fail(exc, "creating the analysis", None)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in HOOKS:
+            return lambda ctx, *info: self._call(attr, ctx, *info)
+        if attr.startswith("_") or self._analysis is None:
+            raise AttributeError(attr)
+        return getattr(self._analysis, attr)
+
+    def _fail(self, exc: BaseException, where: str, step: int | None) -> None:
+        if is_interruption(exc):
+            raise exc
+        self.failed = True
+        metric = getattr(self._analysis, "metric", "") or self._name
+        row = Row.failed(metric, exc, step=step)
+        row.note = " ".join(f"{plugin_fault(exc)} in {where}; its later hooks not run".split())
+        row.note = row.note[:500]
+        self._pending.append(row)
+        if row.status == "oom":
+            _empty_cuda_cache()
+
+    def _call(self, hook: str, ctx: Any, *info: Any) -> list[Row]:
+        rows, self._pending = self._pending, []
+        if self.failed:
+            return rows
+        step = getattr(info[0], "epoch", None) if info else None
+        try:
+            for r in getattr(self._analysis, hook)(ctx, *info) or ():
+                rows.append(r if isinstance(r, Row) else Row(**r))
+        except BaseException as exc:  # noqa: BLE001 - an analysis's failure is its own
+            where = f"{hook} at epoch {step}" if step is not None else hook
+            if info and hasattr(info[0], "step"):
+                where += f" step {info[0].step}"
+            self._fail(exc, where, step)
+            rows, self._pending = rows + self._pending, []
+        return rows
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 _DATA_CACHE: dict[str, Any] = {}
@@ -229,10 +299,14 @@ def _one_line(exc: BaseException) -> str:
 
 def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     """Run one (cell, seed) and return its rows (with the runner status row last)."""
+    with marked_signals():  # a SIGINT arrives as Interrupted: a plain KeyboardInterrupt is code's
+        return _run_task(task, listener)
+
+
+def _run_task(task: Task, listener: Listener | None) -> TaskResult:
     import torch
 
     from ..core import deq
-    from ..core.registry import analyses as analysis_registry
     from ..core.registry import inits, models
     from .train import train
 
@@ -246,6 +320,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     tallies = Tallies()  # every DEQ solve of the task, by kind and phase
     names: dict[int, str] = {}
     base = task.row_base()
+    stage = ""  # what the task is doing, for the note of a SystemExit & co. of plugin code
 
     def add(analysis: str, r: Row) -> None:
         rows.append({**base, "analysis": analysis, "variant": r.variant, "metric": r.metric,
@@ -272,6 +347,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
                 PROCESS,
                 Row("warmup_time", warm, unit="s", note="once per process; not in wall_time"),
             )
+        stage = f"loading dataset {_named('datasets', cell.data_params()[0])}"
         cpu_data, load_time = _load_data(cell)
         if load_time is not None:
             add(PROCESS, Row("data_load_time", load_time, unit="s",
@@ -280,12 +356,15 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         seed_everything(task.seed)
         data = cpu_data.to(task.device, dtype)
         mname, mparams = cell.model_params()
+        stage = f"building model {_named('models', mname)}"
         model = models.create(
             mname, in_shape=data.in_shape, num_outputs=data.num_outputs, **mparams
         )
         model = model.to(device=task.device, dtype=dtype)
         iname, iparams = cell.init_params()
+        stage = f"initialising model {_named('models', mname)} with {_named('inits', iname)}"
         inits.get(iname)(model, seed=task.seed, **iparams)
+        stage = f"setting up model {_named('models', mname)}"
         if deq.is_deq(model):
             deq.configure(model, cell.solver_config(), cell.backward_config())
         runtime = cell.runtime_config()
@@ -303,8 +382,9 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
                 r.update(solver=own[0], backward=own[1])
         instances = []
         for name, params in suite.analyses:
-            instances.append(analysis_registry.get(name)(params))
+            instances.append(_Guarded(name, params))
             names[id(instances[-1])] = name  # rows carry the registered name
+        stage = f"running model {_named('models', mname)}"
         ctx = _TaskContext(
             model,
             data,
@@ -334,6 +414,11 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
                 if listener is not None:
                     listener.epoch(task, epoch)
 
+            stage = f"training model {_named('models', mname)}" + (
+                f" with solver {_named('solvers', cell.solver['name'])}"
+                if deq.is_deq(model)
+                else ""
+            )
             res = train(
                 model,
                 data,
@@ -347,6 +432,7 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
                 tallies=tallies,
             )
             status, note = res.status, res.note
+        stage = f"running model {_named('models', mname)}"
         if status == "ok":
             for a in instances:
                 probe("probe", a, a.after_training)
@@ -358,13 +444,16 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
                                      variant=tally.phase, unit="fraction",
                                      status=FLAGGED if tally.flagged else "ok",
                                      note=tally.note() if tally.missed else ""))  # fmt: skip
-    except KeyboardInterrupt:
-        raise
     except torch.cuda.OutOfMemoryError as exc:
         status, note, tb = "oom", _one_line(exc), traceback.format_exc()
         torch.cuda.empty_cache()
-    except Exception as exc:
-        status, note, tb = "error", _one_line(exc), traceback.format_exc()
+    except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+        if is_interruption(exc):
+            raise
+        status, tb = "error", traceback.format_exc()
+        note = (
+            _one_line(exc) if isinstance(exc, Exception) else f"{plugin_fault(exc)} while {stage}"
+        )
     if status == "ok":
         flags += [
             r["note"] if r["analysis"] == CONVERGENCE else f"{r['analysis']}: {r['note']}"
@@ -387,6 +476,17 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     series = ctx.extra.get("_series", {}) if ctx is not None else {}
     timing = {"start": started, "end": time.time(), "pid": os.getpid(), "worker": _where()}
     return TaskResult(cell.id, task.seed, rows, status, note, tb, wall, series, timing)
+
+
+def _named(kind: str, name: str) -> str:
+    """``'name'``, with the distribution of a plugin: ``'name' (plugin my-deq 0.1.0)``."""
+    from ..core.registry import registry
+
+    try:
+        origin = registry(kind).origin(name)
+    except Exception:  # noqa: BLE001 - an unknown name: the name alone
+        origin = "built-in"
+    return f"'{name}'" if origin in ("built-in", "runtime") else f"'{name}' (plugin {origin})"
 
 
 def _where() -> str:
