@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analyses.base import CellContext, Row
 from .results import CONVERGENCE, FLAGGED, RUNNER
-from .solves import Tallies
+from .solves import Tallies, rule_note
 
 if TYPE_CHECKING:  # pragma: no cover
     from .suite import Cell, Suite
@@ -357,7 +357,8 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
                 add(CONVERGENCE, Row(f"{tally.kind}_unconverged_batches", tally.share,
                                      variant=tally.phase, unit="fraction",
                                      status=FLAGGED if tally.flagged else "ok",
-                                     note=tally.note() if tally.missed else ""))  # fmt: skip
+                                     note=tally.note() if tally.missed
+                                     else rule_note(tally.stop)))  # fmt: skip
     except KeyboardInterrupt:
         raise
     except torch.cuda.OutOfMemoryError as exc:

@@ -1165,7 +1165,7 @@ class CommonOptions(SolverOptions):
         "the first one (non-finite residuals always stop as diverged).",
     )
     stop: Literal["sample_max", "batch_fro", "batch_mean"] = Field(
-        DEFAULT_STOP,
+        "sample_max",
         description="stop rule, the reduction over the batch that decides convergence (with "
         "stop_mode rel or abs per sample): 'sample_max': the largest per-sample residual < tol; "
         "'batch_fro': one batch-wide ratio ||f(z) - z||_F / ||f(z)||_F (rel; abs: "
