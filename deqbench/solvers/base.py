@@ -1374,7 +1374,7 @@ def solver(
         ...             return tracker.finish(nstep, {"omega": opts.omega})
         ...         z = (1 - opts.omega) * z + opts.omega * fz
         >>> z, st = half(lambda z: 0.5 * z + 1, torch.zeros(2, 3), tol=1e-6)
-        >>> st.status, half.OPTIONS == {"omega", "returns", "check_every", "protect_thres"}
+        >>> st.status, half.OPTIONS == {"omega", "returns", "check_every", "protect_thres", "stop"}
         ('converged', True)
         >>> half(lambda z: z, torch.zeros(2, 3), omega=2)
         Traceback (most recent call last):
