@@ -609,6 +609,16 @@ class Tracker:
         self.k = k + 1
         self.bounds.append(self.k)
 
+    def check_fused(self, rules: tuple[str, ...]) -> None:
+        """Refuse (SolverOptionError, one line) a fused record path that honours only
+        ``rules`` when this tracker's stop rule is another (:func:`fused.check_stop_rule`)."""
+        if self.rule not in rules:
+            raise option_error(
+                self.solver,
+                f"stop rule {self.rule!r} is not supported by the fused record kernels "
+                f"(solvers.fused: {', '.join(rules)} only)",
+            )
+
     @property
     def inf_row(self) -> Tensor:
         """(B,) of +inf: the running lowest before the first step (fused eager record)."""

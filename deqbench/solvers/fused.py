@@ -78,20 +78,12 @@ def usable(*ts: Tensor) -> bool:
 STOP_RULES = ("sample_max",)
 
 
-def check_stop_rule(tracker: Any, solver: str = "") -> None:
-    """A SolverOptionError (one line, naming the rule and the path) unless the record kernels
-    honour the tracker's stop rule (``solvers.base.STOP_RULES``; these compute ``sample_max``
-    only: the tracker runs its torch code under another rule)."""
-    rule = getattr(tracker, "rule", "sample_max")
-    if rule not in STOP_RULES:
-        from .base import option_error
-
-        name = solver or getattr(tracker, "solver", "?")
-        raise option_error(
-            name,
-            f"stop rule {rule!r} is not supported by the fused record kernels "
-            "(solvers.fused: sample_max only)",
-        )
+def check_stop_rule(tracker: Any) -> None:
+    """A SolverOptionError (one line, naming the rule, the solver and this path) unless the
+    record kernels honour the tracker's stop rule (``solvers.base.STOP_RULES``; these compute
+    ``sample_max`` only: the tracker runs its torch code under another rule). The tracker
+    raises it (:meth:`~deqbench.solvers.base.Tracker.check_fused`)."""
+    tracker.check_fused(STOP_RULES)
 
 
 def tracker_usable(
@@ -585,7 +577,7 @@ def record(
     ``sample_max`` is refused (:func:`check_stop_rule`).
     """
     if tracker.batch_rule:
-        check_stop_rule(tracker)
+        tracker.check_fused(STOP_RULES)
     B = tracker.B
     D = z.numel() // B
     F = G = z
@@ -640,7 +632,7 @@ def record_eager(
     :func:`record`, at slot ``k % m``. A tracker under a stop rule other than ``sample_max`` is
     refused (:func:`check_stop_rule`)."""
     if tracker.batch_rule:
-        check_stop_rule(tracker)
+        tracker.check_fused(STOP_RULES)
     B = tracker.B
     D = z.numel() // B
     F = G = z
