@@ -306,3 +306,15 @@ def test_graph_path_makes_the_eager_iterates_under_each_rule_on_cuda(name, rule)
     # by a step)
     assert abs(sg.nstep - se.nstep) <= 1
     torch.testing.assert_close(zg, ze, rtol=1e-3, atol=1e-4)
+
+
+def test_solver_stats_notes_a_non_default_rule_on_its_converged_rows():
+    from deqbench import models
+    from deqbench.core import deq
+    from deqbench.deq import BackwardConfig
+    from deqbench.performance.solver_stats import stop_rule_notes
+
+    model = models.create("fc_deq_tiny")
+    assert stop_rule_notes(model) == {}  # the default rule: no note
+    deq.configure(model, SolverConfig(options={"stop": "batch_fro"}), BackwardConfig())
+    assert stop_rule_notes(model) == {"forward_converged": "stop rule batch_fro"}
