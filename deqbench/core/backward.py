@@ -449,7 +449,13 @@ class _ImplicitFunction(torch.autograd.Function):
                 ga = None
             if ga is not None:
                 grads = ga.grads(w)
-                verdict.check_claim(stats, _adjoint_tol(stats, cfg), cfg.stop_mode, cfg.solver)
+                verdict.check_claim(
+                    stats,
+                    _adjoint_tol(stats, cfg),
+                    cfg.stop_mode,
+                    cfg.solver,
+                    cfg.options.get("stop"),
+                )
                 verdict.record("adjoint", stats, cfg.max_iter, getattr(ctx, "ledger", None))
                 layer.last_backward_stats = stats
                 layer.vjp_bwd = nvjp + 1
@@ -511,7 +517,9 @@ class _ImplicitFunction(torch.autograd.Function):
             nvjp += cfg.refine
         grads = vjp_fn(w)
         nvjp += 1
-        verdict.check_claim(stats, _adjoint_tol(stats, cfg), cfg.stop_mode, cfg.solver)
+        verdict.check_claim(
+            stats, _adjoint_tol(stats, cfg), cfg.stop_mode, cfg.solver, cfg.options.get("stop")
+        )
         verdict.record("adjoint", stats, cfg.max_iter, getattr(ctx, "ledger", None))
         layer.last_backward_stats = stats
         layer.vjp_bwd = nvjp

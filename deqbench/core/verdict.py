@@ -2,7 +2,9 @@
 
 A solver returns ``SolverStats.converged``; deqbench does not take it on trust. After every
 solve of a DEQ layer (forward and IFT adjoint), :func:`check_claim` tests the solver's reported
-residual, in the stop mode it was asked for, against the tolerance; inside
+residual, in the stop mode and under the stop rule it was asked for (``stop``: the batch max,
+the batch Frobenius ratio or the batch mean, :data:`deqbench.solvers.base.STOP_RULES`), against
+the tolerance; inside
 :func:`verify_solves` the layer also re-evaluates f once at the returned iterate and tests the
 recomputed residual (:func:`recheck`). A solve whose claim fails either test gets
 ``converged = False`` (``extra["solver_converged"]`` keeps what the solver said) and a note
@@ -50,7 +52,7 @@ class SolveRecord:
     kind: str  # forward | adjoint
     converged: bool  # the runner's verdict (claim checked, residual verified where recomputed)
     solver_converged: bool  # what the solver said
-    residual: float  # batch max, in stop_mode: the recomputed one where verified, else reported
+    residual: float  # under the stop rule, in stop_mode: recomputed where verified, else reported
     stop_mode: str
     tol: float
     status: str  # the solver's own status: converged | max_iter | diverged | stagnated
@@ -60,6 +62,7 @@ class SolveRecord:
     verified: bool = False  # residual recomputed by one f-evaluation
     claim: str = ""  # why the solver's claim was not accepted
     plateau: bool = False  # unconverged, and the last quarter of the steps gained < 2x
+    stop: str = "sample_max"  # the stop rule the solve was judged under
 
 
 @dataclass
@@ -116,25 +119,39 @@ def verifying() -> bool:
 
 
 def stop_residual(stats: SolverStats) -> float:
-    """The batch max of the returned iterate's residual in the stop mode the solve used."""
-    r = stats.residual
-    return float(r.max()) if r.numel() else math.nan
+    """The returned iterate's residual in the stop mode the solve used, reduced over the batch
+    by its stop rule (``stats.stop``; the batch max by default)."""
+    v = getattr(stats, "stop_residual", None)  # a stats object of another kind: the batch max
+    if v is None:
+        r = stats.residual
+        return float(r.max()) if r.numel() else math.nan
+    return float(v)
+
+
+def rule_text(stop: str) -> str:
+    """`` (stop rule batch_fro)`` for a stop rule other than the default, else ''."""
+    return "" if stop in ("", "sample_max") else f" (stop rule {stop})"
 
 
 def _reject(stats: SolverStats, what: str, value: float) -> None:
     stats.extra["solver_converged"] = True
     name = stats.extra.get("registered") or stats.solver or "?"
     stats.extra["claim"] = (
-        f"solver '{name}' reported converged, {what} {stats.stop_mode} residual "
-        f"{value:.3g} > tol {stats.tol:g}"
+        f"solver '{name}' reported converged, {what} {stats.stop_mode} residual"
+        f"{rule_text(stats.stop)} {value:.3g} > tol {stats.tol:g}"
     )
     stats.converged = False
 
 
-def check_claim(stats: SolverStats, tol: float, stop_mode: str, name: str = "") -> None:
+def check_claim(
+    stats: SolverStats, tol: float, stop_mode: str, name: str = "", stop: str | None = None
+) -> None:
     """Test a solve's claimed convergence against its own reported residual (in place).
-    ``name``: the solver's registered name (for notes; default ``stats.solver``)."""
+    ``name``: the solver's registered name (for notes; default ``stats.solver``); ``stop``:
+    the declared stop rule (None: the one the stats carry)."""
     stats.tol, stats.stop_mode = float(tol), stop_mode
+    if stop is not None:
+        stats.stop = stop
     if name:
         stats.extra["registered"] = name
     if stats.converged:
@@ -145,12 +162,13 @@ def check_claim(stats: SolverStats, tol: float, stop_mode: str, name: str = "") 
 
 def recheck(stats: SolverStats, fz: Tensor, z: Tensor) -> float:
     """Test a solve against the residual recomputed from ``fz = f(z)`` at its returned iterate
-    (in place). Returns the recomputed batch-max residual in the stop mode."""
-    from ..solvers.base import residuals
+    (in place). Returns the recomputed residual in the stop mode under the stop rule."""
+    from ..solvers.base import batch_norm, residuals, rule_value
 
-    a, r = residuals(fz.to(z.dtype), z)
-    res_t = r if stats.stop_mode == "rel" else a
-    res = float(res_t.max()) if res_t.numel() else math.nan
+    fz = fz.to(z.dtype)
+    a, r = residuals(fz, z)
+    nrm = batch_norm(fz) if stats.stop == "batch_fro" else None
+    res = float(rule_value(a, r, stats.stop, stats.stop_mode, nrm)) if a.numel() else math.nan
     stats.extra["verified_residual"] = res
     if stats.converged and not res <= VERIFY_SLACK * stats.tol:
         _reject(stats, "recomputed", res)
@@ -196,18 +214,28 @@ def record(
             verified=verified,
             claim=str(stats.extra.get("claim", "")),
             plateau=not stats.converged and plateaued(stats),
+            stop=str(getattr(stats, "stop", "sample_max")),
         )
     )
 
 
 def plateaued(stats: SolverStats) -> bool:
-    """Whether the batch-max residual (stop mode) gained less than 2x over the last quarter of
-    a solve's recorded steps (at least 8): more steps will not reach the tolerance (a precision
-    floor, a cycle). Read only for solves that missed (one host read)."""
+    """Whether the residual under the stop rule (stop mode; the batch max by default) gained
+    less than 2x over the last quarter of a solve's recorded steps (at least 8): more steps
+    will not reach the tolerance (a precision floor, a cycle). Read only for solves that missed
+    (one host read)."""
     tr = stats.rel_trace if stats.stop_mode == "rel" else stats.abs_trace
     if tr.dim() == 0 or tr.numel() == 0 or tr.shape[0] < 8:
         return False
-    t = tr.reshape(tr.shape[0], -1).amax(dim=1).double()
+    stop = getattr(stats, "stop", "sample_max")
+    if stop == "sample_max":
+        t = tr.reshape(tr.shape[0], -1).amax(dim=1).double()
+    else:
+        from ..solvers.base import rule_value
+
+        ab, rl = stats.abs_trace, stats.rel_trace
+        t = rule_value(ab.reshape(ab.shape[0], -1), rl.reshape(rl.shape[0], -1), stop,
+                       stats.stop_mode).double()  # fmt: skip
     k = (3 * t.shape[0]) // 4
     early, late = float(t[:k].min()), float(t[k:].min())
     return math.isfinite(early) and math.isfinite(late) and late > 0.5 * early

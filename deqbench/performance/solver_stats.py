@@ -16,7 +16,10 @@ Rows (analysis ``solver_stats``):
 The ``forward_nstep`` rows' note says what ran (the cell's ``runtime``): how the forward solves
 ran (``path=eager | graph | compiled``, ``+``-joined when an epoch saw several) and the autocast
 (``amp=none | bf16``), plus ``compile=<backend>`` when compiled, e.g. ``path=graph, amp=bf16``.
-The passes this analysis makes itself run under the cell's runtime too.
+The passes this analysis makes itself run under the cell's runtime too. The
+``forward_converged`` / ``backward_converged`` rows' note names the stop rule that judged the
+solves (``stop rule batch_fro``; the solver option ``stop``) where it is not the default
+``sample_max``.
 
 Series: ``solver_steps`` (one line per training batch) and ``solver_trace`` (the residual after
 each forward iteration on ``trace_samples`` test inputs, at init and after training).
@@ -57,6 +60,27 @@ FORWARD = (
 )
 BACKWARD = ("backward_nstep", "backward_rel_residual", "backward_converged")
 UNITS = {"forward_nstep": "f-evals", "backward_nstep": "f-evals", "forward_njvp": "JVPs"}
+
+
+def stop_rule_notes(model: torch.nn.Module) -> dict[str, str]:
+    """``{"forward_converged": "stop rule batch_fro", ...}``: the stop rules (solver option
+    ``stop``) the model's DEQ layers declare for their forward and IFT adjoint solves, where not
+    the default ``sample_max``."""
+    from ..core.verdict import rule_text
+
+    rules: dict[str, set[str]] = {"forward_converged": set(), "backward_converged": set()}
+    for layer in deq_layers(model):
+        rules["forward_converged"].add(str(layer.solver_cfg.options.get("stop", "sample_max")))
+        if layer.backward_cfg.name == "ift":
+            rules["backward_converged"].add(
+                str(layer.backward_cfg.options.get("stop", "sample_max"))
+            )
+    out = {}
+    for k, v in rules.items():
+        names = sorted(r for r in v if rule_text(r))
+        if names:
+            out[k] = ", ".join(f"stop rule {r}" for r in names)
+    return out
 
 
 def residual_trace(model: torch.nn.Module, x: torch.Tensor, runtime: Runtime | None = None) -> Any:
@@ -220,10 +244,11 @@ class SolverStatsAnalysis(Analysis):
             "train": runtime_note(self.paths.get(info.epoch) or test_path, rt),
             "test": runtime_note(test_path, rt),
         }
+        rules = stop_rule_notes(ctx.model)
         for variant, stats in (("train", info.train), ("test", info.test)):
             for k in FORWARD + BACKWARD:
                 if k in stats:
-                    note = notes[variant] if k == "forward_nstep" else ""
+                    note = notes[variant] if k == "forward_nstep" else rules.get(k, "")
                     yield Row(k, stats[k], variant=variant, step=info.epoch,
                               unit=UNITS.get(k, ""), note=note)  # fmt: skip
         if self.steps:
@@ -258,7 +283,9 @@ class SolverStatsAnalysis(Analysis):
         for k in ("forward_rel_residual", "forward_abs_residual", "backward_rel_residual"):
             if k in df:
                 yield Row(k, float(df[k].max()), variant="final_test")
+        rules = stop_rule_notes(ctx.model)
         for k in ("forward_converged", "backward_converged"):
             if k in df:
-                yield Row(k, float((df[k] * w).sum()), variant="final_test")
+                yield Row(k, float((df[k] * w).sum()), variant="final_test",
+                          note=rules.get(k, ""))  # fmt: skip
         self._trace(ctx, "final")

@@ -6,6 +6,7 @@ Results go to stdout, diagnostics to stderr. Importing this module imports nothi
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -31,14 +32,20 @@ def esc(text: Any) -> str:
     return escape(str(text))
 
 
+#: the stop rule a tally row's note names (:func:`deqbench.run.solves.rule_note`, and the
+#: notes of missed solves: ``... tol 1e-4 (stop rule batch_fro) ...``)
+RULE = re.compile(r"stop rule (\w+)")
+
+
 def print_summary(df: Any) -> None:
     """One table row per cell: tasks ok (and flagged/failed), last-epoch test accuracy and test
     MSE (separate columns, each shown when some cell has it), forward/backward f-evaluations per
     training batch (last epoch; each shown when some cell has it), the share of training
     batches whose forward / adjoint solve converged (worst seed; "-" where the forward is not a
     solve or no adjoint ran; when the test-set evaluation solves after epoch 1 missed
-    tolerance, their converged share in brackets), median wall time in seconds; then one line
-    of totals."""
+    tolerance, their converged share in brackets; the stop rule that judged them after the
+    share, e.g. ``100% (batch_fro)``, where it is not the default ``sample_max``), median wall
+    time in seconds; then one line of totals."""
     from rich.table import Table
 
     from .results import CONVERGENCE, FLAGGED, RUNNER
@@ -75,6 +82,8 @@ def print_summary(df: Any) -> None:
             return "-"
         share = 1 - d.value.max()  # worst seed; rounded down, so 100% means every batch
         text = "100%" if share >= 1 else f"{int(share * 1000) / 10:.1f}%"
+        rules = sorted({m for n in d.note.fillna("") for m in RULE.findall(str(n))})
+        text += f" ({'+'.join(rules)})" if rules else ""
         return f"[yellow]{text}[/yellow]" if (d.status == FLAGGED).any() else text
 
     counts: dict[str, int] = {}

@@ -254,6 +254,22 @@ def _log(run_dir: Path, text: str) -> None:
         pass
 
 
+def stop_rules(cells: Any) -> dict[str, dict[str, Any]]:
+    """What judged each cell's forward solves: ``{cell id: {"tol", "stop_mode", "stop"}}`` (the
+    solver settings; ``stop`` is the stop rule, the solver option, default ``sample_max``), for
+    the cells that have a solver (``run.json``'s ``stop_rules``)."""
+    out = {}
+    for c in cells:
+        sv = c.solver or {}
+        if "name" in sv:
+            out[c.id] = {
+                "tol": sv.get("tol"),
+                "stop_mode": sv.get("stop_mode", "rel"),
+                "stop": sv.get("stop", "sample_max"),
+            }
+    return out
+
+
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -336,6 +352,7 @@ def _prepare(
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "running",
         "tasks_total": len(suite.cells) * len(suite.seeds),
+        "stop_rules": stop_rules(suite.cells),
         **collect(suite.device, command),
     }
     # run.json and suite.yaml appear with the directory (renamed into place): a run killed at

@@ -13,8 +13,8 @@ checked against its tolerance and, where recomputed, verified) to a :class:`Solv
   test pass with gradients, spectral norms at z*).
 
 A tally of a flagging phase whose solves missed tolerance in more than :data:`MISSED_SHARE`
-of them flags the cell, with a note that says what missed, by how much, in which stop mode, and
-a fix that can work (raise ``max_iter`` only where the solver reached it).
+of them flags the cell, with a note that says what missed, by how much, in which stop mode (and
+under which stop rule where it is not the default ``sample_max``), and a fix that can work (raise ``max_iter`` only where the solver reached it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.verdict import SolveRecord, paused_ledger, solve_ledger
+from ..core.verdict import SolveRecord, paused_ledger, rule_text, solve_ledger
 
 #: share of a phase's solves allowed to miss the tolerance before a cell is flagged
 MISSED_SHARE = 0.01
@@ -47,7 +47,8 @@ PHASE_WORDS = {
 class SolveTally:
     """Solves of one kind (``forward`` | ``adjoint``) in one phase, and those that missed.
 
-    ``worst`` is the largest stop-mode residual among the solves that missed (NaN stays
+    ``worst`` is the largest stop-mode residual (under the stop rule ``stop``) among the solves
+    that missed (NaN stays
     worst); ``at_cap`` counts missed solves that used their whole ``max_iter``, ``own_stop`` the
     solver statuses of those that stopped earlier by the solver's own rule; ``claims`` the
     solves whose ``converged`` the runner did not accept."""
@@ -59,6 +60,7 @@ class SolveTally:
     worst: float = 0.0
     tol: float = float("nan")
     stop_mode: str = "rel"
+    stop: str = "sample_max"  # the stop rule the solves were judged under
     solver: str = ""  # the solver that ran (for the fix hint)
     amp: str = "none"  # the runtime's autocast (bf16: the fix is a looser tolerance)
     max_iter: int | None = None
@@ -72,6 +74,7 @@ class SolveTally:
     def add_record(self, rec: SolveRecord) -> None:
         self.batches += 1
         self.tol, self.stop_mode, self.solver = rec.tol, rec.stop_mode, rec.solver
+        self.stop = rec.stop
         if rec.max_iter is not None:
             self.max_iter = rec.max_iter
         self.verified += rec.verified
@@ -144,14 +147,21 @@ class SolveTally:
         """One line: what missed, by how much (in the stop mode tested), and the fix."""
         what = PHASE_WORDS.get(self.phase, self.phase)
         share = f"{self.missed} of {self.batches} {what} ({100 * self.share:.1f}%"
-        worst = f"worst {self.stop_mode} residual {self.worst:.3g}"
-        head = f"{self.kind} solve missed {self.stop_mode} tol {self.tol:g} in {share}"
+        rule = rule_text(self.stop)
+        worst = f"worst {self.stop_mode} residual{rule} {self.worst:.3g}"
+        head = f"{self.kind} solve missed {self.stop_mode} tol {self.tol:g}{rule} in {share}"
         claim = f"; {self.claims[0]}" if self.claims else ""
         if not self.flagged:
             limit = (f" <= {100 * MISSED_SHARE:g}%, not flagged" if self.phase in FLAGGING
                      else ", reported only")  # fmt: skip
             return f"{head}{limit}; {worst}{claim})"
         return f"{head} > {100 * MISSED_SHARE:g}%; {worst}{claim}): {self._fix()}"
+
+
+def rule_note(stop: str) -> str:
+    """The note of a tally row that met its tolerance under a stop rule other than the default
+    (``stop rule batch_fro``; '' for ``sample_max``): the summary shows which rule judged."""
+    return "" if stop in ("", "sample_max") else f"stop rule {stop}"
 
 
 @dataclass

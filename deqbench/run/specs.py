@@ -217,6 +217,29 @@ def _check_solver_values(ck: _Checker, section: str, fn: Any, params: dict[str, 
             ck.add(section, key or None, msg)
 
 
+def _check_stop(
+    ck: _Checker, section: str, fn: Any, name: str, params: dict[str, Any], opts: set[str]
+) -> dict[str, Any]:
+    """The stop rule (solver option ``stop``) of a solver that does not declare it: a solver
+    declared with :func:`deqbench.solvers.base.solver` takes ``sample_max`` (its own rule) and
+    refuses another; a plugin solver that lists its options refuses any (it stops by its own
+    rule). Returns ``params`` without ``stop`` for the unknown-key check."""
+    if "stop" not in params or "stop" in opts:
+        return params
+    from ..solvers.base import STOP_RULES, solver_options_model, stop_problem
+
+    if solver_options_model(fn) is not None:
+        msg = stop_problem(name, opts, params["stop"])
+    else:
+        msg = (
+            f"solver '{name}' does not take a stop rule (it stops by its own rule); the rules "
+            f"{', '.join(STOP_RULES)} are honoured by the solvers built on deqbench's Tracker"
+        )
+    if msg is not None:
+        ck.add(section, "stop", msg)
+    return {k: v for k, v in params.items() if k != "stop"}
+
+
 class _Checker:
     """Collects error lines for one cell; paths resolve through the draft's provenance."""
 
@@ -402,7 +425,8 @@ def check_cell(
         name = values["solver"]["name"]
         fn = ck.lookup("solver", "name", solvers, name)
         if fn is not None and (opts := solver_options(fn)) is not None:
-            ck.kwargs("solver", fn, extras["solver"], f"solver '{name}'", allowed=opts)
+            params = _check_stop(ck, "solver", fn, name, extras["solver"], opts)
+            ck.kwargs("solver", fn, params, f"solver '{name}'", allowed=opts)
         _check_solver_values(ck, "solver", fn, extras["solver"])
         _check_values(ck, "solver", fn, extras["solver"])
     if "backward" in values:
@@ -436,7 +460,8 @@ def check_cell(
         else:  # the adjoint solver's options (ift; modes without options of their own)
             if fn is not None and (opts := solver_options(fn)) is not None:
                 what = f"adjoint solver '{bw['solver']}'"
-                ck.kwargs("backward", fn, extras["backward"], what, allowed=opts)
+                params = _check_stop(ck, "backward", fn, bw["solver"], extras["backward"], opts)
+                ck.kwargs("backward", fn, params, what, allowed=opts)
             _check_solver_values(ck, "backward", fn, extras["backward"])
         if mode is not None and "solver" in values:
             why = forward_problem(mode, values["solver"]["name"])

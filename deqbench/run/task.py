@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..analyses.base import CellContext, Row
 from .interrupts import is_interruption, marked_signals, plugin_fault
 from .results import CONVERGENCE, FLAGGED, RUNNER
-from .solves import Tallies
+from .solves import Tallies, rule_note
 
 if TYPE_CHECKING:  # pragma: no cover
     from .suite import Cell, Suite
@@ -443,7 +443,8 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
                 add(CONVERGENCE, Row(f"{tally.kind}_unconverged_batches", tally.share,
                                      variant=tally.phase, unit="fraction",
                                      status=FLAGGED if tally.flagged else "ok",
-                                     note=tally.note() if tally.missed else ""))  # fmt: skip
+                                     note=tally.note() if tally.missed
+                                     else rule_note(tally.stop)))  # fmt: skip
     except torch.cuda.OutOfMemoryError as exc:
         status, note, tb = "oom", _one_line(exc), traceback.format_exc()
         torch.cuda.empty_cache()

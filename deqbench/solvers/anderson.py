@@ -236,7 +236,7 @@ def _static_steps(
     bsz, dev, dt = z0.shape[0], z0.device, z0.dtype
     sdt = _system_dtype(dt)
     key = ("anderson", f, tuple(z0.shape), dt, dev, max_iter, m, beta, lam, lam_abs, returns,
-           stop_mode, steps)  # fmt: skip
+           stop_mode, tracker.rule, steps)  # fmt: skip
     graph, st = graph_state(gmode, key)
     st["bufs"] = tracker.enable_device_mode(z0, st.get("bufs"))
     if "xs" not in st:

@@ -6,7 +6,8 @@ Conventions (REFERENCE.md section 1):
 * canonical residual per sample: ``abs_i = ||f(z)_i - z_i||``, ``rel_i = abs_i / (||f(z)_i|| + 1e-9)``;
 * ``max_iter`` bounds the number of f-evaluations and ``nstep`` counts every f-evaluation made;
 * stop when the batch max of the chosen residual (``stop_mode`` rel or abs) of the returned
-  iterates is below ``tol``;
+  iterates is below ``tol`` (the default stop rule; the option ``stop`` of a solver built on
+  :class:`Tracker` picks another reduction over the batch: :data:`STOP_RULES`, :func:`rule_value`);
 * the returned iterate is the lowest-residual iterate *x* whose residual was measured
   (``returns="lowest"``, the default, chosen per sample) or the last measured iterate
   (``returns="last"``); its residual is exactly the reported one (no extra evaluation is made,
@@ -95,6 +96,18 @@ from . import fused
 
 EPS = 1e-9
 STATUSES = ("converged", "max_iter", "diverged", "stagnated")
+#: the stop rules (option ``stop``): the reduction over the batch that decides convergence,
+#: independent of ``stop_mode`` (which per-sample residual, rel or abs):
+#:
+#: * ``sample_max`` (default): the largest per-sample residual of the returned iterates < tol;
+#: * ``batch_fro``: one ratio over the whole batch, ``||f(z) - z||_F / ||f(z)||_F`` (Frobenius
+#:   norms over every sample's elements; for plain iteration z_{k+1} = f(z_k) this is the
+#:   successive-difference form ``||z_{k+1} - z_k||_F / ||z_{k+1}||_F``) under ``stop_mode``
+#:   rel, ``||f(z) - z||_F`` (the Frobenius norm of the whole batch's residual, i.e. the 2-norm
+#:   of the per-sample abs residuals) under abs;
+#: * ``batch_mean``: the mean over samples of the per-sample residual < tol.
+STOP_RULES = ("sample_max", "batch_fro", "batch_mean")
+DEFAULT_STOP = "sample_max"
 
 
 class SolverOptionError(ConfigError, ValueError):
@@ -121,11 +134,13 @@ class SolverStats:
         abs_trace: (T, B) per-sample abs residual of every measured iterate, one row per f-eval
             that measured a residual (no sentinel, no padding).
         rel_trace: (T, B) same, relative.
-        converged: whether the batch max residual (in ``stop_mode``) is below ``tol``.
+        converged: whether the returned iterates meet the stop rule ``stop`` (default: the
+            batch max residual in ``stop_mode`` below ``tol``; :attr:`stop_residual`).
         status: one of converged | max_iter | diverged | stagnated.
         lowest_step: index into the traces of the returned iterate (the latest over the batch;
             ``extra["lowest_steps"]`` has it per sample).
-        solver, tol, stop_mode: what was asked for.
+        solver, tol, stop_mode, stop: what was asked for (``stop``: the stop rule,
+            :data:`STOP_RULES`).
         extra: solver-specific diagnostics (``returned`` is "x": the iterate, not f(x)).
         njvp: Jacobian-vector products made (forward-mode AD), counted apart from ``nstep``
             (0 for solvers that make none; ``newton_krylov``).
@@ -133,6 +148,8 @@ class SolverStats:
             cell compiled with torch.compile, run eagerly by the solver). Set by the DEQ layer
             (:attr:`deqbench.deq.Runtime.cuda_graph`); a direct call with ``cuda_graph`` set
             reports "graph".
+        fz_norm: (B,) per-sample ``||f(x)||`` of the returned iterate where the tracker kept it
+            (``stop="batch_fro"`` with ``stop_mode="rel"``), else None.
 
     Example:
         >>> import torch, deqbench
@@ -156,6 +173,8 @@ class SolverStats:
     extra: dict[str, Any] = field(default_factory=dict)
     njvp: int = 0
     path: str = "eager"
+    stop: str = DEFAULT_STOP
+    fz_norm: Tensor | None = None
 
     @property
     def abs_max(self) -> float:
@@ -177,6 +196,14 @@ class SolverStats:
     def residual(self) -> Tensor:
         """Per-sample residual in the stop mode."""
         return self.rel_residual if self.stop_mode == "rel" else self.abs_residual
+
+    @property
+    def stop_residual(self) -> float:
+        """The returned iterates' residual under the stop rule (the value tested against
+        ``tol``: the batch max, the batch Frobenius ratio or the batch mean; one host read)."""
+        v = rule_value(self.abs_residual, self.rel_residual, self.stop, self.stop_mode,
+                       self.fz_norm)  # fmt: skip
+        return float(v) if self.abs_residual.numel() else float("nan")
 
     @property
     def converged_frac(self) -> float:
@@ -213,6 +240,37 @@ def residuals(fz: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
 def check_stop_mode(stop_mode: str) -> None:
     if stop_mode not in ("rel", "abs"):
         raise SolverOptionError(f"stop_mode must be 'rel' or 'abs', got {stop_mode!r}")
+
+
+def check_stop(stop: Any) -> str:
+    """``stop`` if it is a stop rule (:data:`STOP_RULES`), else a SolverOptionError."""
+    if stop not in STOP_RULES:
+        raise SolverOptionError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
+    return str(stop)
+
+
+def rule_value(
+    abs_r: Tensor, rel_r: Tensor, stop: str, stop_mode: str, fz_norm: Tensor | None = None
+) -> Tensor:
+    """The residual under stop rule ``stop`` from per-sample residuals (reduced over the last
+    dim: (B,) -> scalar, (T, B) -> (T,)). ``sample_max``: the max of the ``stop_mode``
+    residual; ``batch_mean``: its mean; ``batch_fro``: ``||abs||_2`` (abs) or
+    ``||abs||_2 / (||fz_norm||_2 + EPS)`` (rel) with ``fz_norm`` the per-sample ``||f(x)||``;
+    without ``fz_norm`` it is recovered as ``abs / rel - EPS`` (0 where the residual is 0, whose
+    norm then counts as 0: the ratio can only come out larger)."""
+    res = rel_r if stop_mode == "rel" else abs_r
+    if stop == "sample_max":
+        return res.amax(-1)
+    if stop == "batch_mean":
+        return res.mean(-1)
+    if stop != "batch_fro":
+        check_stop(stop)
+    num = torch.linalg.vector_norm(abs_r, dim=-1)
+    if stop_mode != "rel":
+        return num
+    if fz_norm is None:
+        fz_norm = torch.where(rel_r > 0, abs_r / rel_r - EPS, torch.zeros_like(abs_r)).clamp_min(0)
+    return num / (torch.linalg.vector_norm(fz_norm, dim=-1) + EPS)
 
 
 def check_options(solver: str, options: dict[str, Any], allowed: set[str]) -> None:
@@ -254,11 +312,15 @@ def make_stats(
     stagnated: bool = False,
     extra: dict[str, Any] | None = None,
     converged: bool | None = None,
+    stop: str = DEFAULT_STOP,
+    fz_norm: Tensor | None = None,
 ) -> SolverStats:
     """Assemble SolverStats (one host sync here unless ``converged`` is given).
 
     ``abs_tr``/``rel_tr`` are lists of (B,) tensors or (T, B) tensors. ``converged``: whether
-    every returned residual is finite and below ``tol``, if the caller knows it already.
+    every returned residual is finite and the stop rule ``stop`` (:func:`rule_value`) holds,
+    if the caller knows it already; ``fz_norm``: the per-sample ``||f(x)||`` of the returned
+    iterates (``batch_fro`` under rel).
     """
     if isinstance(abs_tr, Tensor):  # rel_tr is of the same kind as abs_tr
         abs_trace, rel_trace = abs_tr, cast(Tensor, rel_tr)
@@ -270,7 +332,11 @@ def make_stats(
     if converged is None:
         r = best_rel if stop_mode == "rel" else best_abs
         finite = bool(torch.isfinite(r).all())
-        converged = finite and bool((r < tol).all())
+        if stop == DEFAULT_STOP:
+            converged = finite and bool((r < tol).all())
+        else:
+            v = rule_value(best_abs, best_rel, stop, stop_mode, fz_norm)
+            converged = finite and r.numel() > 0 and bool(v < tol)
     if converged:
         status = "converged"
     elif diverged or not finite:
@@ -292,6 +358,8 @@ def make_stats(
         tol=float(tol),
         stop_mode=stop_mode,
         extra=extra or {},
+        stop=stop,
+        fz_norm=fz_norm,
     )
 
 
@@ -362,6 +430,16 @@ class Tracker:
     predicts convergence there (within ``NEAR`` times tol), so stopping is exact in practice
     without stalling the GPU every step. ``check_every=k`` instead reads exactly every k steps
     and never in between (up to k-1 extra f-evaluations at the end).
+
+    Stop rules (``common.stop``, :data:`STOP_RULES`): under ``sample_max`` (the default) the
+    summary's third entry is the batch max of the running lowest residual, as described above.
+    Under ``batch_fro`` or ``batch_mean`` it is instead the batch value of the rule over the
+    returned iterates (the per-sample lowest, or the last), reduced on the device into the same
+    preallocated summary (``batch_fro`` under rel also keeps, per sample, ``||f(x)||`` and the
+    abs residual of the returned iterate in a (2, B) buffer); the host tests that entry
+    against tol, so stopping, the trend prediction and ``converged`` follow the rule with no
+    extra host read. The fused record kernels compute the ``sample_max`` summary only: under
+    another rule the torch code serves the step (the same iterates, a few more small kernels).
     """
 
     #: exact read when the predicted residual is within this factor of tol. On the recorded
@@ -394,6 +472,11 @@ class Tracker:
         self.lowest = common.returns == "lowest"
         self.check_every = common.check_every
         self.protect = common.protect_thres
+        self.rule = getattr(common, "stop", DEFAULT_STOP)
+        self.batch_rule = self.rule != DEFAULT_STOP
+        #: batch_fro under rel: (abs, ||f(x)||) per sample of the returned iterate
+        self.keep_norm = self.rule == "batch_fro" and stop_mode == "rel"
+        self.fro: Tensor | None = None
         self.stagnation = stagnation
         dev = z0.device
         self.cuda = dev.type == "cuda"
@@ -409,6 +492,8 @@ class Tracker:
             self.hstats = (
                 torch.empty(n, 4, dtype=rdtype, pin_memory=True) if self.cuda else self.dstats
             )
+            if self.keep_norm:
+                self.fro = torch.empty(2, self.B, dtype=rdtype, device=dev)
         self.n, self.rdtype = n, rdtype
         self.bshape = (self.B,) + (1,) * (len(self.shape) - 1)
         self.k = 0  # steps recorded
@@ -448,7 +533,7 @@ class Tracker:
         if k == 0:
             check_output(self.solver, z, fz)
         ring = () if slots is None else slots[:2]
-        if z.shape == fz.shape and fused.usable(z, fz, self.trace, *ring):
+        if not self.batch_rule and z.shape == fz.shape and fused.usable(z, fz, self.trace, *ring):
             fused.record_eager(self, z, fz, k, slots=slots, eps=EPS)
             if self.lowest and k > 0:
                 self.pending.append((k, z))
@@ -463,9 +548,14 @@ class Tracker:
             d = torch.sub(F[:, :, slot], z.reshape(self.B, -1, cd), out=G[:, :, slot])
         tr = self.trace[k]
         batch_norm(fz - z if d is None else d, out=tr[0])
-        nf = batch_norm(fz).add_(EPS)
-        torch.div(tr[0], nf, out=tr[1])
+        if self.keep_norm:
+            nrm = batch_norm(fz)
+            torch.div(tr[0], nrm + EPS, out=tr[1])
+        else:
+            nrm = None
+            torch.div(tr[0], batch_norm(fz).add_(EPS), out=tr[1])
         st = self.dstats[k]
+        better = None  # every sample's returned iterate is this one
         if not self.lowest:
             self.best_z = z
             torch.amax(tr[:2], dim=1, out=st[:2])
@@ -475,11 +565,39 @@ class Tracker:
             torch.amax(tr[:3], dim=1, out=st[:3])
         else:
             res = tr[self.sel]
+            if self.keep_norm:
+                better = res <= self.trace[k - 1, 2]  # as fmin's choice below (NaN never)
             torch.fmin(res, self.trace[k - 1, 2], out=tr[2])  # NaN never becomes the lowest
             torch.sub(res, tr[2], out=tr[3])
             torch.amax(tr, dim=1, out=st)
             self.pending.append((k, z))
+        if self.batch_rule:
+            self._rule_summary(tr, st, nrm, better)
         self._host_copy(k, st)
+
+    def _rule_summary(
+        self, row: Tensor, st: Tensor, nrm: Tensor | None, better: Tensor | None
+    ) -> None:
+        """Under a batch stop rule, ``st[2]`` = the rule's batch value over the returned
+        iterates (row 2, the running lowest, or the stop-mode row for ``returns="last"``; the
+        kept (abs, ||f(x)||) of the returned iterates for ``batch_fro`` under rel), on the
+        device. ``better``: where this step's iterate is the returned one (None: everywhere)."""
+        ret = row[2] if self.lowest else row[self.sel]
+        if self.rule == "batch_mean":
+            torch.mean(ret, 0, out=st[2])
+        elif not self.keep_norm:  # batch_fro under abs: ||abs||_2 of the returned iterates
+            torch.linalg.vector_norm(ret, out=st[2])
+        else:
+            fro, a = cast(Tensor, self.fro), row[0]
+            assert nrm is not None
+            if better is None:
+                fro[0].copy_(a)
+                fro[1].copy_(nrm)
+            else:
+                torch.where(better, a, fro[0], out=fro[0])
+                torch.where(better, nrm, fro[1], out=fro[1])
+            nn = torch.linalg.vector_norm(fro, dim=1)
+            torch.div(nn[0], nn[1] + EPS, out=st[2])
 
     def _host_copy(self, k: int, st: Tensor) -> None:
         """Step k's summary to pinned host memory (asynchronously on CUDA) and its event."""
@@ -490,6 +608,16 @@ class Tracker:
             self.events[k] = ev
         self.k = k + 1
         self.bounds.append(self.k)
+
+    def check_fused(self, rules: tuple[str, ...]) -> None:
+        """Refuse (SolverOptionError, one line) a fused record path that honours only
+        ``rules`` when this tracker's stop rule is another (:func:`fused.check_stop_rule`)."""
+        if self.rule not in rules:
+            raise option_error(
+                self.solver,
+                f"stop rule {self.rule!r} is not supported by the fused record kernels "
+                f"(solvers.fused: {', '.join(rules)} only)",
+            )
 
     @property
     def inf_row(self) -> Tensor:
@@ -534,6 +662,8 @@ class Tracker:
                 ),
                 "flag": torch.empty(self.B, dtype=torch.int32, device=dev),
             }
+        if self.keep_norm and "fro" not in bufs:
+            bufs["fro"] = torch.empty(2, self.B, dtype=rdtype, device=dev)
         bufs["low"].fill_(math.inf)
         bufs["k"].zero_()
         bufs["best"].copy_(z0)
@@ -542,6 +672,7 @@ class Tracker:
         self.dev_row, self.dev_st, self.dev_low = bufs["row"], bufs["st"], bufs["low"]
         self.dev_k, self.dev_nf, self.best_z = bufs["k"], bufs["nf"], bufs["best"]
         self.dev_part, self.dev_flag = bufs["part"], bufs["flag"]
+        self.fro = bufs.get("fro")
         self.dev_j = 0  # row of dev_st the next device_record writes (the step in its chunk)
         return bufs
 
@@ -576,7 +707,11 @@ class Tracker:
         assert best is not None
         batch_norm(fz - z if d is None else d, out=row[0])
         batch_norm(fz, out=self.dev_nf)
-        torch.div(row[0], self.dev_nf.add_(EPS), out=row[1])
+        if self.keep_norm:  # dev_nf stays ||f(x)||
+            torch.div(row[0], self.dev_nf + EPS, out=row[1])
+        else:
+            torch.div(row[0], self.dev_nf.add_(EPS), out=row[1])
+        better = None
         if self.lowest:
             res = row[self.sel]
             better = res <= self.dev_low
@@ -588,6 +723,8 @@ class Tracker:
         else:
             best.copy_(z)
             torch.amax(row[:2], dim=1, out=st[:2])
+        if self.batch_rule:  # at the first step better is all True (the lowest starts at inf)
+            self._rule_summary(row, st, self.dev_nf, better)
         self.trace.index_copy_(0, self.dev_k, row.unsqueeze(0))
         self.dev_k.add_(1)
         if copy_to is not None:
@@ -664,8 +801,8 @@ class Tracker:
             cur = row[self.sel]
             if self.lowest and j > 0:
                 best, allbetter = row[2], row[3] <= 0
-            else:
-                best, allbetter = (row[2] if self.lowest else cur), True
+            else:  # under a batch stop rule row 2 holds its value in either mode
+                best, allbetter = (row[2] if self.lowest or self.batch_rule else cur), True
             self.cur_hist.append(cur)
             self.best_hist.append(best)
             self.last_allbetter = allbetter
@@ -743,7 +880,7 @@ class Tracker:
             )
             best = trace[k - 1, :2]
             lowest_step = k - 1
-        top = self.best_hist[-1]  # batch max of the returned residuals (stop mode)
+        top = self.best_hist[-1]  # the returned residuals under the stop rule (stop mode)
         info = {"returned": "x", "lowest_steps": lowest_steps, "host_reads_exact": self.exact_reads}
         if self.conv_at is not None and self.conv_at < k:
             info["nstep_to_tol"] = self.conv_at  # steps past it came from checking per chunk
@@ -762,6 +899,8 @@ class Tracker:
             stagnated=self.status == "stagnated",
             extra=info,
             converged=math.isfinite(top) and top < self.tol,
+            stop=self.rule,
+            fz_norm=None if self.fro is None else self.fro[1].clone(),
         )
         if self.device_mode and self.cuda:
             stats.path = "graph"
@@ -1035,6 +1174,13 @@ class CommonOptions(SolverOptions):
         description="stop as diverged when the batch max abs residual exceeds this factor times "
         "the first one (non-finite residuals always stop as diverged).",
     )
+    stop: Literal["sample_max", "batch_fro", "batch_mean"] = Field(
+        "sample_max",
+        description="stop rule, the reduction over the batch that decides convergence (with "
+        "stop_mode rel or abs per sample): 'sample_max': the largest per-sample residual < tol; "
+        "'batch_fro': one batch-wide ratio ||f(z) - z||_F / ||f(z)||_F (rel; abs: "
+        "||f(z) - z||_F) < tol; 'batch_mean': the mean per-sample residual < tol.",
+    )
 
 
 class GraphOptions(CommonOptions):
@@ -1161,9 +1307,31 @@ def _freeze(v: Any) -> Any:
     return (type(v), v)
 
 
+def stop_problem(solver: str, fields: Any, value: Any) -> str | None:
+    """Why a solver whose options are ``fields`` cannot take ``stop=value``, else None: an
+    unknown rule, or a rule other than ``sample_max`` for a solver that does not declare the
+    option ``stop`` (it stops on the batch max, the default rule, and says nothing else)."""
+    if value not in STOP_RULES:
+        return f"stop must be one of {', '.join(STOP_RULES)}, got {value!r}"
+    if "stop" in fields or value == DEFAULT_STOP:
+        return None
+    return (
+        f"stop rule {value!r} is not supported by solver '{solver}' (it stops on the batch max "
+        "of the per-sample residual: stop 'sample_max' only)"
+    )
+
+
 def parse_options(solver: str, options: type[_Opts], given: dict[str, Any]) -> _Opts:
     """The validated options object, or a SolverOptionError naming the solver and the option
-    (an unknown one with "did you mean")."""
+    (an unknown one with "did you mean"). A model without the option ``stop`` takes
+    ``stop="sample_max"`` (its rule, dropped here) and refuses another (:func:`stop_problem`)."""
+    if "stop" in given and "stop" not in options.model_fields:
+        msg = stop_problem(solver, options.model_fields, given["stop"])
+        if msg is not None:
+            raise SolverOptionError(
+                msg if msg.startswith("stop rule") else f"solver '{solver}': {msg}"
+            )
+        given = {k: v for k, v in given.items() if k != "stop"}
     check_options(solver, given, set(options.model_fields))
     problems = option_problems(options, given)
     if problems:
@@ -1216,7 +1384,7 @@ def solver(
         ...             return tracker.finish(nstep, {"omega": opts.omega})
         ...         z = (1 - opts.omega) * z + opts.omega * fz
         >>> z, st = half(lambda z: 0.5 * z + 1, torch.zeros(2, 3), tol=1e-6)
-        >>> st.status, half.OPTIONS == {"omega", "returns", "check_every", "protect_thres"}
+        >>> st.status, half.OPTIONS == {"omega", "returns", "check_every", "protect_thres", "stop"}
         ('converged', True)
         >>> half(lambda z: z, torch.zeros(2, 3), omega=2)
         Traceback (most recent call last):

@@ -399,7 +399,7 @@ def _static_steps(
     R = 2 + 2 * cap  # rows of A: [g, dx, u_0, v_0, ...]
     restart = on_full == "restart"
     key = ("broyden", f, tuple(shape), dt, dev, max_iter, cap, on_full, line_search, ls_trials,
-           c1, returns, stop_mode, steps)  # fmt: skip
+           c1, returns, stop_mode, tracker.rule, steps)  # fmt: skip
     graph, st = graph_state(gmode, key)
     st["bufs"] = tracker.enable_device_mode(z0, st.get("bufs"))
     if "xs" not in st:

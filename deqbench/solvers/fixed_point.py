@@ -64,7 +64,7 @@ def fixed_point(
     if gmode is not None:
         steps = graph_steps(opts, z0)
         key = ("fixed_point", f, tuple(z0.shape), z0.dtype, z0.device, max_iter, tau,
-               opts.returns, stop_mode, steps)  # fmt: skip
+               opts.returns, stop_mode, opts.stop, steps)  # fmt: skip
         graph, state = graph_state(gmode, key)
         state["bufs"] = tracker.enable_device_mode(z0, state.get("bufs"))
         if "zs" not in state:

@@ -24,7 +24,9 @@ kernels here do the same arithmetic in fewer launches:
 They replace the torch code of :meth:`~deqbench.solvers.base.Tracker.device_record` and
 Anderson's static step exactly up to rounding (sum order of the norms); the torch code stays
 the reference and runs wherever these do not (CPU, no Triton, ``DEQBENCH_FUSED=0``, a Broyden
-line search). Tests run
+line search, a stop rule other than ``sample_max``: the record kernels reduce the batch to its
+max only, and :func:`record` / :func:`record_eager` refuse a tracker under another rule,
+:func:`check_stop_rule`). Tests run
 them on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``) against the torch code, and
 on the GPU machine in ``gpu``-marked tests.
 """
@@ -72,14 +74,27 @@ def usable(*ts: Tensor) -> bool:
     return all(x.is_contiguous() and x.dtype == t.dtype and x.device == t.device for x in ts)
 
 
+#: the stop rules the record kernels honour (their batch summary is the batch max)
+STOP_RULES = ("sample_max",)
+
+
+def check_stop_rule(tracker: Any) -> None:
+    """A SolverOptionError (one line, naming the rule, the solver and this path) unless the
+    record kernels honour the tracker's stop rule (``solvers.base.STOP_RULES``; these compute
+    ``sample_max`` only: the tracker runs its torch code under another rule). The tracker
+    raises it (:meth:`~deqbench.solvers.base.Tracker.check_fused`)."""
+    tracker.check_fused(STOP_RULES)
+
+
 def tracker_usable(
     tracker: Any, z: Tensor, fz: Tensor, slots: tuple[Tensor, Tensor, int, int] | None = None
 ) -> bool:
     """Whether :func:`record` can serve this tracker's :meth:`device_record` for (z, f(z))
-    (and the ring buffers ``slots``)."""
+    (and the ring buffers ``slots``): not under a stop rule the kernels do not honour."""
     ring = () if slots is None else slots[:2]
     return (
         tracker.device_mode
+        and not getattr(tracker, "batch_rule", False)
         and z.shape == fz.shape
         and tracker.best_z is not None
         and usable(z, fz, tracker.best_z, tracker.trace, *ring)
@@ -558,8 +573,11 @@ def record(
 
     ``copy_to``: write f(x) there after x was read (the fixed-point update); ``slots``: (F, G,
     m, cd) ring buffers of shape (B, nc, m, cd) that get f(x) and f(x) - x at slot ``k % m``
-    (k: the tracker's step counter before this step).
+    (k: the tracker's step counter before this step). A tracker under a stop rule other than
+    ``sample_max`` is refused (:func:`check_stop_rule`).
     """
+    if tracker.batch_rule:
+        tracker.check_fused(STOP_RULES)
     B = tracker.B
     D = z.numel() // B
     F = G = z
@@ -611,7 +629,10 @@ def record_eager(
     a split state): the trace row ``tracker.trace[k]`` (abs, rel, running lowest read from row
     k - 1, residual minus lowest) and the batch summary ``tracker.dstats[k]``; the eager
     tracker keeps its lowest iterate by reference, so nothing is copied. ``slots``: as in
-    :func:`record`, at slot ``k % m``."""
+    :func:`record`, at slot ``k % m``. A tracker under a stop rule other than ``sample_max`` is
+    refused (:func:`check_stop_rule`)."""
+    if tracker.batch_rule:
+        tracker.check_fused(STOP_RULES)
     B = tracker.B
     D = z.numel() // B
     F = G = z
