@@ -204,7 +204,7 @@ def new_run_dir(
     written (fsynced) into a hidden staging directory ``.new-*`` that is then renamed into
     place, so a crash leaves no run directory or a whole one.
     """
-    base = Path(output) / suite
+    base = Path(output) / suite_folder(suite)
     base.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     staging = Path(tempfile.mkdtemp(prefix=".new-", dir=base)) if files is not None else None
@@ -234,6 +234,21 @@ def new_run_dir(
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     raise RuntimeError(f"cannot create a run directory under {base}")
+
+
+def suite_folder(suite: str) -> str:
+    """``suite`` when it names one folder inside the results folder; else a one-line
+    :class:`~deqbench.errors.ConfigError` (``..`` or a path would put the run directory
+    outside ``--out``, ``.`` would drop the suite's level)."""
+    from ..core.errors import ConfigError
+
+    seps = {os.sep, os.altsep or os.sep, "/"}
+    if not suite.strip(".") or any(c in suite for c in seps) or "\0" in suite:
+        raise ConfigError(
+            f"suite name {suite[:80]!r} is not a folder name of its own: the run directory "
+            "would not be OUTPUT/NAME/RUN_ID (use letters, digits, _ . -)"
+        )
+    return suite
 
 
 def _fsync_dir(path: Path) -> None:

@@ -99,6 +99,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+def plain_name(name: str) -> str:
+    """``name`` when it can name a folder of its own under the results folder: letters, digits,
+    ``_ . -`` and not only dots (``.`` would drop the suite's folder, ``..`` climb out of the
+    results folder); else ValueError (pydantic's validators turn it into a located line)."""
+    if not name.strip("."):
+        raise ValueError(
+            f"{name!r} is not a folder name of its own (the run directory goes to "
+            "OUTPUT/NAME/RUN_ID): use letters, digits, _ . - and not only dots"
+        )
+    return name
+
+
 class Defaults(_Strict):
     model: Any = None
     init: Any = None
@@ -127,6 +139,11 @@ class SuiteFile(_Strict):
     matrix: dict[str, list[Any]] | None = None
     analyses: list[Any] = Field(default_factory=list)
     output: str = "results"
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        return plain_name(v)
 
     @field_validator("seeds", mode="before")
     @classmethod
@@ -317,8 +334,11 @@ def output_problem(output: str, suite: str) -> str | None:
 
 def make_output_root(output: str | Path, suite: str) -> None:
     """Create ``output/<suite>``, where the run directory goes, or raise a one-line
-    :class:`ConfigError` (nothing else written) when the file system refuses."""
-    base = Path(output) / suite
+    :class:`ConfigError` (nothing else written) when the file system refuses or ``suite`` is
+    not one folder name (:func:`deqbench.run.results.suite_folder`)."""
+    from .results import suite_folder
+
+    base = Path(output) / suite_folder(suite)
     try:
         base.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -364,6 +384,11 @@ class CollectionFile(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
     suites: list[str] = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        return plain_name(v)
 
 
 def load_suites(
