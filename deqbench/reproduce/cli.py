@@ -94,6 +94,12 @@ def reproduce_command(
     from ..cli import handle_errors
 
     with handle_errors():
+        if out is not None:  # an existing file, /proc, a read-only folder: one line, up front
+            from ..core.errors import ConfigError
+            from ..run.suite import output_problem
+
+            if (why := output_problem(str(out.parent), out.name)) is not None:
+                raise ConfigError(f"--out {out}: {why}")
         from .run import RunOptions, reproduce
 
         ids = [c.strip() for c in (claims or "").split(",") if c.strip()]
