@@ -41,8 +41,10 @@ def load_tensors(path: str | Path, label: str, map_location: Any = "cpu") -> Any
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"{label}: file not found: {p}")
-    if p.is_dir():
-        raise ConfigError(f"{label}: {p} is a directory, expected a file saved with torch.save")
+    from ..run.results import not_a_file
+
+    if (why := not_a_file(p)) is not None:  # before opening: a FIFO would block the read
+        raise ConfigError(f"{label}: {p} {why}: expected a file saved with torch.save")
     try:
         return torch.load(p, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a config problem

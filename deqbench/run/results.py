@@ -109,25 +109,38 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 def write_json(path: Path, obj: Any) -> None:
     """``obj`` as indented JSON, atomically (:func:`write_atomic`). On a full disk (no room for
-    the temp file) the file is rewritten in place, compact, when that fits in the bytes it
-    holds now (an indented ``run.json`` does): a run that stops on a full disk still records
-    why, rather than staying ``running``."""
+    the temp file) the file is rewritten in place, compact, where that fits in the room it has
+    now (its bytes or the blocks it holds; else without the informational ``timelines`` and
+    ``executor``): a run that stops on a full disk still records why, not ``running``."""
     try:
         write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not _rewrite_in_place(path, obj):
             raise
-        compact = (json.dumps(obj, default=str, separators=(",", ":")) + "\n").encode("utf-8")
-        try:
-            if not_a_file(path) is not None or len(compact) > os.stat(path).st_size:
-                raise exc
-            with open(path, "r+b") as fh:
-                fh.write(compact)
-                fh.truncate()
-                fh.flush()
-                os.fsync(fh.fileno())
-        except OSError:
-            raise exc from None
+
+
+def _rewrite_in_place(path: Path, obj: Any) -> bool:
+    """Overwrite ``path`` with compact JSON of ``obj`` (or of ``obj`` without ``timelines`` and
+    ``executor``) where it fits in the space the file holds; False where it does not or the
+    write fails."""
+    try:
+        if not_a_file(path) is not None or not Path(path).exists():
+            return False
+        st = os.stat(path)
+        room = max(st.st_size, getattr(st, "st_blocks", 0) * 512)
+        small = {k: v for k, v in obj.items() if k not in ("timelines", "executor")}
+        for candidate in (obj, small) if isinstance(obj, dict) else (obj,):
+            data = (json.dumps(candidate, default=str, separators=(",", ":")) + "\n").encode()
+            if len(data) <= room:
+                with open(path, "r+b") as fh:
+                    fh.write(data)
+                    fh.truncate()
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                return True
+    except OSError:
+        pass
+    return False
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -525,7 +538,7 @@ def check_finished(run_dir: str | Path) -> tuple[set[tuple[str, int]], list[str]
     for p in (path, man):
         if (why := not_a_file(p)) is not None:
             raise ConfigError(
-                f"{p}: {why}, where deqbench keeps its {p.name}; move it away, or start a new "
+                f"{p} {why}, where deqbench keeps its {p.name}: move it away, or start a new "
                 f"run: deqbench run {run_dir / 'suite.yaml'}"
             )
     if not path.exists():
@@ -541,8 +554,8 @@ def check_finished(run_dir: str | Path) -> tuple[set[tuple[str, int]], list[str]
                 f"(this run was written with one; results schema 2): restore {MANIFEST}, or "
                 f"start a new run: deqbench run {run_dir / 'suite.yaml'}"
             )
-        done, more = _check_legacy(run_dir, path, man)
-        return done, notes + more
+        legacy, more = _check_legacy(run_dir, path, man)
+        return legacy, notes + more
     header, lines, torn = _task_lines(path)
     entries = _read_manifest(man)
     got: dict[tuple[str, str], list[bytes]] = {}

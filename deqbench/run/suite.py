@@ -251,6 +251,9 @@ class Suite:
     tf32: bool | None = None  # TF32 for matmul and cuDNN; None keeps PyTorch's defaults
     cudnn_benchmark: bool | None = None  # None keeps PyTorch's default
     deterministic: bool | None = None  # deterministic algorithms (bitwise repeatable runs)
+    #: warnings about how the suite was loaded (``--set defaults.X`` that cells override), one
+    #: line each; the CLI prints them
+    notes: list[str] = field(default_factory=list)
 
     def numeric_flags(self) -> dict[str, bool]:
         """The torch numeric flags this suite sets (``tf32``, ``cudnn_benchmark``,
@@ -361,7 +364,9 @@ def load_suite(
 
     Args:
         path: the YAML file.
-        overrides: ``KEY=VALUE`` strings with dotted keys (``defaults.train.epochs=1``).
+        overrides: ``KEY=VALUE`` strings with dotted keys (``defaults.train.epochs=1``: the
+            default, which cells that set the key keep overriding, named in ``Suite.notes``;
+            ``all.train.epochs=1``: every cell, :mod:`deqbench.run.overrides`).
         device, seeds, output: replace the suite's fields (the CLI's ``--device`` etc.).
 
     Raises:
@@ -530,7 +535,13 @@ def _from_raw(
                 True,
             )
         )
-    apply_overrides(raw, overrides, loc, NAMED, OVERRIDE_ALIASES)
+    from .overrides import force_on_every_cell, is_forced, overridden_defaults
+
+    for item in overrides:  # in order: a later one wins
+        if is_forced(item):
+            force_on_every_cell(raw, item, loc)
+        else:
+            apply_overrides(raw, [item], loc, NAMED, OVERRIDE_ALIASES)
     if device is not None:
         _set_top(raw, loc, "device", device, f"--device {device}")
     if seeds is not None:
@@ -609,9 +620,10 @@ def _from_raw(
         resolved["caps"] = False
     if resolved["matrix"] is None:
         del resolved["matrix"]
+    notes = overridden_defaults(overrides, drafts, OVERRIDE_ALIASES)
     return Suite(top.name, cells, analyses, list(top.seeds), top.device, top.dtype, top.threads,
                  top.description, top.output, loc.source, resolved, top.tf32,
-                 top.cudnn_benchmark, top.deterministic)  # fmt: skip
+                 top.cudnn_benchmark, top.deterministic, notes)  # fmt: skip
 
 
 def _line_of(err: str) -> tuple[int, int]:
