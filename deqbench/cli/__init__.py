@@ -36,7 +36,7 @@ from ..run.console import KINDS, err_console, esc
 app = typer.Typer(
     name="deqbench",
     help="Benchmark and analyse deep equilibrium models: YAML suites in, tidy CSV and plots out.",
-    epilog="Example: deqbench run suites/smoke.yaml --set defaults.train.epochs=1",
+    epilog="Example: deqbench run suites/smoke.yaml --set all.train.epochs=1",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -77,7 +77,9 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
-        help="Override a suite field: KEY=VALUE with a dotted key, e.g. defaults.train.epochs=1 (repeatable).",
+        help="Override a suite field: KEY=VALUE with a dotted key, e.g. defaults.train.epochs=1 "
+        "(the default: cells that set it keep theirs) or all.train.epochs=1 (every cell) "
+        "(repeatable).",
     ),
 ]
 ProgressOpt = Annotated[
@@ -95,6 +97,12 @@ def fail(message: str, code: int = 2) -> None:
     for line in str(message).splitlines() or ["error"]:
         con.print(f"[red]error:[/red] {esc(line)}", markup=True)
     raise typer.Exit(code)
+
+
+def _warn_notes(suites: Sequence[Any]) -> None:
+    """The suites' load warnings (``Suite.notes``), one ``warning:`` line each on stderr."""
+    for line in dict.fromkeys(n for s in suites for n in s.notes):
+        err_console().print(f"[yellow]warning:[/yellow] {esc(line)}", markup=True)
 
 
 @contextmanager
@@ -298,7 +306,7 @@ def run_one_cell(
 
 
 @app.command(
-    epilog="Example: deqbench run suites/smoke.yaml --device cpu --seeds 0 --set defaults.train.epochs=1"
+    epilog="Example: deqbench run suites/smoke.yaml --device cpu --seeds 0 --set all.train.epochs=1"
 )
 def run(
     suite: Annotated[Path, typer.Argument(help="Suite YAML file.")],
@@ -372,6 +380,7 @@ def run(
             seeds=_seeds_for(suite, seeds, set_ or ()),
             output=str(out) if out else None,
         )
+        _warn_notes(suites)
         if resume is not None and len(suites) > 1:
             raise ConfigError(
                 f"--resume continues one suite's run directory; {suite} is a collection of "
@@ -425,6 +434,7 @@ def validate(
         suites = load_suites(
             suite, overrides=set_ or (), device=device, seeds=_seeds_for(suite, seeds, set_ or ())
         )
+        _warn_notes(suites)
         from ..run.plugin_checks import check_suites  # imports torch: after the schema checks
 
         check_suites(suites)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Generic, TypeVar
 
-from .errors import PluginError, UnknownNameError
+from .errors import PluginError, UnknownNameError, shown
 
 T = TypeVar("T")
 
@@ -195,10 +195,11 @@ class Registry(Generic[T]):
 
     def unknown(self, name: str) -> UnknownNameError:
         """The error for an unknown ``name``, with close matches."""
-        close = difflib.get_close_matches(name, self.names(), n=3, cutoff=0.5)
+        text = str(name)
+        close = difflib.get_close_matches(text[:200], self.names(), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         return UnknownNameError(
-            f"unknown {self.singular} '{name}'{hint} (see `deqbench ls {self.kind}`)"
+            f"unknown {self.singular} '{shown(text, 80)}'{hint} (see `deqbench ls {self.kind}`)"
         )
 
     def entry(self, name: str) -> Entry:

@@ -230,6 +230,13 @@ class Landscape(Analysis):
         @field_validator("grid")
         @classmethod
         def _odd(cls, v: int) -> int:
+            from .surface import MAX_GRID
+
+            if v > MAX_GRID:
+                raise ValueError(
+                    f"grid must be at most {MAX_GRID} points per axis ({MAX_GRID**2:,} points), "
+                    f"got {v}"
+                )
             if v % 2 == 0:
                 raise ValueError(
                     f"grid must be odd so that the trained parameters are a grid point, got {v}"

@@ -68,7 +68,9 @@ def landscape_command(
             help="Directions file (from a previous run's artifacts/) to reuse the same plane.",
         ),
     ] = None,
-    grid: Annotated[int, typer.Option("--grid", min=1, help="Points per axis (odd).")] = 51,
+    grid: Annotated[
+        int, typer.Option("--grid", min=1, help="Points per axis (odd, at most 501).")
+    ] = 51,
     range_: Annotated[
         str, typer.Option("--range", help="Coordinate range LO:HI of both axes.")
     ] = "-1:1",

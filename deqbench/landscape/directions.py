@@ -41,8 +41,12 @@ def load_tensors(path: str | Path, label: str, map_location: Any = "cpu") -> Any
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"{label}: file not found: {p}")
-    if p.is_dir():
-        raise ConfigError(f"{label}: {p} is a directory, expected a file saved with torch.save")
+    if not p.is_file():  # checked before opening: a FIFO would block the read
+        kind = "a directory" if p.is_dir() else "a FIFO (named pipe)" if p.is_fifo() else (
+            "not a regular file")  # fmt: skip
+        raise ConfigError(
+            f"{label}: {p} is {kind}, not a file: expected a file saved with torch.save"
+        )
     try:
         return torch.load(p, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a config problem

@@ -136,10 +136,19 @@ __all__ = [
 # -- grid evaluation --------------------------------------------------------------------------
 
 
+#: The most points per grid axis (``grid``; 501 x 501 = 251,001 points, each a forward over the
+#: evaluation examples: days of solves already). Beyond it the sweep's bookkeeping alone (the
+#: visit order, Python lists over every point) would take minutes and gigabytes before the
+#: first solve.
+MAX_GRID = 501
+
+
 def axis(n: int = 51, lo: float = -1.0, hi: float = 1.0) -> list[float]:
     """``linspace(lo, hi, n)`` with an exact 0 when the range is symmetric and ``n`` odd."""
     if n < 1:
         raise ConfigError(f"landscape.grid must be >= 1, got {n}")
+    if n > MAX_GRID:
+        raise ConfigError(f"landscape.grid must be at most {MAX_GRID} points per axis, got {n}")
     pts = np.linspace(lo, hi, n)
     if n % 2 == 1 and math.isclose(lo, -hi):
         pts[n // 2] = 0.0

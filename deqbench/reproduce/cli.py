@@ -98,6 +98,12 @@ def reproduce_command(
 
     code = 0
     with handle_errors():
+        if out is not None:  # an existing file, /proc, a read-only folder: one line, up front
+            from ..core.errors import ConfigError
+            from ..run.suite import output_problem
+
+            if (why := output_problem(str(out.parent), out.name)) is not None:
+                raise ConfigError(f"--out {out}: {why}")
         from .run import RunOptions, reproduce_run
 
         ids = [c.strip() for c in (claims or "").split(",") if c.strip()]

@@ -26,10 +26,15 @@ def out_console() -> Any:
 
 
 def esc(text: Any) -> str:
-    """Escape rich markup in user-provided text (``matrix.backward[1]``, lists in notes)."""
+    """Escape rich markup in user-provided text (``matrix.backward[1]``, lists in notes) and
+    write its control characters other than newlines as escapes (``\\x1b``: an ESC sequence
+    from a suite must not act on the terminal)."""
     from rich.markup import escape
 
-    return escape(str(text))
+    from ..core.errors import shown
+
+    text = str(text)
+    return escape("\n".join(shown(line, len(line)) for line in text.split("\n")))
 
 
 #: the stop rule a tally row's note names (:func:`deqbench.run.solves.rule_note`, and the

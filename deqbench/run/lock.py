@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: beyond any PID (20 digits)
         return False
     except PermissionError:  # exists, owned by someone else
         return True
@@ -205,9 +206,22 @@ class RunLock:
 
     def _inspect(self) -> str:
         """Look at an existing lock: raise RunLocked (held), or take over a stale one
-        (``created``), or ``retry`` (it vanished, is being created or taken over)."""
+        (``created``), or ``retry`` (it vanished, is being created or taken over). A directory,
+        FIFO or other non-file under the lock's name is refused (RunLocked, one line) before it
+        is opened: a FIFO would block the read."""
         try:
-            fd = os.open(self.path, os.O_RDWR)
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
+            return "retry"
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else (
+                "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file")  # fmt: skip
+            raise RunLocked(
+                f"{self.path} is {kind}, not deqbench's lock file, so this run directory cannot "
+                "be locked: if no deqbench run is writing it, remove it and run again"
+            )
+        try:
+            fd = os.open(self.path, os.O_RDWR | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             return "retry"
         try:

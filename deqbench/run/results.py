@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -92,15 +93,54 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     """Write ``path`` through a temp file + fsync + ``os.replace`` (never half-written)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:  # e.g. disk full: no half-written temp file left behind
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+    """``obj`` as indented JSON, atomically (:func:`write_atomic`). On a full disk (no room for
+    the temp file) the file is rewritten in place, compact, where that fits in the room it has
+    now (its bytes or the blocks it holds; else without the informational ``timelines`` and
+    ``executor``): a run that stops on a full disk still records why, not ``running``."""
+    try:
+        write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not _rewrite_in_place(path, obj):
+            raise
+
+
+def _rewrite_in_place(path: Path, obj: Any) -> bool:
+    """Overwrite ``path`` with compact JSON of ``obj`` (or of ``obj`` without ``timelines`` and
+    ``executor``) where it fits in the space the file holds; False where it does not or the
+    write fails."""
+    try:
+        if not_a_file(path) is not None or not Path(path).exists():
+            return False
+        st = os.stat(path)
+        room = max(st.st_size, getattr(st, "st_blocks", 0) * 512)
+        small = {k: v for k, v in obj.items() if k not in ("timelines", "executor")}
+        for candidate in (obj, small) if isinstance(obj, dict) else (obj,):
+            data = (json.dumps(candidate, default=str, separators=(",", ":")) + "\n").encode()
+            if len(data) <= room:
+                with open(path, "r+b") as fh:
+                    fh.write(data)
+                    fh.truncate()
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                return True
+    except OSError:
+        pass
+    return False
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -204,7 +244,7 @@ def new_run_dir(
     written (fsynced) into a hidden staging directory ``.new-*`` that is then renamed into
     place, so a crash leaves no run directory or a whole one.
     """
-    base = Path(output) / suite
+    base = Path(output) / suite_folder(suite)
     base.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     staging = Path(tempfile.mkdtemp(prefix=".new-", dir=base)) if files is not None else None
@@ -234,6 +274,21 @@ def new_run_dir(
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     raise RuntimeError(f"cannot create a run directory under {base}")
+
+
+def suite_folder(suite: str) -> str:
+    """``suite`` when it names one folder inside the results folder; else a one-line
+    :class:`~deqbench.errors.ConfigError` (``..`` or a path would put the run directory
+    outside ``--out``, ``.`` would drop the suite's level)."""
+    from ..core.errors import ConfigError
+
+    seps = {os.sep, os.altsep or os.sep, "/"}
+    if not suite.strip(".") or any(c in suite for c in seps) or "\0" in suite:
+        raise ConfigError(
+            f"suite name {suite[:80]!r} is not a folder name of its own: the run directory "
+            "would not be OUTPUT/NAME/RUN_ID (use letters, digits, _ . -)"
+        )
+    return suite
 
 
 def _fsync_dir(path: Path) -> None:
@@ -417,7 +472,7 @@ def _task_lines(
     lines = raw.split(b"\n")
     torn = lines[-1] != b""
     lines = lines[:-1]
-    header = next(csv.reader([lines[0].decode("utf-8", "replace")]), []) if lines else []
+    header = (_fields(lines[0]) or []) if lines else []
     if "cell_id" not in header or "seed" not in header:
         raise DataError(
             f"{path}: no results.csv header (cell_id, seed, ...) on its first line; this run "
@@ -427,12 +482,21 @@ def _task_lines(
     ia = header.index("analysis") if "analysis" in header else -1
     out: list[tuple[tuple[str, str] | None, bytes, bool]] = []
     for ln in lines[1:]:
-        f = next(csv.reader([ln.decode("utf-8", "replace")]), []) if ln else []
+        f = (_fields(ln) or []) if ln else []
         if len(f) == len(header):
             out.append(((f[ic], f[iseed]), ln + b"\n", ia >= 0 and f[ia] == RUNNER))
         else:
             out.append((None, ln + b"\n", False))
     return lines[0] + b"\n", out, torn
+
+
+def _fields(line: bytes) -> list[str] | None:
+    """The CSV fields of one line, or None where it does not parse (a field over the csv
+    module's size limit, 128 KiB: no deqbench row has one)."""
+    try:
+        return next(csv.reader([line.decode("utf-8", "replace")]), [])
+    except csv.Error:
+        return None
 
 
 def _read_manifest(path: Path) -> dict[tuple[str, str], tuple[int, str]]:
@@ -442,8 +506,8 @@ def _read_manifest(path: Path) -> dict[tuple[str, str], tuple[int, str]]:
         try:
             e = json.loads(ln)
             out[(str(e["cell_id"]), _cell(e["seed"]))] = (int(e["rows"]), str(e["sha256"]))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue  # a torn last line (the run stopped while appending it)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+            continue  # a torn last line (the run stopped while appending it), or not a record
     return out
 
 
@@ -460,14 +524,38 @@ def check_finished(run_dir: str | Path) -> tuple[set[tuple[str, int]], list[str]
     duplicated or changed, or rows the manifest does not know). ``results.csv`` is rewritten
     (atomically) to the rows of the finished tasks, the manifest to their records. A run
     directory without a manifest (older deqbench) is trusted as before, except that tasks with
-    rows of repeated keys run again; it gets a manifest of what it holds."""
+    rows of repeated keys run again; it gets a manifest of what it holds. A run whose
+    ``run.json`` records results schema 2 or later was written with a manifest: without it, its
+    rows cannot be checked and the resume is refused (ConfigError, one line with the fix).
+    An empty ``results.csv`` (0 bytes) is read as one with only its header: every task runs.
+    A directory, FIFO or other non-file in place of ``results.csv`` or the manifest is refused
+    (ConfigError) before it is read."""
+    from ..core.errors import ConfigError
+
     run_dir = Path(run_dir)
     path = _csv_path(run_dir)
+    man = run_dir / MANIFEST
+    for p in (path, man):
+        if (why := not_a_file(p)) is not None:
+            raise ConfigError(
+                f"{p} {why}, where deqbench keeps its {p.name}: move it away, or start a new "
+                f"run: deqbench run {run_dir / 'suite.yaml'}"
+            )
     if not path.exists():
         return set(), []
-    man = run_dir / MANIFEST
+    notes: list[str] = []
+    if path.stat().st_size == 0:  # as a file with only its header: nothing finished
+        write_atomic(path, encode_rows([], header=True))
+        notes.append("results.csv: empty (no header line): every task runs")
     if not man.exists():
-        return _check_legacy(run_dir, path, man)
+        if _recorded_schema(run_dir) >= 2 and len(_task_lines(path)[1]) > 0:
+            raise ConfigError(
+                f"{run_dir}: {MANIFEST} is missing, so the rows of results.csv cannot be checked "
+                f"(this run was written with one; results schema 2): restore {MANIFEST}, or "
+                f"start a new run: deqbench run {run_dir / 'suite.yaml'}"
+            )
+        legacy, more = _check_legacy(run_dir, path, man)
+        return legacy, notes + more
     header, lines, torn = _task_lines(path)
     entries = _read_manifest(man)
     got: dict[tuple[str, str], list[bytes]] = {}
@@ -479,7 +567,6 @@ def check_finished(run_dir: str | Path) -> tuple[set[tuple[str, int]], list[str]
                 runner.add(k)
     done: set[tuple[str, int]] = set()
     ok: set[tuple[str, str]] = set()
-    notes: list[str] = []
     for k in list(got) + [k for k in entries if k not in got]:
         rows = got.get(k, [])
         label = f"{k[0]} seed={k[1]}"
@@ -512,6 +599,35 @@ def check_finished(run_dir: str | Path) -> tuple[set[tuple[str, int]], list[str]
     ]
     write_atomic(man, "".join(r + "\n" for r in records))
     return done, notes
+
+
+def not_a_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read or written as a file (``is a directory``, ``is a FIFO``,
+    ...), or None: a regular file (or a link to one) or nothing there. Checked before opening:
+    a FIFO would block the read."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or type(exc).__name__})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))  # fmt: skip
+    return (
+        "is " + next((k for test, k in kinds if test(mode)), "not a regular file") + ", not a file"
+    )
+
+
+def _recorded_schema(run_dir: Path) -> int:
+    """``results_schema`` of ``run_dir/run.json`` (1 where it records none or cannot be read)."""
+    try:
+        meta = read_json(run_dir / "run.json") if not_a_file(run_dir / "run.json") is None else {}
+        schema = meta.get("results_schema", 1) if isinstance(meta, dict) else 1
+        return schema if isinstance(schema, int) and not isinstance(schema, bool) else 1
+    except (OSError, ValueError):
+        return 1
 
 
 def _check_legacy(run_dir: Path, path: Path, man: Path) -> tuple[set[tuple[str, int]], list[str]]:

@@ -99,6 +99,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+def plain_name(name: str) -> str:
+    """``name`` when it can name a folder of its own under the results folder: letters, digits,
+    ``_ . -`` and not only dots (``.`` would drop the suite's folder, ``..`` climb out of the
+    results folder); else ValueError (pydantic's validators turn it into a located line)."""
+    if not name.strip("."):
+        raise ValueError(
+            f"{name!r} is not a folder name of its own (the run directory goes to "
+            "OUTPUT/NAME/RUN_ID): use letters, digits, _ . - and not only dots"
+        )
+    return name
+
+
 class Defaults(_Strict):
     model: Any = None
     init: Any = None
@@ -127,6 +139,11 @@ class SuiteFile(_Strict):
     matrix: dict[str, list[Any]] | None = None
     analyses: list[Any] = Field(default_factory=list)
     output: str = "results"
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        return plain_name(v)
 
     @field_validator("seeds", mode="before")
     @classmethod
@@ -234,6 +251,9 @@ class Suite:
     tf32: bool | None = None  # TF32 for matmul and cuDNN; None keeps PyTorch's defaults
     cudnn_benchmark: bool | None = None  # None keeps PyTorch's default
     deterministic: bool | None = None  # deterministic algorithms (bitwise repeatable runs)
+    #: warnings about how the suite was loaded (``--set defaults.X`` that cells override), one
+    #: line each; the CLI prints them
+    notes: list[str] = field(default_factory=list)
 
     def numeric_flags(self) -> dict[str, bool]:
         """The torch numeric flags this suite sets (``tf32``, ``cudnn_benchmark``,
@@ -317,8 +337,11 @@ def output_problem(output: str, suite: str) -> str | None:
 
 def make_output_root(output: str | Path, suite: str) -> None:
     """Create ``output/<suite>``, where the run directory goes, or raise a one-line
-    :class:`ConfigError` (nothing else written) when the file system refuses."""
-    base = Path(output) / suite
+    :class:`ConfigError` (nothing else written) when the file system refuses or ``suite`` is
+    not one folder name (:func:`deqbench.run.results.suite_folder`)."""
+    from .results import suite_folder
+
+    base = Path(output) / suite_folder(suite)
     try:
         base.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -341,7 +364,9 @@ def load_suite(
 
     Args:
         path: the YAML file.
-        overrides: ``KEY=VALUE`` strings with dotted keys (``defaults.train.epochs=1``).
+        overrides: ``KEY=VALUE`` strings with dotted keys (``defaults.train.epochs=1``: the
+            default, which cells that set the key keep overriding, named in ``Suite.notes``;
+            ``all.train.epochs=1``: every cell, :mod:`deqbench.run.overrides`).
         device, seeds, output: replace the suite's fields (the CLI's ``--device`` etc.).
 
     Raises:
@@ -364,6 +389,11 @@ class CollectionFile(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
     suites: list[str] = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        return plain_name(v)
 
 
 def load_suites(
@@ -505,7 +535,13 @@ def _from_raw(
                 True,
             )
         )
-    apply_overrides(raw, overrides, loc, NAMED, OVERRIDE_ALIASES)
+    from .overrides import force_on_every_cell, is_forced, overridden_defaults
+
+    for item in overrides:  # in order: a later one wins
+        if is_forced(item):
+            force_on_every_cell(raw, item, loc)
+        else:
+            apply_overrides(raw, [item], loc, NAMED, OVERRIDE_ALIASES)
     if device is not None:
         _set_top(raw, loc, "device", device, f"--device {device}")
     if seeds is not None:
@@ -584,9 +620,10 @@ def _from_raw(
         resolved["caps"] = False
     if resolved["matrix"] is None:
         del resolved["matrix"]
+    notes = overridden_defaults(overrides, drafts, OVERRIDE_ALIASES)
     return Suite(top.name, cells, analyses, list(top.seeds), top.device, top.dtype, top.threads,
                  top.description, top.output, loc.source, resolved, top.tf32,
-                 top.cudnn_benchmark, top.deterministic)  # fmt: skip
+                 top.cudnn_benchmark, top.deterministic, notes)  # fmt: skip
 
 
 def _line_of(err: str) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from ..core.errors import ConfigError
+from ..core.errors import shown as _shown
 
 Path_ = tuple[Any, ...]
 
@@ -33,27 +34,44 @@ Path_ = tuple[Any, ...]
 MAX_YAML_BYTES = 1024 * 1024
 MAX_YAML_DEPTH = 100
 MAX_YAML_NODES = 20_000
+#: Limit of the text a document stands for once aliases are expanded (scalars' characters):
+#: 200 aliases of one 200 KB string are a 40 MB suite (every name and value may be echoed in
+#: an error line), though the file is within :data:`MAX_YAML_BYTES`.
+MAX_YAML_EXPANDED_BYTES = 2 * MAX_YAML_BYTES
 
 
 class LimitError(yaml.composer.ComposerError):
-    """A YAML document beyond :data:`MAX_YAML_DEPTH` or :data:`MAX_YAML_NODES`."""
+    """A YAML document beyond :data:`MAX_YAML_DEPTH`, :data:`MAX_YAML_NODES` or
+    :data:`MAX_YAML_EXPANDED_BYTES`, or with an alias inside its own anchor."""
 
 
 class Loader(yaml.SafeLoader):
     """Safe loader (no Python tags) that also reads ``1e-4`` / ``5E3`` as floats (YAML 1.2
-    behaviour), and refuses documents nested deeper than :data:`MAX_YAML_DEPTH` or with more than
-    :data:`MAX_YAML_NODES` nodes counting every alias as the nodes it stands for."""
+    behaviour), and refuses documents nested deeper than :data:`MAX_YAML_DEPTH`, with more than
+    :data:`MAX_YAML_NODES` nodes or :data:`MAX_YAML_EXPANDED_BYTES` characters of scalars counting
+    every alias as what it stands for, and recursive aliases (``a: &x [*x]``: an alias inside the
+    node it names, a structure without end)."""
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
         self._depth = 0
         self._nodes = 0  # nodes composed so far, an alias counted as its anchor's expansion
-        self._sizes: dict[int, int] = {}  # id(node) -> its expanded node count
+        self._chars = 0  # characters of the scalars composed so far, likewise
+        self._sizes: dict[int, tuple[int, int]] = {}  # id(node) -> expanded (nodes, chars)
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
             node = super().compose_node(parent, index)  # the anchored node, or an error
-            self._count(self._sizes.get(id(node), 1), node)
+            size = self._sizes.get(id(node))
+            if size is None:  # its anchor is still being composed: the alias is inside it
+                raise LimitError(
+                    None, None,
+                    f"alias *{_shown(event.anchor, 40)} inside the node it names (a recursive "
+                    "alias: a structure without end)",
+                    event.start_mark,
+                )  # fmt: skip
+            self._count(*size, event.start_mark)
             return node
         self._depth += 1
         if self._depth > MAX_YAML_DEPTH:
@@ -61,25 +79,30 @@ class Loader(yaml.SafeLoader):
                 None, None, f"nested deeper than {MAX_YAML_DEPTH} levels (the limit)",
                 self.peek_event().start_mark,
             )  # fmt: skip
-        before = self._nodes
-        self._count(1, None)
+        before = (self._nodes, self._chars)
+        self._count(1, 0, None)
         try:
             node = super().compose_node(parent, index)
         finally:
             self._depth -= 1
-        self._sizes[id(node)] = self._nodes - before
+        if isinstance(node, yaml.ScalarNode):
+            self._count(0, len(node.value), node.start_mark)
+        self._sizes[id(node)] = (self._nodes - before[0], self._chars - before[1])
         return node
 
-    def _count(self, n: int, node: Any) -> None:
-        self._nodes += n
-        if self._nodes > MAX_YAML_NODES:
-            mark = node.start_mark if node is not None else self.peek_event().start_mark
+    def _count(self, nodes: int, chars: int, mark: Any) -> None:
+        self._nodes += nodes
+        self._chars += chars
+        if self._nodes > MAX_YAML_NODES or self._chars > MAX_YAML_EXPANDED_BYTES:
+            mark = mark if mark is not None else self.peek_event().start_mark
+            what = (
+                f"more than {MAX_YAML_NODES} nodes"
+                if self._nodes > MAX_YAML_NODES
+                else f"more than {MAX_YAML_EXPANDED_BYTES // 2**20} MiB of text"
+            )
             raise LimitError(
-                None, None,
-                f"more than {MAX_YAML_NODES} nodes with aliases expanded (the limit; an alias "
-                "bomb?)",
-                mark,
-            )  # fmt: skip
+                None, None, f"{what} with aliases expanded (the limit; an alias bomb?)", mark
+            )
 
 
 Loader.add_implicit_resolver(
@@ -98,13 +121,14 @@ def parse_scalar(text: str) -> Any:
 
 
 def format_path(path: Sequence[Any]) -> str:
-    """``("analyses", 1, "spectral")`` -> ``analyses[1].spectral``."""
+    """``("analyses", 1, "spectral")`` -> ``analyses[1].spectral`` (keys from the file cut to 80
+    characters, control characters escaped: the path is echoed in error lines)."""
     out = ""
     for p in path:
         if isinstance(p, int):
             out += f"[{p}]"
         else:
-            out += ("." if out else "") + str(p)
+            out += ("." if out else "") + _shown(p, 80)
     return out
 
 
@@ -176,7 +200,15 @@ class Locator:
 def read_yaml_text(text: str, source: str) -> tuple[Any, Locator]:
     """Parse ``text``; raise :class:`ConfigError` with ``source:line:col`` on invalid YAML."""
     loc = Locator(source)
-    loader = Loader(text)
+    try:
+        loader = Loader(text)
+    except yaml.reader.ReaderError as exc:  # a control character (NUL, ...) in the text
+        line = text.count("\n", 0, exc.position) + 1
+        col = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        char = f"#x{exc.character:04x}" if isinstance(exc.character, int) else "a character"
+        raise ConfigError(
+            f"{source}:{line}:{col}: invalid YAML: control character {char} is not allowed"
+        ) from None
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
@@ -288,7 +320,7 @@ def _message(e: dict[str, Any]) -> str:
             msg = msg[len(prefix) :]
     got = e.get("input")
     if isinstance(got, str | int | float | bool) and repr(got) not in msg and str(got) not in msg:
-        msg += f" (got {got!r})"
+        msg += f" (got {_shown(repr(got), 120)})"
     return msg
 
 
