@@ -272,6 +272,8 @@ def _hashed(cell: Cell) -> dict[str, Any]:
     del d["runtime"]
     if not d["train"].get("precise_bn", False):  # a later field: only where set
         d["train"].pop("precise_bn", None)
+    if not d["train"].get("lr_milestone_steps"):  # likewise
+        d["train"].pop("lr_milestone_steps", None)
     if changes := cell.runtime_changes():
         d["runtime"] = changes
     return d
