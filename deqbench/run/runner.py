@@ -345,6 +345,7 @@ def _prepare(
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "running",
         "tasks_total": len(suite.cells) * len(suite.seeds),
+        **({"paper": suite.paper} if suite.paper else {}),  # the suite's paper: block
         **collect(suite.device, command),
     }
     # run.json and suite.yaml appear with the directory (renamed into place): a run killed at

@@ -71,6 +71,7 @@ from .matrix import (
     expand,
     normalize_section,
 )
+from .paper import PaperBlock
 from .yamlio import Locator, apply_overrides, pydantic_lines, read_yaml
 
 __all__ = [
@@ -127,6 +128,7 @@ class SuiteFile(_Strict):
     matrix: dict[str, list[Any]] | None = None
     analyses: list[Any] = Field(default_factory=list)
     output: str = "results"
+    paper: PaperBlock | None = None  # the paper the suite reproduces (deqbench.run.paper)
 
     @field_validator("seeds", mode="before")
     @classmethod
@@ -234,6 +236,9 @@ class Suite:
     tf32: bool | None = None  # TF32 for matmul and cuDNN; None keeps PyTorch's defaults
     cudnn_benchmark: bool | None = None  # None keeps PyTorch's default
     deterministic: bool | None = None  # deterministic algorithms (bitwise repeatable runs)
+    #: the suite's ``paper:`` block as a dict (:class:`deqbench.run.paper.PaperBlock`), or
+    #: None; not part of :attr:`hash` (it describes, it does not change what runs)
+    paper: dict[str, Any] | None = None
 
     def numeric_flags(self) -> dict[str, bool]:
         """The torch numeric flags this suite sets (``tf32``, ``cudnn_benchmark``,
@@ -482,7 +487,12 @@ def one_cell_suite(
 
 
 def _top_allowed(sub: tuple[Any, ...]) -> list[str]:
-    cls: Any = Defaults if sub[:1] == ("defaults",) else SuiteFile
+    if sub[:1] == ("paper",):
+        from .paper import PaperBudget
+
+        cls: Any = PaperBudget if sub[1:2] == ("budget",) else PaperBlock
+        return list(cls.model_fields)
+    cls = Defaults if sub[:1] == ("defaults",) else SuiteFile
     return [f.alias or n for n, f in cls.model_fields.items()]
 
 
@@ -584,11 +594,14 @@ def _from_raw(
     }
     if not top.caps:
         resolved["caps"] = False
+    paper = top.paper.model_dump() if top.paper is not None else None
+    if paper is not None:
+        resolved["paper"] = copy.deepcopy(paper)
     if resolved["matrix"] is None:
         del resolved["matrix"]
     return Suite(top.name, cells, analyses, list(top.seeds), top.device, top.dtype, top.threads,
                  top.description, top.output, loc.source, resolved, top.tf32,
-                 top.cudnn_benchmark, top.deterministic)  # fmt: skip
+                 top.cudnn_benchmark, top.deterministic, paper)  # fmt: skip
 
 
 def _line_of(err: str) -> tuple[int, int]:
