@@ -2,7 +2,10 @@
 
 Unit layer (Eq. 6):  f(z, x) = alpha W^T sigma(W z + U x + b) + (1 - alpha) z,
 with sigma monotone and 1-Lipschitz and ||W||_2 <= gamma enforced by the parameterisation
-W = gamma V / max(1, ||V||_2) (a hard bound, unlike a learnable-scale spectral norm).
+W = gamma V / max(1, ||V||_2) (a hard bound, unlike a learnable-scale spectral norm; the
+default, gamma 0.9). ``gamma: null`` drops the bound: W is the raw parameter V, as the paper
+defines the layer (the paper bounds no norm; its section 7.4 asks instead for small initial
+operator norms, ``init_norm``: each ||W_l||_2 scaled to that value at construction).
 For gamma <= 1 and alpha = 1 the fixed point minimises the convex
 G(z) = 0.5 ||z||^2 - sum phi(W z + U x + b), phi' = sigma (Theorem 1), and
 f(z) = z - alpha grad G(z): the damped iteration is gradient descent on G.
@@ -88,13 +91,17 @@ class _BoundedWeight(nn.Module):
     sv_u: Tensor
     sv_v: Tensor
 
-    def __init__(self, gamma: float, norm_method: str, power_iters: int, power_tol: float) -> None:
+    def __init__(
+        self, gamma: float | None, norm_method: str, power_iters: int, power_tol: float
+    ) -> None:
         super().__init__()
-        gamma = float(gamma)
-        if not gamma > 0:
-            raise ConfigError(
-                f"opteq: gamma (the norm bound ||W||_2 <= gamma) must be > 0, got {gamma}"
-            )
+        if gamma is not None:
+            gamma = float(gamma)
+            if not gamma > 0:
+                raise ConfigError(
+                    f"opteq: gamma (the norm bound ||W||_2 <= gamma) must be > 0 or null (no "
+                    f"bound), got {gamma}"
+                )
         if norm_method not in NORM_METHODS:
             raise ConfigError(
                 f"opteq: unknown norm_method '{norm_method}'; choose from {', '.join(NORM_METHODS)}"
@@ -162,25 +169,56 @@ class _BoundedWeight(nn.Module):
         V = self.V
         return (V._version, V.data_ptr(), V.dtype, V.device)
 
+    @property
+    def bounded(self) -> bool:
+        """Whether ||W||_2 <= gamma is enforced (False for ``gamma=None``: W = V)."""
+        return self.gamma is not None
+
     def maybe_refresh(self) -> None:
         """Refresh if V changed since the last refresh (in-place updates bump its version).
-        Skipped when V is not the module's own parameter (``torch.func.functional_call``)."""
+        Skipped when V is not the module's own parameter (``torch.func.functional_call``), and
+        without a bound (the cell then needs no norm; :meth:`weight_norm` refreshes itself)."""
+        if self.bounded:
+            self._refresh_if_changed()
+
+    def _refresh_if_changed(self, iters: int | None = None) -> None:
         if isinstance(self.V, nn.Parameter) and self._seen_version != self._version_key():
-            self.refresh()
+            self.refresh(iters)
 
     def post_step(self) -> None:
-        """Called by the training loop after every optimiser step."""
-        self.refresh()
+        """Called by the training loop after every optimiser step (a no-op without a bound)."""
+        if self.bounded:
+            self.refresh()
+
+    @torch.no_grad()
+    def set_norm(self, target: float) -> None:
+        """Rescale V so that ||W||_2 = ``target`` (the paper's small initial operator norms);
+        with a bound, ``target`` must not exceed gamma."""
+        if not target > 0:
+            raise ConfigError(f"opteq: init_norm must be > 0, got {target}")
+        if self.gamma is not None and target > self.gamma:
+            raise ConfigError(
+                f"opteq: init_norm {target} is above the norm bound gamma {self.gamma}"
+            )
+        self.refresh(iters=max(200, self.power_iters))
+        s = float(self.sigma())
+        if s > 0:
+            # with a bound, W = gamma V while ||V||_2 <= 1: ||V||_2 = target / gamma
+            want = target if self.gamma is None else target / self.gamma
+            self.V.mul_(want / s)
+        self.refresh(iters=max(200, self.power_iters))
 
     def sigma(self, V: Tensor | None = None) -> Tensor:
         """sigma(V) = u^T V v: ||V||_2 at the refreshed vectors, differentiable (grad u v^T)."""
         V = self.V if V is None else V
         return (self.sv_u.unsqueeze(0) * self.apply_W(self.sv_v.unsqueeze(0), V)).sum()
 
-    def scale(self) -> Tensor:
-        """gamma / max(1, ||V||_2): W = scale * V. The cell applies the scalar to the products
-        with V instead of forming W, so autograd saves no per-step copy of W. Under no_grad
-        (the solver's hot loop) the value is cached until V changes."""
+    def scale(self) -> Tensor | float:
+        """gamma / max(1, ||V||_2): W = scale * V (1.0 without a bound). The cell applies the
+        scalar to the products with V instead of forming W, so autograd saves no per-step copy
+        of W. Under no_grad (the solver's hot loop) the value is cached until V changes."""
+        if self.gamma is None:
+            return 1.0
         V = self.V
         if torch.is_grad_enabled() or not isinstance(V, nn.Parameter):
             return self.gamma / torch.clamp(self.sigma(V), min=1.0)
@@ -193,12 +231,17 @@ class _BoundedWeight(nn.Module):
         return s
 
     def weight(self) -> Tensor:
-        """W = gamma V / max(1, ||V||_2)."""
+        """W = gamma V / max(1, ||V||_2); V itself without a bound."""
+        if self.gamma is None:
+            return self.V
         return self.scale() * self.V
 
     @torch.no_grad()
     def weight_norm(self) -> float:
         """||W||_2 as used by the cell (exact for SVD mode, power-iteration estimate otherwise)."""
+        if self.gamma is None:
+            self._refresh_if_changed(iters=max(200, self.power_iters))
+            return float(self.sigma())
         self.maybe_refresh()
         s = float(self.sigma())
         return self.gamma * s / max(1.0, s)
@@ -212,7 +255,7 @@ class OptEqUnit(_BoundedWeight):
         state: int,
         hidden: int,
         alpha: float = 1.0,
-        gamma: float = 1.0,
+        gamma: float | None = 1.0,
         act: str = "relu",
         norm_method: str = "auto",
         power_iters: int = 30,
@@ -259,12 +302,16 @@ class OptEqUnit(_BoundedWeight):
         return h @ weight
 
     def _map(self, z: Tensor, u: Tensor) -> Tensor:
-        """W^T sigma(W z + u) with W = s V."""
+        """W^T sigma(W z + u) with W = s V (W = V without a bound)."""
+        if self.gamma is None:
+            return self.apply_Wt(self.act(self.apply_W(z, self.V) + u), self.V)
         s = self.scale()
         return s * self.apply_Wt(self.act(s * self.apply_W(z, self.V) + u), self.V)
 
     def pre(self, z: Tensor, u: Tensor) -> Tensor:
         """W z + u."""
+        if self.gamma is None:
+            return self.apply_W(z, self.V) + u
         return self.scale() * self.apply_W(z, self.V) + u
 
     def forward(self, z: Tensor, u: Tensor) -> Tensor:
@@ -302,7 +349,7 @@ class OptEqConvUnit(OptEqUnit):
         spatial: tuple[int, int],
         kernel: int = 3,
         alpha: float = 1.0,
-        gamma: float = 1.0,
+        gamma: float | None = 1.0,
         act: str = "relu",
         norm_method: str = "power",
         power_iters: int = 30,
@@ -432,7 +479,7 @@ class OptEqModel(DEQModel):
         state: int,
         hidden: Sequence[int],
         alpha: float,
-        gamma: float,
+        gamma: float | None,
         activation: str,
         regularizer: Any,
         reg_step: float,
@@ -441,6 +488,7 @@ class OptEqModel(DEQModel):
         extractor: int | None = None,
         pool: int = 4,
         kernel: int = 3,
+        init_norm: float | None = None,
     ) -> None:
         super().__init__()
         self.conv = conv
@@ -488,8 +536,14 @@ class OptEqModel(DEQModel):
             ]
             self.pool = nn.Identity()
             self.head = nn.Linear(self.state, num_outputs)
+        if init_norm is not None:
+            for unit in units:
+                unit.set_norm(float(init_norm))
         self.deq = DEQLayer(OptEqCell(units, regularizer, reg_step, reg_mode))
-        self.gamma, self.alpha = float(gamma), float(alpha)
+        #: the norm bound (inf: none, W = V)
+        self.gamma = math.inf if gamma is None else float(gamma)
+        self.alpha = float(alpha)
+        self.init_norm = init_norm
 
     @property
     def units(self) -> list[OptEqUnit]:
@@ -518,7 +572,7 @@ class OptEqModel(DEQModel):
         return super().equilibrium(x)
 
     def weight_norms(self) -> list[float]:
-        """||W_l||_2 of every unit (each <= gamma by construction)."""
+        """||W_l||_2 of every unit (each <= gamma by construction, where there is a bound)."""
         return [unit.weight_norm() for unit in self.units]
 
     def contraction_bound(self) -> float:
@@ -549,7 +603,10 @@ _COMMON_DOC = """
         width: state dimension m (channels for conv models).
         hidden: hidden width n_l of each unit (int or list; default ``width``).
         alpha: skip weight in (0, 1] (papers/003 use 0.8; 1 is the plain OptEq layer).
-        gamma: norm bound ||W_l||_2 <= gamma (gamma <= 1: convex objective; < 1: contraction).
+        gamma: norm bound ||W_l||_2 <= gamma (gamma <= 1: convex objective; < 1: contraction);
+            null: no bound, W_l is the raw parameter (the paper's layer).
+        init_norm: rescale each W_l at construction to ||W_l||_2 = init_norm (papers/003
+            section 7.4: small initial operator norms); null keeps the default init's norms.
         activation: relu | tanh | sigmoid | softsign | relu6 | identity.
         regularizer: R-star feature regulariser inside the layer (name or dict, e.g.
             ``{name: l1, weight: 0.15}``), None for none.
@@ -579,12 +636,13 @@ def opteq(
     width: int = 128,
     hidden: int | None = None,
     alpha: float = 1.0,
-    gamma: float = 0.9,
+    gamma: float | None = 0.9,
     activation: str = "relu",
     regularizer: Any = None,
     reg_step: float = 0.1,
     reg_mode: str = "auto",
     norm_method: str = "auto",
+    init_norm: float | None = None,
 ) -> OptEqModel:
     """One fully connected OptEq unit: z = alpha W^T sigma(W z + U x + b) + (1 - alpha) z."""
     return OptEqModel(
@@ -600,6 +658,7 @@ def opteq(
         reg_step=reg_step,
         reg_mode=reg_mode,
         norm_method=norm_method,
+        init_norm=init_norm,
     )
 
 
@@ -611,12 +670,13 @@ def opteq_tiny(
     width: int = 16,
     hidden: int | None = None,
     alpha: float = 1.0,
-    gamma: float = 0.9,
+    gamma: float | None = 0.9,
     activation: str = "relu",
     regularizer: Any = None,
     reg_step: float = 0.1,
     reg_mode: str = "auto",
     norm_method: str = "auto",
+    init_norm: float | None = None,
 ) -> OptEqModel:
     """Tiny opteq for tests (width 16)."""
     return opteq(
@@ -631,6 +691,7 @@ def opteq_tiny(
         reg_step,
         reg_mode,
         norm_method,
+        init_norm,
     )
 
 
@@ -643,12 +704,13 @@ def opteq_deep(
     depth: int = 3,
     hidden: int | list[int] | None = None,
     alpha: float = 0.8,
-    gamma: float = 0.9,
+    gamma: float | None = 0.9,
     activation: str = "relu",
     regularizer: Any = None,
     reg_step: float = 0.1,
     reg_mode: str = "auto",
     norm_method: str = "auto",
+    init_norm: float | None = None,
 ) -> OptEqModel:
     """Deep FC OptEq: one fixed point of the composition of ``depth`` units (papers/003 Lemma 3)."""
     return OptEqModel(
@@ -664,6 +726,7 @@ def opteq_deep(
         reg_step=reg_step,
         reg_mode=reg_mode,
         norm_method=norm_method,
+        init_norm=init_norm,
     )
 
 
@@ -676,12 +739,13 @@ def opteq_deep_tiny(
     depth: int = 2,
     hidden: int | list[int] | None = None,
     alpha: float = 0.8,
-    gamma: float = 0.9,
+    gamma: float | None = 0.9,
     activation: str = "relu",
     regularizer: Any = None,
     reg_step: float = 0.1,
     reg_mode: str = "auto",
     norm_method: str = "auto",
+    init_norm: float | None = None,
 ) -> OptEqModel:
     """Tiny opteq_deep for tests (width 16, 2 units)."""
     return opteq_deep(
@@ -697,6 +761,7 @@ def opteq_deep_tiny(
         reg_step,
         reg_mode,
         norm_method,
+        init_norm,
     )
 
 
@@ -708,7 +773,7 @@ def opteq_conv(
     width: int = 32,
     hidden: int | None = None,
     alpha: float = 0.8,
-    gamma: float = 0.9,
+    gamma: float | None = 0.9,
     activation: str = "relu",
     regularizer: Any = None,
     reg_step: float = 0.1,
@@ -716,6 +781,7 @@ def opteq_conv(
     extractor: int | None = 32,
     pool: int = 4,
     norm_method: str = "power",
+    init_norm: float | None = None,
 ) -> OptEqModel:
     """One convolutional OptEq unit (3x3, ``width`` state channels); ``extractor`` channels of a
     conv+BN+ReLU feature extractor g (None/0: inject the raw image)."""
@@ -734,6 +800,7 @@ def opteq_conv(
         norm_method=norm_method,
         extractor=extractor,
         pool=pool,
+        init_norm=init_norm,
     )
 
 
@@ -745,7 +812,7 @@ def opteq_conv_tiny(
     width: int = 8,
     hidden: int | None = None,
     alpha: float = 0.8,
-    gamma: float = 0.9,
+    gamma: float | None = 0.9,
     activation: str = "relu",
     regularizer: Any = None,
     reg_step: float = 0.1,
@@ -753,6 +820,7 @@ def opteq_conv_tiny(
     extractor: int | None = None,
     pool: int = 4,
     norm_method: str = "power",
+    init_norm: float | None = None,
 ) -> OptEqModel:
     """Tiny opteq_conv for tests (8 channels, no extractor)."""
     return opteq_conv(
@@ -769,6 +837,7 @@ def opteq_conv_tiny(
         extractor,
         pool,
         norm_method,
+        init_norm,
     )
 
 
@@ -781,7 +850,7 @@ def opteq_deep_conv(
     hidden: int | Sequence[int] | None = (16, 32, 64, 128, 128),
     depth: int = 5,
     alpha: float = 0.8,
-    gamma: float = 0.9,
+    gamma: float | None = 0.9,
     activation: str = "relu",
     regularizer: Any = None,
     reg_step: float = 0.1,
@@ -789,6 +858,7 @@ def opteq_deep_conv(
     extractor: int | None = 32,
     pool: int = 4,
     norm_method: str = "power",
+    init_norm: float | None = None,
 ) -> OptEqModel:
     """Deep convolutional OptEq: 5 units of 3x3 convs with hidden channels 16, 32, 64, 128, 128
     (papers/003 section 7.1) around a ``width``-channel state (the state width of the paper's
@@ -808,6 +878,7 @@ def opteq_deep_conv(
         norm_method=norm_method,
         extractor=extractor,
         pool=pool,
+        init_norm=init_norm,
     )
 
 
@@ -820,7 +891,7 @@ def opteq_deep_conv_tiny(
     hidden: int | Sequence[int] | None = (4, 8),
     depth: int = 2,
     alpha: float = 0.8,
-    gamma: float = 0.9,
+    gamma: float | None = 0.9,
     activation: str = "relu",
     regularizer: Any = None,
     reg_step: float = 0.1,
@@ -828,6 +899,7 @@ def opteq_deep_conv_tiny(
     extractor: int | None = None,
     pool: int = 4,
     norm_method: str = "power",
+    init_norm: float | None = None,
 ) -> OptEqModel:
     """Tiny opteq_deep_conv for tests (8 state channels, units of 4 and 8 channels)."""
     return opteq_deep_conv(
@@ -845,6 +917,7 @@ def opteq_deep_conv_tiny(
         extractor,
         pool,
         norm_method,
+        init_norm,
     )
 
 

@@ -353,6 +353,7 @@ def _prepare(
         "status": "running",
         "tasks_total": len(suite.cells) * len(suite.seeds),
         "stop_rules": stop_rules(suite.cells),
+        **({"paper": suite.paper} if suite.paper else {}),  # the suite's paper: block
         **collect(suite.device, command),
     }
     # run.json and suite.yaml appear with the directory (renamed into place): a run killed at

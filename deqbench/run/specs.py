@@ -127,6 +127,7 @@ def specs() -> dict[str, type[BaseModel]]:
                 "schedule": Literal["step", "multistep", "cosine", "none"] | None,
                 "lr": Annotated[float, Field(ge=0)],
                 "max_steps": pos | None,
+                "lr_milestone_steps": list[pos],
                 "grad_clip": posf | None,
                 "step_size": pos,
             },
@@ -411,6 +412,12 @@ def check_cell(
             f"{values['train']['epochs']} epochs is over the cap of {MAX_EPOCHS} (caps: false "
             "in the suite, or --set caps=false, lifts it)",
         )
+    if "train" in values:
+        from .train import schedule_problem
+
+        tr = values["train"]
+        if why := schedule_problem(tr["schedule"], tr["lr_milestone_steps"]):
+            ck.add("train", "lr_milestone_steps", why.removeprefix("train.lr_milestone_steps "))
     if "model" in values:
         name = values["model"]["name"]
         fn = ck.lookup("model", "name", models, name)

@@ -71,6 +71,7 @@ from .matrix import (
     expand,
     normalize_section,
 )
+from .paper import PaperBlock
 from .yamlio import Locator, apply_overrides, pydantic_lines, read_yaml
 
 __all__ = [
@@ -139,6 +140,7 @@ class SuiteFile(_Strict):
     matrix: dict[str, list[Any]] | None = None
     analyses: list[Any] = Field(default_factory=list)
     output: str = "results"
+    paper: PaperBlock | None = None  # the paper the suite reproduces (deqbench.run.paper)
 
     @field_validator("name")
     @classmethod
@@ -254,6 +256,9 @@ class Suite:
     #: warnings about how the suite was loaded (``--set defaults.X`` that cells override), one
     #: line each; the CLI prints them
     notes: list[str] = field(default_factory=list)
+    #: the suite's ``paper:`` block as a dict (:class:`deqbench.run.paper.PaperBlock`), or
+    #: None; not part of :attr:`hash` (it describes, it does not change what runs)
+    paper: dict[str, Any] | None = None
 
     def numeric_flags(self) -> dict[str, bool]:
         """The torch numeric flags this suite sets (``tf32``, ``cudnn_benchmark``,
@@ -292,6 +297,8 @@ def _hashed(cell: Cell) -> dict[str, Any]:
     del d["runtime"]
     if not d["train"].get("precise_bn", False):  # a later field: only where set
         d["train"].pop("precise_bn", None)
+    if not d["train"].get("lr_milestone_steps"):  # likewise
+        d["train"].pop("lr_milestone_steps", None)
     if changes := cell.runtime_changes():
         d["runtime"] = changes
     return d
@@ -510,7 +517,12 @@ def one_cell_suite(
 
 
 def _top_allowed(sub: tuple[Any, ...]) -> list[str]:
-    cls: Any = Defaults if sub[:1] == ("defaults",) else SuiteFile
+    if sub[:1] == ("paper",):
+        from .paper import PaperBudget
+
+        cls: Any = PaperBudget if sub[1:2] == ("budget",) else PaperBlock
+        return list(cls.model_fields)
+    cls = Defaults if sub[:1] == ("defaults",) else SuiteFile
     return [f.alias or n for n, f in cls.model_fields.items()]
 
 
@@ -618,12 +630,15 @@ def _from_raw(
     }
     if not top.caps:
         resolved["caps"] = False
+    paper = top.paper.model_dump() if top.paper is not None else None
+    if paper is not None:
+        resolved["paper"] = copy.deepcopy(paper)
     if resolved["matrix"] is None:
         del resolved["matrix"]
     notes = overridden_defaults(overrides, drafts, OVERRIDE_ALIASES)
     return Suite(top.name, cells, analyses, list(top.seeds), top.device, top.dtype, top.threads,
                  top.description, top.output, loc.source, resolved, top.tf32,
-                 top.cudnn_benchmark, top.deterministic, notes)  # fmt: skip
+                 top.cudnn_benchmark, top.deterministic, notes, paper)  # fmt: skip
 
 
 def _line_of(err: str) -> tuple[int, int]:

@@ -187,6 +187,10 @@ def _load_data(cell: Cell) -> tuple[Any, float | None]:
 
 #: analysis name of the per-process start-up rows (``warmup_time``, ``data_load_time``)
 PROCESS = "process"
+#: analysis name of the per-task training budget rows: ``optimizer_steps`` (the optimiser steps
+#: the task took, 0 when it did not train) and ``steps_per_epoch`` (batches per pass over the
+#: training set), so that a run directory says each cell's step budget
+TRAINING = "training"
 #: device/dtype this process warmed up on -> the warm-up's seconds until a task reports them
 _WARMUP: dict[tuple[str, str], float | None] = {}
 
@@ -432,6 +436,18 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
                 tallies=tallies,
             )
             status, note = res.status, res.note
+            add(
+                TRAINING,
+                Row(
+                    "optimizer_steps",
+                    res.steps,
+                    unit="steps",
+                    note="" if res.status == "ok" else f"training stopped: {res.status}",
+                ),
+            )
+            add(TRAINING, Row("steps_per_epoch", res.steps_per_epoch, unit="steps"))
+        else:
+            add(TRAINING, Row("optimizer_steps", 0, unit="steps", note="no training (epochs 0)"))
         stage = f"running model {_named('models', mname)}"
         if status == "ok":
             for a in instances:

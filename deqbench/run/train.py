@@ -45,13 +45,16 @@ class TrainConfig:
     schedule: str | None = None  # step | multistep | cosine
     step_size: int = 30  # epochs, for "step"
     milestones: list[int] = field(default_factory=list)  # epochs, for "multistep"
-    gamma: float = 0.1
+    gamma: float = 0.1  # LR factor of step, multistep and lr_milestone_steps
     eta_min: float = 0.0  # for "cosine" (stepped per batch over all steps)
     grad_clip: float | None = None
     eval_batch_size: int = 512
     eval_before: bool = True  # evaluate at epoch 0, before training
     full_batch: bool = False  # one step per epoch over the whole train set (gradient descent)
     max_steps: int | None = None  # stop after this many optimiser steps
+    #: the LR is multiplied by ``gamma`` after each of these optimiser-step counts (stepped per
+    #: batch, so a schedule is stated in steps whatever the data size); not with ``schedule``
+    lr_milestone_steps: list[int] = field(default_factory=list)
     #: recompute BatchNorm running statistics over the training set (no_grad, train mode,
     #: cumulative average as torch.optim.swa_utils.update_bn) after each epoch, before the
     #: evaluation: with few steps, momentum-0.1 running statistics still weigh the initial
@@ -65,7 +68,10 @@ class TrainResult:
     status: str = "ok"  # ok | nan | diverged
     note: str = ""
     history: list[dict[str, float]] = field(default_factory=list)
+    #: optimiser steps taken (all epochs; up to the failing step where training stopped early)
     steps: int = 0
+    #: optimiser steps in one full epoch (batches per pass over the training set)
+    steps_per_epoch: int = 0
     #: every DEQ solve of training, evaluation and the analyses' hooks, by (kind, phase)
     tallies: Tallies = field(default_factory=Tallies)
 
@@ -101,9 +107,38 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     )
 
 
+def schedule_problem(schedule: str | None, lr_milestone_steps: list[int]) -> str | None:
+    """Why ``train.lr_milestone_steps`` cannot be used as given (with an epoch-based
+    ``schedule``, or not strictly increasing positive step counts), or None."""
+    if not lr_milestone_steps:
+        return None
+    if schedule not in (None, "none"):
+        return (
+            f"train.lr_milestone_steps states the LR schedule in optimiser steps; it cannot be "
+            f"combined with train.schedule '{schedule}' (drop one of them)"
+        )
+    if any(m < 1 for m in lr_milestone_steps) or any(
+        b <= a for a, b in zip(lr_milestone_steps, lr_milestone_steps[1:])
+    ):
+        return (
+            "train.lr_milestone_steps must be strictly increasing positive step counts, got "
+            f"{list(lr_milestone_steps)}"
+        )
+    return None
+
+
 def make_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int):
-    """(scheduler, per_batch) or (None, False)."""
+    """(scheduler, per_batch) or (None, False). ``lr_milestone_steps``: a multistep schedule
+    stepped per batch (LR x gamma once that many optimiser steps are done)."""
     s = cfg.schedule
+    if cfg.lr_milestone_steps:
+        why = schedule_problem(s, list(cfg.lr_milestone_steps))
+        if why:
+            from ..core.errors import ConfigError
+
+            raise ConfigError(why)
+        steps = list(cfg.lr_milestone_steps)
+        return torch.optim.lr_scheduler.MultiStepLR(opt, steps, cfg.gamma), True
     if s in (None, "none"):
         return None, False
     if s == "step":
@@ -215,7 +250,7 @@ def train(
     steps_per_epoch = math.ceil(n / bs)
     sched, per_batch = make_schedule(opt, cfg, steps_per_epoch)
     gen = torch.Generator().manual_seed(seed)
-    result = TrainResult()
+    result = TrainResult(steps_per_epoch=steps_per_epoch)
 
     if tallies is not None:
         result.tallies = tallies
@@ -290,6 +325,7 @@ def train(
                         result.note = f"non-finite loss {lv} at epoch {epoch} step {step + 1}"
                     if fwd:
                         result.note += f" (forward rel residual {res:.3g}, {fwd.get('forward_nstep', 0):.0f} f-evals)"
+                    result.steps = step
                     return result
                 loss.backward()
             result.tallies.add("train", led.records)
