@@ -18,7 +18,8 @@ from deqbench.reproduce.run import REPORT_COLUMNS
 from deqbench.run.results import ResultsWriter
 
 SEEDS = (0, 1, 2)
-PCDEQ_CLAIMS = ["002-mnist-accuracy", "002-iterations", "002-lipschitz", "002-unconstrained"]
+PCDEQ_CLAIMS = ["002-mnist-accuracy", "002-iterations", "002-lipschitz", "002-unconstrained",
+                "002-any-norm-convergence", "002-backward-iterations"]  # fmt: skip
 
 
 def row(cell: str, seed: int, analysis: str, metric: str, value: float, **kw: Any) -> dict:
@@ -103,6 +104,10 @@ def test_pcdeq_run_writes_the_claim_verdicts(tmp_path):
     assert "scale" in got["002-mnist-accuracy"]["reason"]
     assert got["002-lipschitz"]["verdict"] == "not run"
     assert "softsign" in got["002-lipschitz"]["reason"]
+    # sigma_max 1.5 without failure counts: the converged share is not known, so not run (data)
+    assert got["002-any-norm-convergence"]["verdict"] == "not run"
+    assert got["002-any-norm-convergence"]["reason"].startswith("data: the converged share")
+    assert got["002-any-norm-convergence"]["window"] == "none"
     assert all(r["paper_value"] and r["claim"] and r["where"] for r in rows)
     assert sorted(p.name for p in run.iterdir() if "summary" in p.name) == ["summary.csv"]
 
@@ -155,7 +160,8 @@ def test_claims_without_measurements_are_not_run(tmp_path):
     summarize(run)
     rows = read_summary(run)
     assert [r["claim_id"] for r in rows] == [
-        "003-residual-vs-k", "003-accuracy-vs-k", "003-unrolled-speed", "003-ift-memory"]  # fmt: skip
+        "003-residual-vs-k", "003-accuracy-vs-k", "003-unrolled-speed", "003-ift-memory",
+        "003-ift-threshold", "003-unrolled-vs-ift-accuracy"]  # fmt: skip
     assert {r["verdict"] for r in rows} == {"not run"}
     assert all(r["reason"] for r in rows)
 
@@ -192,7 +198,10 @@ def test_claims_for_and_run_scale():
     assert [c.id for c in claims_for("mondeq_gpu")] == ["004-pr-fb"]
     assert [c.id for c in claims_for("trajectory_cpu")] == [
         "004-trajectory-init", "004-trajectory-init-var", "004-trajectory-separation",
-        "004-trajectory-separation-var"]  # fmt: skip
+        "004-trajectory-separation-var", "004-trajectory-complexity",
+        "004-trajectory-complexity-var"]  # fmt: skip
+    assert [c.id for c in claims_for("kglm_smooth_cpu")] == [
+        "001-gp-informed-init", "001-gp-naive-init"]  # fmt: skip
     assert claims_for("kglm") == [] and claims_for("smoke") == []
     assert run_scale("pcdeq") == "cpu" and run_scale("pcdeq_cpu") == "cpu"
     assert run_scale("pcdeq_gpu") == "paper" and run_scale("pcdeq_paper") == "paper"

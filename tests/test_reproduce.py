@@ -411,3 +411,152 @@ def test_unknown_paper_is_a_usage_error(papers, tmp_path):
 
     r = CliRunner().invoke(app, ["reproduce", *papers, "--out", str(tmp_path)])
     assert r.exit_code == 2
+
+
+# -- extractors of the headline claims with their own rows ---------------------------------------
+
+
+def test_gp_naive_init(tmp_path):
+    rows = []
+    for cell, init, mse in (("n", "kglm_naive", 0.8), ("r", "kglm_random", 1.0),
+                            ("i", "kglm_informed", 0.5)):  # fmt: skip
+        for s in SEEDS:
+            for e in (0, 1):
+                rows.append(row(cell, s, "metrics", "mse", mse + s / 100 + e, variant="test",
+                                step=e, init=init))  # fmt: skip
+                rows.append(row(cell, s, "solver_stats", "forward_converged", 1.0 - e / 2,
+                                variant="test", step=e, init=init))  # fmt: skip
+            rows.append(done(cell, s, init=init))
+    ex = extract("001-gp-naive-init", write_run(tmp_path, rows))
+    assert ex.kwargs == {"naive": pytest.approx([0.8, 0.81, 0.82]),
+                         "random": pytest.approx([1.0, 1.01, 1.02]),
+                         "naive_converged": [1.0] * 3}  # fmt: skip
+    assert check("001-gp-naive-init", ex.kwargs).verdict == "reproduced"
+
+
+def test_klr_finetune_reads_a_trained_kernel_run(tmp_path):
+    rows = []
+    for cell, init, mse in (("k", "kglm_informed", 0.05), ("r", "kglm_random", 0.09)):
+        for s in SEEDS:
+            for e in (0, 5):
+                rows.append(row(cell, s, "metrics", "mse", mse * (1 + e), variant="test", step=e,
+                                init=init))  # fmt: skip
+            rows.append(done(cell, s, init=init))
+    run = write_run(tmp_path, rows, {"data": {"name": "digits_klr"}})
+    ex = extract("001-klr-finetune", run)
+    assert ex.kwargs == {"kernel": [pytest.approx(0.3)] * 3,
+                         "random": [pytest.approx(0.54)] * 3, "scale": "cpu"}  # fmt: skip
+    assert check("001-klr-finetune", ex.kwargs).verdict == "reproduced"
+    # the untrained identity run of kglm_klr (epoch 0 only) measures nothing of this claim
+    only0 = [r for r in rows if r["step"] in (0, None)]
+    (tmp_path / "b").mkdir()
+    ex = extract("001-klr-finetune", write_run(tmp_path / "b", only0,
+                                               {"data": {"name": "digits_klr"}}))  # fmt: skip
+    assert ex.kwargs is None and "after training" in ex.missing
+
+
+def _pcdeq_solve_rows() -> list[dict]:
+    rows = []
+    cells = (("pcdeq_sc-activation=softsign", 1, 1.5, 0), ("pcdeq_sc-activation=relu6", 1, 0.5, 0),
+             ("pcdeq_sc-activation=tanh-nonneg=false", 0, 1.3, 63))  # fmt: skip
+    for cell, nonneg, sig, fail in cells:
+        for s in SEEDS:
+            kw = {"model": "pcdeq_sc"}
+            rows.append(row(cell, s, "family_stats", "nonneg_constraint", nonneg, step=0, **kw))
+            rows.append(row(cell, s, "family_stats", "layers", 1, step=0, **kw))
+            for e in range(4):
+                # sigma_max crosses 1 during epoch 1: that epoch does not count as above 1
+                sg = 0.9 if e == 0 else sig
+                rows.append(row(cell, s, "family_stats", "sigma_max", sg, variant="layer0",
+                                step=e, **kw))  # fmt: skip
+                rows.append(row(cell, s, "family_stats", "sigma_max", sg, variant="max", step=e,
+                                **kw))  # fmt: skip
+                if e:
+                    for m, v in (("forward_nstep", 8.0), ("backward_nstep", 5.0 + e),
+                                 ("forward_not_converged", fail), ("steps", 63)):  # fmt: skip
+                        rows.append(row(cell, s, "family_stats", m, v, step=e, **kw))
+            rows.append(done(cell, s, **kw))
+    return rows
+
+
+def test_pcdeq_solves_at_sigma_above_one(tmp_path):
+    from deqbench.reproduce.checks import EpochSolves
+
+    run = write_run(tmp_path, _pcdeq_solve_rows(),
+                    {"data": {"name": "mnist5k"}, "defaults": {"solver": {"tol": 1e-4}}})  # fmt: skip
+    kw = extract("002-any-norm-convergence", run).kwargs
+    assert kw is not None and kw["tol"] == 1e-4
+    assert kw["pcdeq"]["SC:softsign"][0] == [EpochSolves(0.9, 1.0, 8.0),
+                                             EpochSolves(1.5, 1.0, 8.0),
+                                             EpochSolves(1.5, 1.0, 8.0)]  # fmt: skip
+    assert kw["control"]["SC:tanh"][0][1] == EpochSolves(1.3, 0.0, 8.0)
+    v = check("002-any-norm-convergence", kw)
+    assert v.verdict == "reproduced", v.reason
+    assert "SC:softsign: 6 epochs" in v.measured and "worst converged 0%" in v.measured
+    bw = extract("002-backward-iterations", run).kwargs
+    assert bw == {"backward_iterations": {"SC:softsign": [[6.0, 7.0, 8.0]] * 3,
+                                          "SC:relu6": [[6.0, 7.0, 8.0]] * 3}}  # fmt: skip
+    assert check("002-backward-iterations", bw).verdict == "reproduced"  # +2 of 6: within 50%
+
+
+def test_table2_reads_only_an_svhn_run(tmp_path):
+    rows = []
+    for s in SEEDS:
+        rows.append(row("pcdeq_mc-activation=relu6", s, "family_stats", "nonneg_constraint", 1,
+                        step=0, model="pcdeq_mc"))  # fmt: skip
+        rows.append(row("pcdeq_mc-activation=relu6", s, "family_stats", "test_accuracy", 0.93,
+                        step=50, model="pcdeq_mc"))  # fmt: skip
+        rows.append(done("pcdeq_mc-activation=relu6", s, model="pcdeq_mc"))
+    run = write_run(tmp_path, rows, {"data": {"name": "svhn"}})
+    kw = extract("002-svhn-accuracy", run, "paper").kwargs
+    assert kw == {"accuracy": {"pcDEQ-1-MC-ReLU6": [0.93] * 3}, "scale": "paper",
+                  "paper_data": True}  # fmt: skip
+    assert check("002-svhn-accuracy", kw).verdict == "reproduced"
+    assert extract("002-cifar10-accuracy", run, "paper").kwargs is None
+
+
+def test_opteq_accuracy_extractors(tmp_path):
+    run = write_run(tmp_path, _opteq_rows())
+    th = extract("003-ift-threshold", run).kwargs
+    assert th == {"ift": {1e-2: [0.8] * 3, 1e-3: [0.8] * 3}}
+    assert check("003-ift-threshold", th).verdict == "not reproduced"  # equal: no rise
+    uv = extract("003-unrolled-vs-ift-accuracy", run).kwargs
+    assert uv is not None and uv["unrolled"][20] == pytest.approx([1.0] * 3)
+    assert check("003-unrolled-vs-ift-accuracy", uv).verdict == "reproduced"
+
+
+def test_alpha_sweep(tmp_path):
+    rows = []
+    for a, acc in ((0.01, 0.58), (0.1, 0.57), (0.4, 0.87), (0.8, 0.87)):
+        for s in SEEDS:
+            cell = f"opteq_deep_conv-alpha={a:g}"
+            rows.append(row(cell, s, "metrics", "accuracy", 0.1, variant="test", step=1))
+            rows.append(row(cell, s, "metrics", "accuracy", acc, variant="test", step=2))
+            rows.append(done(cell, s))
+    kw = extract("003-alpha", write_run(tmp_path, rows)).kwargs
+    assert kw is not None and kw["accuracy"][0.01] == [0.58] * 3 and sorted(kw["accuracy"]) == [
+        0.01, 0.1, 0.4, 0.8]  # fmt: skip
+    assert check("003-alpha", kw).verdict == "reproduced"
+
+
+def test_trajectory_complexity(tmp_path):
+    rows = []
+    for cell, std, grow in (("c-init=var1", 1.0, 0.0), ("c-init=var0.01", 0.1, 2.0),
+                            ("c-init=std0.01", 0.01, 3.0)):  # fmt: skip
+        for s in SEEDS:
+            rows.append(row(cell, s, "trajectory", "cell_weight_std", std))
+            for e in (0, 1, 40):
+                rows.append(row(cell, s, "trajectory", "iterations_median",
+                                5.0 + grow * (e > 1), step=e))  # fmt: skip
+            rows.append(done(cell, s))
+    run = write_run(tmp_path, rows)
+    kw = extract("004-trajectory-complexity", run).kwargs
+    assert kw == {"iterations_first": [5.0] * 3, "iterations_last": [8.0] * 3, "last_epoch": 40}
+    assert check("004-trajectory-complexity", kw).verdict == "reproduced"
+    kw = extract("004-trajectory-complexity-var", run).kwargs
+    assert kw is not None and kw["iterations_last"] == [7.0] * 3
+    # recorded at init and epoch 1 only (the CPU suite trains one epoch): missing
+    early = [r for r in rows if r["step"] != 40]
+    (tmp_path / "b").mkdir()
+    ex = extract("004-trajectory-complexity", write_run(tmp_path / "b", early))
+    assert ex.kwargs is None and "after epoch 1" in ex.missing

@@ -14,6 +14,10 @@ checker in :mod:`deqbench.reproduce.checks` and its scale:
 * ``"absolute"``: a number of the paper (Table 1's MNIST accuracies). It is compared only at paper
   scale on the paper's data; at CPU scale the verdict is ``not run`` with reason ``scale``.
 
+A claim with no suite (``suite=None``) is listed with its paper's value all the same: its checker,
+called with ``scale`` alone, answers ``not run`` with a reason naming what is missing (the data,
+or the suite it needs).
+
 ``data_note`` carries the caveats a reader of the report needs; the data each run used (sizes,
 seeds, stand-ins) is generated from the run's suite for the report's ``data`` column, never
 written here by hand.
@@ -167,6 +171,62 @@ CLAIMS: tuple[Claim, ...] = (
         thresholds="fc: log(random / kGLM) seconds > 0 in every seed at every width (App. F: 'much faster than random Gaussian initialisation', no factor); conv: kGLM < 1 s at the largest channel count (App. F)",
         cause="the paper's 'much faster' comes from the authors' public timing script, which builds the kernel on numpy's np.linspace(0, MATRIX_SIZE) grid: numpy's default of 50 points, so it always times a 50x50 kernel against a full-size random matrix. Measured with numpy at width 850: that script's kGLM 2.6e-4 s vs random Gaussian 5.2e-2 s, a full 850x850 kGLM 1.8e-1 s. At equal sizes a kernel (n^2 kernel evaluations and a spectral norm) costs more than n^2 Gaussian draws, as we measure",
     ),
+    Claim(
+        id="001-gp-naive-init",
+        paper="001",
+        where="Section 4 (smooth sequence-to-sequence task), Fig. 5(a)",
+        claim="Naive-GLM initialisation (a kGLM initialisation with the naive kernel) starts "
+        "below random initialisation in test error. The text does not order informed below "
+        "naive: that ordering is neither stated nor judged.",
+        paper_value="Fig. 5 caption: 'kGLM initialisation offers a better starting point and "
+        "faster training than random initialisation' (100 seeds; no numbers; the caption does "
+        "not split kGLM into informed and naive, and no text orders informed < naive < random)",
+        suite="kglm_smooth",
+        check="check_gp_naive_init",
+        scale="trend",
+        data_note="the paper's task (synthetic GP sequences); naive GLM = kGLM with k_naive = exp(-|x - x'|) on a uniform grid over [-2pi, 2pi] (Section 4); the naive model's forward solves must reach their tolerance",
+        window="init",
+        budget="no training: test error at epoch 0 ('a better starting point', Fig. 5 caption); the paper's naive model updates only its readout for the first 10 epochs, which an epoch-0 comparison does not touch",
+        thresholds="log(random / naive) test MSE > 0 in every seed at epoch 0 (direction only: Fig. 5(a) gives no numbers); >= 95% of the naive model's solves converged (our bar)",
+    ),
+    Claim(
+        id="001-klr-finetune",
+        paper="001",
+        where="App. G (fine-tuning), Fig. 14",
+        claim="The DEQ initialised from the kernel (Theorem 3) and then trained with Adam has a "
+        "lower test error than the randomly initialised DEQ trained the same way.",
+        paper_value="Fig. 14 caption: 'Kernel initialisation out-performs random "
+        "initialisation'; 'the initial test error of kernel initialisaton is smaller than after "
+        "training until about 30 training iterations have passed' (binarised MNIST, 30% of "
+        "bits flipped; no numbers in the text)",
+        suite=None,
+        check="check_klr_finetune",
+        scale="trend",
+        data_note="no suite: App. G's model is a kernel DEQ over the 784 pixel coordinates of each binarised MNIST image, trained with the squared loss of its greyscale (sigmoid) output; kglm_klr (digits_klr, 64 pixels) measures the untrained identity only (train epochs 0, one seed)",
+        window="training",
+        paper_steps=3000,
+        budget="5 epochs x 600 steps (60,000 images at batch 100) = 3,000 Adam steps, 'leading to 5 x (60000/100) = 3000 gradient updates' (App. G); LR not stated",
+        thresholds="log(random / kernel) final test MSE > 0 in every seed (direction only: Fig. 14 gives no numbers)",
+    ),
+    Claim(
+        id="001-hsi-denoise",
+        paper="001",
+        where="App. F (hyperspectral image denoising), Table 1",
+        claim="On hyperspectral road images, kGLM initialisation gives a lower mean log test "
+        "loss at the best spectral norm than random initialisation, with fewer failed runs.",
+        paper_value="Table 1, kGLM vs random, mean log test loss (failed runs): 4 ch epoch 0 "
+        "-4.80 (0) vs -3.37 (220), epoch 5 -6.64 (21) vs -6.57 (222); 8 ch epoch 5 -6.80 (46) "
+        "vs -6.79 (486); 10 ch epoch 5 -6.90 (35) vs -6.87 (268); 13 ch epoch 0 -4.60 (0) vs "
+        "-3.23 (185), epoch 5 -6.87 (28) vs -6.46 (208)",
+        suite=None,
+        check="check_hsi_denoise",
+        scale="absolute",
+        data_note="the paper's data (3799 hyperspectral 25-channel road images of size 192x384, HSI Road of Lu et al. 2020, App. F) is not in this environment and no dataset loader reads it: not run (data); the log base is not stated",
+        window="training",
+        paper_epochs=5,
+        budget="epochs 0, 3 and 5 (Table 1); train/test split, batch size, optimizer and LR not stated",
+        thresholds="at paper scale on the paper's data only: per channel count and epoch, the kGLM and random means within max(0.01 (Table 1's precision), the seed SD) of Table 1",
+    ),
     # -- 002: pcDEQ (Gabor et al.) ----------------------------------------------------------------
     Claim(
         id="002-mnist-accuracy",
@@ -239,6 +299,79 @@ CLAIMS: tuple[Claim, ...] = (
         budget="40 epochs x 938 steps (MNIST 60,000 at batch 64) = 37,520 AdamW steps, LR x0.1 after step 28,140 (App. C, Table 5)",
         thresholds="per architecture (L, SC, MC) and seed: the control's relative rise of iterations over the first epoch exceeds the pcDEQ's by > 50% (the growth tolerance of 002-iterations; the paper states no size) in every seed",
     ),
+    Claim(
+        id="002-any-norm-convergence",
+        paper="002",
+        where="Section 4 (Prop. 4.6, Lemma 4.2, Definition A.1); Section 5.4",
+        claim="With W >= 0, a positive input and a concave activation, the plain fixed-point "
+        "iteration of a pcDEQ layer converges geometrically for any ||W||, also when the "
+        "Lipschitz bound sigma_max(W) > 1 (judged on the training solves of the pcdeq run of "
+        "the scale: every epoch whose sigma_max stayed above 1).",
+        paper_value="Prop. 4.6: 'the fixed point iteration of g_x ... converges geometrically "
+        "... to z* for any z_1 in R^n_+ and any input x' (no condition on ||W||); Section 5.4: "
+        "'the unique fixed point can still exist even if L > 1'; the rate c in [0, 1) is not "
+        "quantified (Def. A.1)",
+        suite="pcdeq",
+        check="check_any_norm_convergence",
+        scale="trend",
+        data_note="a theorem about any W, so any data; measured on the pcdeq run's training solves (family_stats per epoch); the unconstrained tanh control is shown for contrast, not judged",
+        window="none",
+        budget="no budget: a theorem about every W >= 0; judged at whatever epochs the run reaches sigma_max > 1",
+        thresholds="an epoch counts when sigma_max (the largest over the layer's W, family_stats) exceeds 1 at its start and at its end (Section 5.4: L > 1 is where Banach says nothing); at each such (constrained cell, seed, epoch) >= 95% of the training solves converged (our bar; for the 3-layer MC the share counts every layer's solves: the run records failures per epoch, not per layer); >= 3 seeds with such epochs; the per-step rate c = tol^(1 / mean iterations) is shown as information only (the paper gives no c)",
+    ),
+    Claim(
+        id="002-backward-iterations",
+        paper="002",
+        where="Section 5.3, Fig. 3 (SC, forward and backward); App. D.1, Fig. 8 (L, MC); contribution 2",
+        claim="The number of fixed-point iterations of a pcDEQ's backward pass does not grow "
+        "during training ('only a few iterations are needed'; no number is given for the "
+        "backward pass, so only the non-growth is judged).",
+        paper_value="contribution 2: 'only a few iterations are needed to achieve numerical "
+        "convergence, and the number of iterations does not increase over the course of "
+        "training'; Figs. 3 and 8 show forward and backward passes (five runs, no numbers)",
+        suite="pcdeq",
+        check="check_backward_iterations",
+        scale="trend",
+        data_note="the backward pass is the implicit (IFT) adjoint solved by plain iteration, as the forward; its tolerance is not stated in the paper (ours: the suite's)",
+        window="training",
+        paper_steps=37520,
+        budget="40 epochs x 938 steps (MNIST 60,000 at batch 64) = 37,520 AdamW steps, LR x0.1 after epoch 30 = step 28,140 (App. C, Table 5)",
+        thresholds="'does not increase' (contribution 2; no tolerance in the paper): per seed, the peak per-epoch mean backward iterations after the first epoch exceeds the first epoch's mean by at most 50% (ours, as 002-iterations) and by at least 1 iteration to count; every architecture measured; 'a few' has no number and is not judged",
+    ),
+    Claim(
+        id="002-svhn-accuracy",
+        paper="002",
+        where="Section 5.2, Table 2; App. C, Table 6",
+        claim="pcDEQ models reach 87.3-88.4% (SC) and 91.5-93.0% (MC) test accuracy on SVHN, "
+        "averaged over five runs.",
+        paper_value="SC (165K): ReLU6 88.0, Tanh 88.1, Softsign 88.4, Sigmoid 87.3; MC (131K): "
+        "93.0, 92.3, 92.3, 91.5 (%, Table 2)",
+        suite=None,
+        check="check_svhn_accuracy",
+        scale="absolute",
+        data_note="compared only at paper scale on SVHN; SVHN's files are not in this environment and no suite trains the pcDEQs on SVHN yet",
+        window="training",
+        paper_steps=91600,
+        budget="SC: 80 epochs x 1,145 steps (SVHN 73,257 at batch 64) = 91,600 AdamW steps, LR x0.1 after epoch 70; MC: 50 epochs = 57,250 steps, LR x0.1 after epoch 40 (App. C, Table 6)",
+        thresholds="mean over seeds >= Table 2's value - max(0.1 point (Table 2's precision), the seed SD)",
+    ),
+    Claim(
+        id="002-cifar10-accuracy",
+        paper="002",
+        where="Section 5.2, Table 3; App. C, Table 7",
+        claim="pcDEQ models reach 75.5-76.6% (SC), 71.0-78.2% (MC) and, with data augmentation, "
+        "85.6-89.2% (MC*) test accuracy on CIFAR-10, averaged over five runs.",
+        paper_value="SC (165K): ReLU6 76.3, Tanh 76.6, Softsign 76.4, Sigmoid 75.5; MC (131K): "
+        "78.2, 76.5, 77.1, 71.0; MC* (661K, augmented): 89.2, 88.5, 89.0, 85.6 (%, Table 3)",
+        suite=None,
+        check="check_cifar10_accuracy",
+        scale="absolute",
+        data_note="compared only at paper scale on CIFAR-10; CIFAR-10's files are not in this environment and no suite trains the pcDEQs on CIFAR-10 yet",
+        window="training",
+        paper_steps=93840,
+        budget="SC: 80 epochs x 782 steps (CIFAR-10 50,000 at batch 64) = 62,560 AdamW steps; MC: 50 epochs = 39,100; MC*: 120 epochs = 93,840 (App. C, Table 7)",
+        thresholds="mean over seeds >= Table 3's value - max(0.1 point (Table 3's precision), the seed SD)",
+    ),
     # -- 003: OptEq (Xie et al.) ------------------------------------------------------------------
     Claim(
         id="003-residual-vs-k",
@@ -304,6 +437,59 @@ CLAIMS: tuple[Claim, ...] = (
         window="none",
         budget="no training budget: the peak memory of one training step",
         thresholds="IFT's training-step activation memory at most half of unrolling's at K=20 in every seed ('much less memory', Section 7.4; Section 5.3: unrolling stores every one of its K iterates; half is our reading of 'much', the paper gives no number)",
+    ),
+    Claim(
+        id="003-ift-threshold",
+        paper="003",
+        where="Section 7.4, Table 8",
+        claim="A loose residual threshold hurts IFT training: IFT at thd 1e-3 reaches a higher "
+        "test accuracy than at thd 1e-2.",
+        paper_value="IFT thd 1e-3: 87.63%, thd 1e-2: 85.95% (Table 8); 'a loose residual "
+        "threshold may destroy the IFT based method significantly' (Section 7.4)",
+        suite="opteq",
+        check="check_ift_threshold",
+        scale="trend",
+        data_note="trend only: the accuracies themselves are not compared",
+        window="training",
+        paper_steps=80000,
+        budget="Table 8's budget is not stated; Section 7.2: 200 epochs x 400 steps = 80,000 SGD steps (CIFAR-10 at batch 125)",
+        thresholds="IFT accuracy at thd 1e-3 above thd 1e-2 in every seed (direction only; Table 8: +1.68 points)",
+    ),
+    Claim(
+        id="003-unrolled-vs-ift-accuracy",
+        paper="003",
+        where="Section 7.4, Table 8",
+        claim="At a comparable relative residual, unrolled OptEq training reaches at least "
+        "the test accuracy of IFT training.",
+        paper_value="K=20 87.71% vs IFT thd 1e-3 87.63%; K=10 87.28% vs IFT thd 1e-2 85.95% "
+        "(Table 8); 'given the comparable relative residual, the unrolling methods achieve "
+        "better performance' (Section 7.4)",
+        suite="opteq",
+        check="check_unrolled_vs_ift_accuracy",
+        scale="trend",
+        data_note="trend only: the accuracies themselves are not compared",
+        window="training",
+        paper_steps=80000,
+        budget="Table 8's budget is not stated; Section 7.2: 200 epochs x 400 steps = 80,000 SGD steps (CIFAR-10 at batch 125)",
+        thresholds="at Table 8's pairs (K=20 vs thd 1e-3, K=10 vs thd 1e-2): unrolled accuracy >= IFT's in every seed (a tie counts: 'at least'; Table 8's margins +0.08 and +1.33 points)",
+    ),
+    Claim(
+        id="003-alpha",
+        paper="003",
+        where="Section 7.2, Table 5",
+        claim="OptEq is sensitive to the damping alpha: alpha >= 0.4 gives a higher test "
+        "accuracy than alpha <= 0.1.",
+        paper_value="alpha 0.01: 58.4-75.0%, alpha 0.1: 56.8-66.1%, alpha 0.4: 78.4-88.0%, "
+        "alpha 0.8: 87.0-87.6%, alpha 1.0: 87.0-88.1% (Table 5, eight regularisers); 'setting "
+        "alpha > 0.4 is a safe choice'",
+        suite=None,
+        check="check_alpha",
+        scale="trend",
+        data_note="no suite: needs an alpha sweep of the deep OptEq (Table 5); the opteq suites fix alpha (1.0 CPU, 0.8 paper scale)",
+        window="training",
+        paper_steps=80000,
+        budget="200 epochs x 400 steps (CIFAR-10 50,000 at batch 125) = 80,000 SGD steps, LR 0.1 x0.7 every 20 epochs, weight decay 3e-4, K = 20 (Section 7.2)",
+        thresholds="per seed, mean accuracy over alpha >= 0.4 minus mean over alpha <= 0.1 > 0 in every seed (direction only; Table 5: every column's alpha >= 0.4 mean is above its alpha <= 0.1 mean)",
     ),
     # -- 004: NTK / trajectory / landscape thesis (Nguyen) ----------------------------------------
     Claim(
@@ -425,6 +611,42 @@ CLAIMS: tuple[Claim, ...] = (
         budget="50 epochs x 500 steps (CIFAR-10 50,000 at batch 100) = 25,000 Adam steps, cosine annealing from 1e-3 (Section 4.2)",
         thresholds="small-loss area grows repeat-6 < repeat-11 < repeat-18 < DEQ in every seed (direction only; the thesis defines no 'small-loss' level: ours is fixed per run); >= 95% of the DEQ's grid solves converged (our bar)",
     ),
+    Claim(
+        id="004-trajectory-complexity",
+        paper="004",
+        where="Section 4.1.2, Fig. 4.3",
+        claim="The dynamics of the DEQ become more complex during training: the forward "
+        "iterates need more steps to settle at the end of training than after the first epoch.",
+        paper_value="qualitative: 'the dynamic of DEQ becomes more complex during training ... "
+        "During the training, the trajectory becomes more complex and orbits near the fixed "
+        "points' (MNIST, PCA to 2-d; no iteration counts)",
+        suite="trajectory",
+        check="check_trajectory_complexity",
+        scale="trend",
+        data_note="complexity read as the solver's f-evaluations to tolerance of the probe trajectories (trajectory iterations_median); N(0, 0.01) read as std 0.01 (cell init=std0.01), the primary reading; which init the thesis trained is not stated; the -var row gives the variance reading",
+        window="training",
+        paper_epochs=40,
+        budget="40 epochs of MNIST with Adam, lr 1e-3, cosine annealing (Section 4.1.2); the batch size is not stated, so the step count is not known: a run is within budget at 40 epochs",
+        thresholds="log(iterations_median at the last recorded epoch / after epoch 1) > 0 in every seed (direction only; the thesis gives no numbers). The measure: the trajectory analysis records per epoch the f-evaluations until each probe's relative residual falls below tol (an iterate that 'orbits near the fixed point' takes longer to get within tol), not a path length; 'more complex' has no other number",
+    ),
+    Claim(
+        id="004-trajectory-complexity-var",
+        paper="004",
+        where="Section 4.1.2, Fig. 4.3",
+        claim="The dynamics of the DEQ become more complex during training: the forward "
+        "iterates need more steps to settle at the end of training than after the first epoch.",
+        paper_value="qualitative: 'the dynamic of DEQ becomes more complex during training ... "
+        "During the training, the trajectory becomes more complex and orbits near the fixed "
+        "points' (MNIST, PCA to 2-d; no iteration counts)",
+        suite="trajectory",
+        check="check_trajectory_complexity_var",
+        scale="trend",
+        data_note="complexity read as the solver's f-evaluations to tolerance of the probe trajectories (trajectory iterations_median); N(0, 0.01) read as a variance (std 0.1; cell init=var0.01), the second reading; the primary reading (std 0.01) is the row without -var",
+        window="training",
+        paper_epochs=40,
+        budget="40 epochs of MNIST with Adam, lr 1e-3, cosine annealing (Section 4.1.2); the batch size is not stated, so the step count is not known: a run is within budget at 40 epochs",
+        thresholds="log(iterations_median at the last recorded epoch / after epoch 1) > 0 in every seed (direction only; the thesis gives no numbers). The measure: the trajectory analysis records per epoch the f-evaluations until each probe's relative residual falls below tol (an iterate that 'orbits near the fixed point' takes longer to get within tol), not a path length; 'more complex' has no other number",
+    ),
 )
 
 #: every place where our earlier expectations (our reference notes, the old outcome checks, the
@@ -439,6 +661,10 @@ DIFFERS_FROM_OURS: tuple[str, ...] = (
     "epochs 0/10/50 and 'random worse at the end' -- the paper (Fig. 5(a)) claims a better start "
     "and faster training than random, gives no factors and no final-epoch ordering; and our "
     "informed model hit max_iter 25 in every solve (unconverged iterates compared).",
+    "001-gp-naive-init: our notes and the old kglm_smooth check ordered 'informed < naive < "
+    "random' -- the paper (Fig. 5) states only that kGLM initialisation (informed or naive) "
+    "starts better than random; informed below naive is not stated, so only naive below random "
+    "at epoch 0 is judged.",
     "001-denoise: kglm_denoise checked 'kGLM best <= random best at the last epoch', 'kGLM lower "
     "at epoch 0' and 'the largest scale (>= 3) unstable for both', failed runs only reported "
     "(our notes) -- the paper (Fig. 6, Table 1) claims kGLM better at every epoch and fewer "

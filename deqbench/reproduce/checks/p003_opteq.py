@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from . import (
+    MIN_SEEDS,
     NOT_RUN,
     Verdict,
     _checker,
@@ -36,6 +37,13 @@ __all__ = [
     "MUCH_LESS",
     "MEMORY_K",
     "check_ift_memory",
+    "TABLE8_IFT_THRESHOLDS",
+    "check_ift_threshold",
+    "check_unrolled_vs_ift_accuracy",
+    "ALPHA_LOW",
+    "ALPHA_HIGH",
+    "ALPHA_MISSING",
+    "check_alpha",
 ]
 
 
@@ -229,4 +237,130 @@ def check_ift_memory(
     reason = (
         "" if t.holds else f"IFT memory not <= {MUCH_LESS:g}x unrolled K={MEMORY_K} in every seed"
     )
+    return _verdict(cid, _word(t.holds), reason, measured)
+
+
+#: Table 8's IFT thresholds: (tight, loose); 87.63% at 1e-3 vs 85.95% at 1e-2
+TABLE8_IFT_THRESHOLDS = (1e-3, 1e-2)
+
+
+@_checker("003-ift-threshold")
+def check_ift_threshold(*, ift: Mapping[float, Sequence[float]]) -> Verdict:
+    """003-ift-threshold: a loose residual threshold hurts IFT (Table 8: 87.63% at thd 1e-3,
+    85.95% at 1e-2).
+
+    Args:
+        ift: IFT threshold -> per-seed final test accuracy (fraction).
+
+    Per seed effect = accuracy(thd 1e-3) - accuracy(thd 1e-2); it must be a trend.
+    """
+    cid = "003-ift-threshold"
+    tight, loose = TABLE8_IFT_THRESHOLDS
+    if not (_has(ift, tight) and _has(ift, loose)):
+        return _verdict(cid, NOT_RUN, "data: needs IFT at thd 1e-3 and 1e-2 (Table 8)", "")
+    a, b = _get(ift, tight), _get(ift, loose)
+    bad = _seeds(cid, _paired(cid, {"tight": a, "loose": b}))
+    if bad:
+        return bad
+    t = seed_trend([float(x) - float(y) for x, y in zip(a, b)])
+    measured = (
+        f"IFT thd 1e-3: {100 * _med(a):.2f}%, thd 1e-2: {100 * _med(b):.2f}%; difference {t.text()}"
+    )
+    bad = _few(cid, [t], measured)
+    if bad:
+        return bad
+    reason = "" if t.holds else "IFT at thd 1e-3 not above thd 1e-2 in every seed"
+    return _verdict(cid, _word(t.holds), reason, measured)
+
+
+@_checker("003-unrolled-vs-ift-accuracy")
+def check_unrolled_vs_ift_accuracy(
+    *, unrolled: Mapping[int, Sequence[float]], ift: Mapping[float, Sequence[float]]
+) -> Verdict:
+    """003-unrolled-vs-ift-accuracy: at a comparable residual unrolling reaches at least IFT's
+    accuracy (Table 8: K=20 87.71% vs thd 1e-3 87.63%; K=10 87.28% vs thd 1e-2 85.95%).
+
+    Args:
+        unrolled: K -> per-seed final test accuracy of unrolled training.
+        ift: IFT threshold -> per-seed final test accuracy.
+
+    At each pair of :data:`TABLE8_PAIRS` measured, per seed ``acc(K) - acc(thd)`` must be
+    >= 0 (a tie counts: "at least") in every one of >= 3 seeds.
+    """
+    cid = "003-unrolled-vs-ift-accuracy"
+    pairs = [(thd, k) for thd, k in TABLE8_PAIRS.items() if k in unrolled and _has(ift, thd)]
+    if not pairs:
+        return _verdict(
+            cid, NOT_RUN, "data: needs K=20 with IFT thd 1e-3 or K=10 with thd 1e-2 (Table 8)", ""
+        )
+    parts, below = [], []
+    for thd, k in pairs:
+        u, i = unrolled[k], _get(ift, thd)
+        bad = _seeds(cid, _paired(cid, {f"K={k}": u, f"thd={thd:g}": i}))
+        if bad:
+            return bad
+        diff = [float(a) - float(b) for a, b in zip(u, i)]
+        good = [d for d in diff if math.isfinite(d)]
+        if len(good) < MIN_SEEDS:
+            return _verdict(cid, NOT_RUN, f"seeds: only {len(good)} seeds with finite values "
+                            f"< {MIN_SEEDS}", "")  # fmt: skip
+        if not all(d >= 0 for d in good):
+            below.append(f"K={k} vs thd {thd:g}")
+        parts.append(
+            f"K={k} {100 * _med(u):.2f}% vs IFT thd {thd:g} {100 * _med(i):.2f}% "
+            f"(per seed {', '.join(f'{100 * d:+.2f}' for d in diff)} points)"
+        )
+    reason = f"unrolled below IFT in some seed: {', '.join(below)}" if below else ""
+    return _verdict(cid, _word(not below), reason, "; ".join(parts))
+
+
+#: Table 5's alpha groups: the poor (0.01, 0.1: 56.8-75.0%) and the good (0.4, 0.8, 1.0: mostly
+#: 85-88%; "setting alpha > 0.4 is a safe choice", Section 7.2)
+ALPHA_LOW = 0.1
+ALPHA_HIGH = 0.4
+#: why Table 5 is not measured
+ALPHA_MISSING = "no suite: needs an alpha sweep of the deep OptEq (Table 5)"
+
+
+@_checker("003-alpha")
+def check_alpha(
+    *, accuracy: Mapping[float, Sequence[float]] | None = None, scale: str = "cpu"
+) -> Verdict:
+    """003-alpha: alpha >= 0.4 trains to a higher accuracy than alpha <= 0.1 (Table 5).
+
+    Args:
+        accuracy: alpha -> per-seed final test accuracy (fraction); None: not measured
+            (``not run``, :data:`ALPHA_MISSING`).
+        scale: ``"cpu"`` or ``"paper"`` (the step budget is the runner's gate).
+
+    Per seed effect = mean accuracy over alpha >= :data:`ALPHA_HIGH` - mean over alpha <=
+    :data:`ALPHA_LOW`; it must be a trend. Both groups must be measured.
+    """
+    cid = "003-alpha"
+    if accuracy is None:
+        return _verdict(cid, NOT_RUN, ALPHA_MISSING, "not measured")
+    lo = [a for a in sorted(accuracy) if a <= ALPHA_LOW]
+    hi = [a for a in sorted(accuracy) if a >= ALPHA_HIGH]
+    if not lo or not hi:
+        return _verdict(
+            cid, NOT_RUN, "data: needs alpha <= 0.1 and alpha >= 0.4 (Table 5)",
+            ", ".join(f"{a:g}" for a in sorted(accuracy)),
+        )  # fmt: skip
+    n = _paired(cid, {f"{a:g}": accuracy[a] for a in lo + hi})
+    bad = _seeds(cid, n)
+    if bad:
+        return bad
+
+    def mean(alphas: Sequence[float], i: int) -> float:
+        return sum(float(accuracy[a][i]) for a in alphas) / len(alphas)
+
+    t = seed_trend([mean(hi, i) - mean(lo, i) for i in range(n)])
+    measured = (
+        ", ".join(f"alpha {a:g}: {100 * _med(accuracy[a]):.2f}%" for a in lo + hi)
+        + f"; mean(alpha >= {ALPHA_HIGH:g}) - mean(alpha <= {ALPHA_LOW:g}): {t.text()}"
+    )
+    bad = _few(cid, [t], measured)
+    if bad:
+        return bad
+    reason = "" if t.holds else "alpha >= 0.4 not above alpha <= 0.1 in every seed"
     return _verdict(cid, _word(t.holds), reason, measured)

@@ -40,6 +40,8 @@ __all__ = [
     "check_trajectory_init_var",
     "check_trajectory_separation",
     "check_trajectory_separation_var",
+    "check_trajectory_complexity",
+    "check_trajectory_complexity_var",
     "LANDSCAPE_ORDER",
     "check_landscape_repeats",
 ]
@@ -292,6 +294,55 @@ def check_trajectory_separation_var(
         silhouette_trained=silhouette_trained,
         converged=converged,
     )
+
+
+def _trajectory_complexity(
+    cid: str, iterations_first: Sequence[float], iterations_last: Sequence[float], last_epoch: int
+) -> Verdict:
+    n = _paired(cid, {"first": iterations_first, "last": iterations_last})
+    bad = _seeds(cid, n)
+    if bad:
+        return bad
+    if not last_epoch > 1:
+        return _verdict(cid, NOT_RUN, "data: no recording after epoch 1", "")
+    t = seed_trend([_log_ratio(b, a) for a, b in zip(iterations_first, iterations_last)])
+    measured = (
+        f"f-evals to tol {_g(_med(iterations_first))} (after epoch 1) -> "
+        f"{_g(_med(iterations_last))} (epoch {last_epoch}); log ratio {t.text()}"
+    )
+    bad = _few(cid, [t], measured)
+    if bad:
+        return bad
+    reason = "" if t.holds else f"iterations do not rise from epoch 1 to {last_epoch} in every seed"
+    return _verdict(cid, _word(t.holds), reason, measured)
+
+
+@_checker("004-trajectory-complexity")
+def check_trajectory_complexity(
+    *, iterations_first: Sequence[float], iterations_last: Sequence[float], last_epoch: int
+) -> Verdict:
+    """004-trajectory-complexity: the dynamics grow more complex during training (N(0, 0.01)
+    read as std 0.01): the probe trajectories need more f-evaluations to reach tolerance at the
+    last recorded epoch than after epoch 1.
+
+    Args:
+        iterations_first: per seed, ``iterations_median`` of the probes after epoch 1.
+        iterations_last: per seed, the same at the last recorded epoch.
+        last_epoch: that epoch (must be > 1).
+
+    Per seed effect ``log(last / first)``; it must be a trend.
+    """
+    return _trajectory_complexity("004-trajectory-complexity", iterations_first,
+                                  iterations_last, last_epoch)  # fmt: skip
+
+
+@_checker("004-trajectory-complexity-var")
+def check_trajectory_complexity_var(
+    *, iterations_first: Sequence[float], iterations_last: Sequence[float], last_epoch: int
+) -> Verdict:
+    """004-trajectory-complexity with N(0, 0.01) read as a variance (std 0.1)."""
+    return _trajectory_complexity("004-trajectory-complexity-var", iterations_first,
+                                  iterations_last, last_epoch)  # fmt: skip
 
 
 #: Fig. 4.4's order of the small-loss area: repeat-6 < repeat-11 < repeat-18 < DEQ

@@ -22,6 +22,7 @@ from . import (
     _per_seed,
     _rows,
     _task_status,
+    data_name,
     seeds_of,
     suite_raw,
 )
@@ -29,6 +30,9 @@ from . import (
 __all__ = [
     "klr_equivalence",
     "gp_informed_init",
+    "gp_naive_init",
+    "klr_finetune",
+    "hsi_denoise",
     "denoise",
     "init_cost",
 ]
@@ -134,6 +138,56 @@ def gp_informed_init(df: Any, run_dir: Path, scale: str) -> Extracted:
     return Extracted(
         {"informed": inf, "random": rnd, "informed_converged": conv}, notes=tuple(notes)
     )
+
+
+@_extractor("001-gp-naive-init")
+def gp_naive_init(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Per seed ``metrics`` test ``mse`` at epoch 0 of the naive (``kglm_naive``) and random
+    (``kglm_random``) cells; the naive model's converged share at epoch 0 (``solver_stats``
+    ``forward_converged``, variants train and test, else the runner's convergence rows)."""
+    seeds = seeds_of(df)
+    cells = {_scheme(_first(df, c, "init")): c for c in df["cell_id"].unique()}
+    if "naive" not in cells or "random" not in cells:
+        return _missing("needs a naive-GLM (kglm_naive) and a random (kglm_random) cell")
+    nv, rd = (_mse_by_epoch(df, cells[s], seeds) for s in ("naive", "random"))
+    if 0 not in nv or 0 not in rd:
+        return _missing("no metrics test mse at epoch 0 of the naive and random cells")
+    st = _rows(df[df["cell_id"] == cells["naive"]], "solver_stats", "forward_converged")
+    st = st[st["variant"].isin(["train", "test"]) & (st["step"] == 0)]
+    conv = (
+        _per_seed(st, seeds, "mean")
+        if len(st)
+        else [_converged_share(df, cells["naive"], s) for s in seeds]
+    )
+    kw: dict[str, Any] = {"naive": nv[0], "random": rd[0]}
+    if all(math.isfinite(c) for c in conv):
+        kw["naive_converged"] = conv
+    return Extracted(kw)
+
+
+@_extractor("001-klr-finetune")
+def klr_finetune(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Per seed the last ``metrics`` test ``mse`` of the kernel-initialised (``kglm_informed``)
+    and random (``kglm_random``) cells of a run that trained (last epoch >= 1) on binarised,
+    corrupted images (``digits_klr``); no suite runs it yet (the claim is listed with
+    ``suite=None``)."""
+    if data_name(run_dir) != "digits_klr":
+        return _missing("a run of the kernel DEQ trained on binarised, corrupted images")
+    seeds = seeds_of(df)
+    cells = {_scheme(_first(df, c, "init")): c for c in df["cell_id"].unique()}
+    if "informed" not in cells or "random" not in cells:
+        return _missing("needs a kernel-initialised (kglm_informed) and a random cell")
+    kg, rd = (_mse_by_epoch(df, cells[s], seeds) for s in ("informed", "random"))
+    if not kg or not rd or max(kg) < 1 or max(rd) < 1:
+        return _missing("no test mse after training (the kglm_klr suite trains 0 epochs)")
+    return Extracted({"kernel": kg[max(kg)], "random": rd[max(rd)], "scale": scale})
+
+
+@_extractor("001-hsi-denoise")
+def hsi_denoise(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Nothing to read: no dataset loads App. F's hyperspectral road images (the claim is
+    listed with ``suite=None``; its checker names what is missing)."""
+    return _missing("no dataset loads App. F's hyperspectral road images (HSI Road)")
 
 
 @_extractor("001-denoise")

@@ -6,6 +6,7 @@ checker in :mod:`deqbench.reproduce.checks.p002_pcdeq`; the shared readers and t
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,18 @@ from . import (
     _rows,
     data_name,
     seeds_of,
+    suite_raw,
 )
 
 __all__ = [
     "mnist_accuracy",
+    "svhn_accuracy",
+    "cifar10_accuracy",
     "iterations",
+    "backward_iterations",
     "lipschitz",
     "unconstrained",
+    "any_norm_convergence",
 ]
 
 
@@ -50,11 +56,9 @@ def _pcdeq_cells(df: Any) -> list[tuple[str, str, str, bool]]:
     return out
 
 
-@_extractor("002-mnist-accuracy")
-def mnist_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
+def _table_accuracy(df: Any) -> dict[str, list[float]]:
     """Final ``family_stats`` ``test_accuracy`` (else ``metrics`` test accuracy) per seed of each
-    constrained pcDEQ cell, keyed by its Table 1 name (``pcDEQ-1-L-Tanh``, sigmoid: pcDEQ-2);
-    ``paper_data`` when the run's dataset is ``mnist``."""
+    constrained pcDEQ cell, keyed by its table name (``pcDEQ-1-L-Tanh``, sigmoid: pcDEQ-2)."""
     seeds = seeds_of(df)
     acc: dict[str, list[float]] = {}
     for c, arch, act, nonneg in _pcdeq_cells(df):
@@ -68,15 +72,50 @@ def mnist_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
         n = 2 if act == "sigmoid" else 1
         pretty = "ReLU6" if act == "relu6" else act.capitalize()
         acc[f"pcDEQ-{n}-{arch}-{pretty}"] = last
+    return acc
+
+
+@_extractor("002-mnist-accuracy")
+def mnist_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Final test accuracy per seed of each constrained pcDEQ cell, keyed by its Table 1 name;
+    ``paper_data`` when the run's dataset is ``mnist``."""
+    acc = _table_accuracy(df)
     return Extracted({"accuracy": acc, "scale": scale, "paper_data": data_name(run_dir) == "mnist"})
 
 
-def _pcdeq_iterations(df: Any, nonneg: bool) -> dict[str, list[list[float]]]:
-    """``"ARCH:activation"`` -> per seed, per-epoch mean forward iterations (epochs >= 1)."""
+def _on(dataset: str, table: str) -> Any:
+    def fn(df: Any, run_dir: Path, scale: str) -> Extracted:
+        if data_name(run_dir) != dataset:
+            return _missing(f"the run is not on {dataset} ({table} is)")
+        acc = {k: v for k, v in _table_accuracy(df).items() if ":" not in k}
+        return Extracted({"accuracy": acc, "scale": scale, "paper_data": True})
+
+    return fn
+
+
+@_extractor("002-svhn-accuracy")
+def svhn_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Final test accuracy per seed of each constrained SC / MC pcDEQ cell of a run on ``svhn``,
+    keyed by its Table 2 name (a run on other data: missing)."""
+    return _on("svhn", "Table 2")(df, run_dir, scale)  # type: ignore[no-any-return]
+
+
+@_extractor("002-cifar10-accuracy")
+def cifar10_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """As :func:`svhn_accuracy` for a run on ``cifar10`` (Table 3; the augmented MC* models are
+    not told apart from MC here)."""
+    return _on("cifar10", "Table 3")(df, run_dir, scale)  # type: ignore[no-any-return]
+
+
+def _pcdeq_iterations(
+    df: Any, nonneg: bool, metric: str = "forward_nstep"
+) -> dict[str, list[list[float]]]:
+    """``"ARCH:activation"`` -> per seed, per-epoch mean iterations (``metric``, the mean over
+    layers; epochs >= 1)."""
     seeds = seeds_of(df)
     out = {}
     for c, arch, act, _ in (x for x in _pcdeq_cells(df) if x[3] == nonneg):
-        d = _rows(df[df["cell_id"] == c], "family_stats", "forward_nstep", "")
+        d = _rows(df[df["cell_id"] == c], "family_stats", metric, "")
         out[f"{arch}:{act}"] = _curves(d, seeds, min_step=1)
     return out
 
@@ -92,6 +131,17 @@ def iterations(df: Any, run_dir: Path, scale: str) -> Extracted:
     return Extracted(
         {"forward_iterations": it, "scale": scale, "paper_data": data_name(run_dir) == "mnist"}
     )
+
+
+@_extractor("002-backward-iterations")
+def backward_iterations(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Per ``"ARCH:activation"``, per seed, the per-epoch mean backward iterations
+    (``family_stats`` ``backward_nstep``, variant "" = mean over layers, epochs >= 1) of the
+    constrained pcDEQ cells."""
+    it = _pcdeq_iterations(df, nonneg=True, metric="backward_nstep")
+    if not it or not any(any(c) for cs in it.values() for c in cs):
+        return _missing("no family_stats backward_nstep of a constrained pcDEQ cell")
+    return Extracted({"backward_iterations": it})
 
 
 @_extractor("002-lipschitz")
@@ -139,3 +189,58 @@ def unconstrained(df: Any, run_dir: Path, scale: str) -> Extracted:
             "control_iterations": {a: ctl[f"{a}:tanh"] for a in archs},
         }
     )
+
+
+def _epoch_solves(df: Any, cell: str, seed: int) -> list[tuple[float, float, float]]:
+    """Per training epoch (>= 1) of one cell and seed: (sigma_max over the epoch, converged
+    share, mean forward iterations), from ``family_stats``. sigma_max over the epoch is the
+    smaller of its values at the epoch's start (end of the previous epoch, 0 = init) and end,
+    taking the largest over the layers (variant ``max``, else ``layer0``); the converged share
+    is ``1 - forward_not_converged / (steps x layers)``."""
+    d = _rows(df[(df["cell_id"] == cell) & (df["seed"] == seed)], "family_stats")
+    d = d[d["step"].notna()]
+
+    def per_epoch(metric: str, variants: tuple[str, ...]) -> dict[int, float]:
+        for v in variants:
+            g = d[(d["metric"] == metric) & (d["variant"] == v)]
+            if len(g):
+                return {int(k): float(x) for k, x in zip(g["step"], g["value"])}
+        return {}
+
+    sig = per_epoch("sigma_max", ("max", "layer0", ""))
+    fail = per_epoch("forward_not_converged", ("",))
+    steps = per_epoch("steps", ("",))
+    its = per_epoch("forward_nstep", ("",))
+    lay = d[d["metric"] == "layers"]["value"]
+    layers = float(lay.max()) if len(lay) else 1.0
+    out = []
+    for e in sorted(k for k in its if k >= 1):
+        s = min(sig.get(e - 1, math.nan), sig.get(e, math.nan))
+        n = steps.get(e, math.nan) * max(layers, 1.0)
+        conv = 1.0 - fail.get(e, math.nan) / n if n > 0 else math.nan
+        out.append((s, conv, its[e]))
+    return out
+
+
+@_extractor("002-any-norm-convergence")
+def any_norm_convergence(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Per ``"ARCH:activation"`` of the constrained pcDEQ cells (``pcdeq``) and of the
+    unconstrained controls (``control``), per seed, per training epoch an
+    :class:`~deqbench.reproduce.checks.p002_pcdeq.EpochSolves` (:func:`_epoch_solves`); ``tol``
+    the suite's forward solver tolerance (for the implied rate)."""
+    from ..checks.p002_pcdeq import EpochSolves
+
+    seeds = seeds_of(df)
+    pc: dict[str, list[list[EpochSolves]]] = {}
+    ctl: dict[str, list[list[EpochSolves]]] = {}
+    for c, arch, act, nonneg in _pcdeq_cells(df):
+        curves = [[EpochSolves(*e) for e in _epoch_solves(df, c, s)] for s in seeds]
+        (pc if nonneg else ctl)[f"{arch}:{act}"] = curves
+    if not any(any(c) for cs in pc.values() for c in cs):
+        return _missing("no family_stats per-epoch solves of a constrained pcDEQ cell")
+    kw: dict[str, Any] = {"pcdeq": pc, "control": ctl}
+    defaults = suite_raw(run_dir).get("defaults")
+    solver = defaults.get("solver") if isinstance(defaults, dict) else None
+    if isinstance(solver, dict) and "tol" in solver:
+        kw["tol"] = float(solver["tol"])
+    return Extracted(kw)

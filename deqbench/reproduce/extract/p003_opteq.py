@@ -26,6 +26,9 @@ __all__ = [
     "accuracy_vs_k",
     "unrolled_speed",
     "ift_memory",
+    "ift_threshold",
+    "unrolled_vs_ift_accuracy",
+    "alpha",
 ]
 
 
@@ -121,3 +124,42 @@ def ift_memory(df: Any, run_dir: Path, scale: str) -> Extracted:
         if _positive(un) and _positive(ift):
             return Extracted({"unrolled": un, "ift": ift}, notes=(f"memory: {metric}",))
     return _missing("no positive unroll_compare peak_memory or activation_memory in every cell")
+
+
+@_extractor("003-ift-threshold")
+def ift_threshold(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Threshold -> per seed ``unroll_compare`` ``test_accuracy`` of the IFT cells."""
+    ift = _opteq_table(df, "test_accuracy", "ift")
+    return Extracted({"ift": ift}) if ift else _missing("no unroll_compare test_accuracy of IFT")
+
+
+@_extractor("003-unrolled-vs-ift-accuracy")
+def unrolled_vs_ift_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Per seed ``unroll_compare`` ``test_accuracy`` of the unrolled cells (by K) and the IFT
+    cells (by threshold)."""
+    un = _opteq_table(df, "test_accuracy", "unrolled")
+    ift = _opteq_table(df, "test_accuracy", "ift")
+    if not un or not ift:
+        return _missing("no unroll_compare test_accuracy of unrolled and IFT cells")
+    return Extracted({"unrolled": un, "ift": ift})
+
+
+@_extractor("003-alpha")
+def alpha(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Alpha (``alpha=<a>`` in the cell id) -> per seed the last ``metrics`` test accuracy; no
+    suite sweeps alpha yet (the claim is listed with ``suite=None``)."""
+    import re
+
+    seeds = seeds_of(df)
+    out: dict[float, list[float]] = {}
+    for c in sorted(df["cell_id"].unique()):
+        m = re.search(r"alpha=([0-9.eE+-]+)", str(c))
+        if not m:
+            continue
+        d = _rows(df[df["cell_id"] == c], "metrics", "accuracy", "test")
+        d = d[d["step"].notna()]
+        last = d[d["step"] == d["step"].max()] if len(d) else d
+        out[float(m.group(1))] = _per_seed(last, seeds)
+    if len(out) < 2:
+        return _missing("needs an alpha sweep (cells alpha=<a>) of the deep OptEq (Table 5)")
+    return Extracted({"accuracy": out, "scale": scale})

@@ -34,6 +34,8 @@ __all__ = [
     "trajectory_init_var",
     "trajectory_separation",
     "trajectory_separation_var",
+    "trajectory_complexity",
+    "trajectory_complexity_var",
     "landscape_repeats",
 ]
 
@@ -219,6 +221,41 @@ def trajectory_separation(df: Any, run_dir: Path, scale: str) -> Extracted:
 def trajectory_separation_var(df: Any, run_dir: Path, scale: str) -> Extracted:
     """:func:`trajectory_separation` of the ``init=var0.01`` cell."""
     return _trajectory_separation(df, "var")
+
+
+def _trajectory_complexity(df: Any, reading: str) -> Extracted:
+    _, small = _trajectory_cells(df, reading)
+    if small is None:
+        return _missing(f"no trajectory rows of the {READINGS[reading]} cell")
+    d = _rows(df[df["cell_id"] == small], "trajectory", "iterations_median")
+    d = d[d["step"].notna()]
+    last = int(d["step"].max()) if len(d) else -1
+    if not (d["step"] == 1).any() or last <= 1:
+        return _missing(
+            "no trajectory recording after epoch 1 (the thesis trains 40 epochs: train more "
+            "than 1 and record trajectory epochs [0, 1, -1])"
+        )
+    seeds = seeds_of(df)
+    return Extracted(
+        {
+            "iterations_first": [_at_step(d, s, 1) for s in seeds],
+            "iterations_last": [_at_step(d, s, last) for s in seeds],
+            "last_epoch": last,
+        }
+    )
+
+
+@_extractor("004-trajectory-complexity")
+def trajectory_complexity(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """Per seed ``trajectory`` ``iterations_median`` of the ``init=std0.01`` cell after epoch 1
+    and at the last recorded epoch (which must be later)."""
+    return _trajectory_complexity(df, "std")
+
+
+@_extractor("004-trajectory-complexity-var")
+def trajectory_complexity_var(df: Any, run_dir: Path, scale: str) -> Extracted:
+    """:func:`trajectory_complexity` of the ``init=var0.01`` cell."""
+    return _trajectory_complexity(df, "var")
 
 
 @_extractor("004-landscape-repeats")
