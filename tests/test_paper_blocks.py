@@ -48,9 +48,9 @@ def test_suite_holds_the_settings_of_its_paper_block(path: Path) -> None:
 def test_a_drifted_value_is_reported(tmp_path: Path) -> None:
     src = SUITES / "repro" / "pcdeq_cpu.yaml"
     text = src.read_text()
-    assert "tol: 1.0e-4}\n  backward" in text
+    assert "tol: 1.0e-4, stop: batch_fro}\n  backward" in text
     copy = tmp_path / "pcdeq_cpu.yaml"
-    copy.write_text(text.replace("tol: 1.0e-4}\n  backward", "tol: 1.0e-3}\n  backward", 1))
+    copy.write_text(text.replace("tol: 1.0e-4, stop", "tol: 1.0e-3, stop", 1))
     got = paper_mismatches(load_suite(copy, device="cpu"))
     assert got and all(line.startswith("solver.tol: cell ") for line in got)
     assert "has 0.001, the paper states 0.0001" in got[0]

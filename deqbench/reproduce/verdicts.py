@@ -317,9 +317,9 @@ def run_epochs(run_dir: Path | None) -> int | None:
 
 
 def run_steps(run_dir: Path | None) -> int | None:
-    """The optimizer steps of the run's longest-trained cell: the ``train_steps`` rows the runner
-    writes per cell and seed, else the per-epoch ``family_stats`` ``steps`` summed; None when
-    the run records neither."""
+    """The optimizer steps of the run's longest-trained cell: the ``training``
+    ``optimizer_steps`` row each task writes, else (runs made before it was recorded) the
+    per-epoch ``family_stats`` ``steps`` summed; None when the run records neither."""
     if run_dir is None:
         return None
     from .extract import load
@@ -328,7 +328,8 @@ def run_steps(run_dir: Path | None) -> int | None:
         df = load(run_dir)
     except Exception:
         return None
-    rec = df[df["metric"].isin(["train_steps"]) & df["value"].notna()]
+    rec = df[(df["analysis"] == "training") & (df["metric"] == "optimizer_steps")]
+    rec = rec[rec["value"].notna()]
     if len(rec):
         return int(rec["value"].max())
     fs = df[(df["analysis"] == "family_stats") & (df["metric"] == "steps")]
