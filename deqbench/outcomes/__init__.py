@@ -160,6 +160,7 @@ def summarize(
         report_row,
         run_epochs,
         run_steps,
+        solver_text,
         steps_text,
         verdict_for,
     )
@@ -171,7 +172,9 @@ def summarize(
     steps, epochs = run_steps(run_dir), run_epochs(run_dir)
     for c in claims:
         v, data = verdict_for(c, scale, sr)
-        row = report_row(c, v, data, scale, run_dir.name, steps_text(c, steps, epochs))
+        row = report_row(
+            c, v, data, scale, run_dir.name, steps_text(c, steps, epochs), solver_text(sr)
+        )
         rows.append([row[k] for k in REPORT_COLUMNS])
     out = pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
     if write:

@@ -51,6 +51,7 @@ from .verdicts import (
     report_row,
     run_epochs,
     run_steps,
+    solver_text,
     steps_text,
     suite_file,
     suites_dir,
@@ -340,7 +341,7 @@ def reproduce_run(
             rel = _rel(used.run_dir, out) if used and used.run_dir else ""
             rd = used.run_dir if used else None
             steps = steps_text(c, run_steps(rd), run_epochs(rd))
-            rows.append(report_row(c, v, data, scale, rel, steps))
+            rows.append(report_row(c, v, data, scale, rel, steps, solver_text(used)))
         write_report(out, rows, scale, runs, time.perf_counter() - t0)
     print(f"reproduce: wrote {out / 'reproduction.csv'} and {out / 'reproduction.md'}", file=log)
     if stopped is not None:
@@ -476,11 +477,11 @@ def write_report(
             f"## {paper}: {cite}",
             "",
             "| claim | where | verdict | direction | measured | paper's value | steps (ours of "
-            "paper's) | data | reason | cause |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "paper's) | solver (stop rule) | data | reason | cause |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         cols = ("claim_id", "where", "verdict", "direction", "measured", "paper_value", "steps",
-                "data", "reason", "cause")  # fmt: skip
+                "solver", "data", "reason", "cause")  # fmt: skip
         lines += ["| " + " | ".join(_md(r[k]) for k in cols) + " |" for r in mine]
     if runs:
         lines += [

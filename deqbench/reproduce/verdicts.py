@@ -34,6 +34,7 @@ REPORT_COLUMNS = (
     "scale",
     "window",
     "steps",
+    "solver",
     "verdict",
     "direction",
     "reason",
@@ -114,11 +115,8 @@ def describe_data(data: Any) -> str:
     return text
 
 
-def data_text(sr: SuiteRun, default: str) -> str:
-    """The ``data`` column of a claim measured by ``sr``: the run's (else the suite file's)
-    ``data:`` block (:func:`describe_data`) and its seeds, then what the suite's ``paper:``
-    block says of the data (a stand-in for the paper's dataset), else, at paper scale, whether
-    the data is the paper's (:data:`PAPER_DATA`)."""
+def _suite_of(sr: SuiteRun) -> dict[str, Any]:
+    """The run's ``suite.yaml`` as a mapping, else the suite file's; {} when neither reads."""
     from .extract import suite_raw
 
     raw: dict[str, Any] = {}
@@ -135,6 +133,35 @@ def data_text(sr: SuiteRun, default: str) -> str:
             raw = loaded if isinstance(loaded, dict) else {}
         except Exception:
             raw = {}
+    return raw
+
+
+def solver_text(sr: SuiteRun | None) -> str:
+    """The ``solver`` column: the forward solver of the suite's defaults with its tolerance and
+    the rule that judged convergence (``stop_mode`` rel | abs, ``stop`` over the batch), e.g.
+    ``fixed_point, tol 0.0001 (rel), stop batch_fro``; ``""`` without a suite."""
+    if sr is None:
+        return ""
+    raw = _suite_of(sr)
+    d = raw.get("defaults") if isinstance(raw.get("defaults"), dict) else {}
+    solver = d.get("solver") if isinstance(d, dict) else None
+    if isinstance(solver, str):
+        solver = {"name": solver}
+    if not isinstance(solver, dict) or not solver.get("name"):
+        return ""
+    text = str(solver["name"])
+    if "tol" in solver:
+        text += f", tol {solver['tol']:g}" if isinstance(solver["tol"], float) else ""
+    text += f" ({solver.get('stop_mode', 'rel')})"
+    return text + f", stop {solver.get('stop', 'sample_max')}"
+
+
+def data_text(sr: SuiteRun, default: str) -> str:
+    """The ``data`` column of a claim measured by ``sr``: the run's (else the suite file's)
+    ``data:`` block (:func:`describe_data`) and its seeds, then what the suite's ``paper:``
+    block says of the data (a stand-in for the paper's dataset), else, at paper scale, whether
+    the data is the paper's (:data:`PAPER_DATA`)."""
+    raw = _suite_of(sr)
     if not raw:
         return default
     text = describe_data(raw.get("data"))
@@ -339,7 +366,13 @@ def run_steps(run_dir: Path | None) -> int | None:
 
 
 def report_row(
-    claim: Claim, v: Verdict, data: str, scale: str, run_dir: str, steps: str = ""
+    claim: Claim,
+    v: Verdict,
+    data: str,
+    scale: str,
+    run_dir: str,
+    steps: str = "",
+    solver: str = "",
 ) -> dict[str, str]:
     """One row of ``reproduction.csv`` / ``summary.csv`` (:data:`REPORT_COLUMNS`)."""
     return {
@@ -353,6 +386,7 @@ def report_row(
         "scale": scale,
         "window": claim.window,
         "steps": steps,
+        "solver": solver,
         "verdict": v.verdict,
         "direction": v.direction,
         "reason": v.reason,
