@@ -196,7 +196,35 @@ def main(argv: list[str] | None = None) -> int:
                 dst.unlink()
             shutil.move(str(src), str(dst))
         STAGE = ROOT
+    if {"reproduction_cpu", "reproduction_paper"} & set(names):
+        paste_reports()
     return rc
+
+
+#: the docs page that carries the committed reproduction reports verbatim
+#: (tests/test_reproduce_report.py checks it)
+REPORT_PAGE = ROOT / "docs" / "reproductions.md"
+
+
+def paste_reports() -> None:
+    """Each committed report's body (its ``reproduction.md`` without the title line) pasted into
+    :data:`REPORT_PAGE` between its markers: ``reproduction`` for the CPU report,
+    ``reproduction-paper-<paper>`` for each paper-scale one."""
+    page = REPORT_PAGE.read_text(encoding="utf-8")
+    reports = {"reproduction": ROOT / "plots" / "reproduction_cpu" / "reproduction.md"}
+    for folder in sorted((ROOT / "plots" / "reproduction_paper").iterdir()):
+        if (folder / "reproduction.md").is_file():
+            reports[f"reproduction-paper-{folder.name}"] = folder / "reproduction.md"
+    for marker, md in reports.items():
+        begin, end = f"<!-- {marker}:begin -->\n", f"\n<!-- {marker}:end -->"
+        if begin not in page or end not in page:
+            print(f"docs: no {marker} markers in {REPORT_PAGE.name}", file=sys.stderr)
+            continue
+        body = md.read_text(encoding="utf-8").split("\n", 1)[1].strip()
+        a, b = page.index(begin) + len(begin), page.index(end)
+        page = page[:a] + body + page[b:]
+    REPORT_PAGE.write_text(page, encoding="utf-8")
+    print(f"docs: {REPORT_PAGE.relative_to(ROOT)} carries the regenerated reports")
 
 
 if __name__ == "__main__":

