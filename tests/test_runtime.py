@@ -261,3 +261,19 @@ def test_bf16_suite_loads_on_cpu():
         bf16 = c.runtime["amp"] == "bf16"
         assert (c.solver["tol"] == 1e-2) == bf16 and (c.backward["tol"] == 1e-2) == bf16
     assert "throughput" in dict(s.analyses)
+
+
+def test_git_info_names_the_commit_a_copied_tree_came_from(monkeypatch):
+    """A tree copied to a GPU host without its git history: DEQBENCH_SOURCE_COMMIT names the
+    commit it was copied from; git's own (stale) answer is kept beside it."""
+    from deqbench.run.env import SOURCE_COMMIT_ENV, git_info
+
+    monkeypatch.delenv(SOURCE_COMMIT_ENV, raising=False)
+    plain = git_info()
+    assert "source" not in plain
+    monkeypatch.setenv(SOURCE_COMMIT_ENV, "0123456789abcdef")
+    g = git_info()
+    assert g["commit"] == "0123456789abcdef" and g["dirty"] is False
+    assert g["source"] == SOURCE_COMMIT_ENV
+    if plain["commit"] is not None:
+        assert g["git_reported"].startswith(plain["commit"])

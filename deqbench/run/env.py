@@ -213,13 +213,25 @@ def driver_version() -> str | None:
     return out.splitlines()[0].strip() if out else None
 
 
+#: names the commit of a source tree copied without its git history (e.g. to a GPU host that
+#: receives the working tree but an older ``.git``): ``git_info`` records it as the commit, and
+#: what git itself said beside it
+SOURCE_COMMIT_ENV = "DEQBENCH_SOURCE_COMMIT"
+
+
 def git_info() -> dict[str, Any]:
-    """Commit and dirty flag of the deqbench source tree (None outside a git checkout)."""
+    """Commit and dirty flag of the deqbench source tree (None outside a git checkout). Where
+    ``DEQBENCH_SOURCE_COMMIT`` names the commit the tree was copied from, that commit is
+    recorded (clean) and git's own answer kept as ``git_reported``."""
     here = Path(__file__).resolve().parent
     commit = _run(["git", "rev-parse", "HEAD"], here)
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], here)
+    given = os.environ.get(SOURCE_COMMIT_ENV, "").strip()
+    if given:
+        seen = None if commit is None else commit + ("+dirty" if status else "")
+        return {"commit": given, "dirty": False, "source": SOURCE_COMMIT_ENV, "git_reported": seen}
     if commit is None:
         return {"commit": None, "dirty": None}
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], here)
     return {"commit": commit, "dirty": bool(status)}
 
 
