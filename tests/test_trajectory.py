@@ -156,10 +156,15 @@ def test_trajectory_suite_through_the_runner(tmp_path: Path):
     assert per_class.max() - per_class.min() <= 2  # balanced probes
     plots = {p.name for p in (Path(summary.run_dir) / "plots").glob("*.png")}
     assert {"trajectory_residuals.png", "trajectory_pca.png", "trajectory_epochs.png"} <= plots
-    # the runner wrote the verdicts of the two papers/004 trajectory claims (one seed: a trend
-    # needs three, so "not run" with that reason is an honest verdict here)
+    # the runner wrote the verdicts of the thesis's trajectory claims, both readings of
+    # N(0, 0.01) (one seed: a trend needs three, so "not run" with that reason is an honest
+    # verdict here)
     out = pd.read_csv(Path(summary.run_dir) / "summary.csv", keep_default_na=False)
-    assert list(out["claim_id"]) == ["004-trajectory-init", "004-trajectory-separation"]
+    assert list(out["claim_id"]) == [
+        "004-trajectory-init", "004-trajectory-init-var", "004-trajectory-separation",
+        "004-trajectory-separation-var", "004-trajectory-complexity",
+        "004-trajectory-complexity-var",
+    ]  # fmt: skip
     assert set(out["scale"]) == {"cpu"}
     assert set(out["verdict"]) <= {"reproduced", "not reproduced", "not run"}
     assert (out.loc[out["verdict"] == "not run", "reason"] != "").all()

@@ -40,12 +40,9 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
-
-if TYPE_CHECKING:
-    from .suite import Cell, Suite
 
 #: the cell sections a settings key can start with
 CELL_SECTIONS = ("model", "init", "solver", "backward", "train", "data", "runtime")
@@ -193,7 +190,7 @@ def _factory_default(section: str, name: str, key: str) -> Any:
     return p.default
 
 
-def cell_value(cell: Cell, key: str) -> Any:
+def cell_value(cell: Any, key: str) -> Any:
     """The value of the dotted ``key`` in ``cell`` (the factory's default where a model, init
     or dataset key is not set), or :data:`_MISSING`."""
     head, *rest = key.split(".")
@@ -216,7 +213,7 @@ def checked_settings(block: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in (block.get("settings") or {}).items() if k not in dev}
 
 
-def paper_mismatches(suite: Suite) -> list[str]:
+def paper_mismatches(suite: Any) -> list[str]:
     """One line per setting of the suite's ``paper:`` block (outside its deviations) that
     the loaded suite does not hold: ``KEY: cell ID has X, the paper states Y``. [] when the
     suite has no block or every setting holds."""
