@@ -81,10 +81,27 @@ x_unlike_in_shape.shape = lambda p: ((5,), 2)
 def undeclared_x_unlike(n: int = 16) -> DataBundle:  # no declared shape; says 5, x has 3
     tr, te = _xy(n, 3)
     return DataBundle("undeclared_x_unlike", tr, te, in_shape=(5,), num_outputs=2)
+
+
+def probed(root: str = "/nowhere") -> DataBundle:  # a probe instead of a load
+    CALLS.append(root)
+    tr, te = _xy(16, 4)
+    return DataBundle("probed", tr, te, in_shape=(4,), num_outputs=2)
+
+
+def _probe(p):
+    from deqbench.errors import DataError
+
+    raise DataError(f"no shards under {p['root']}: copy them there")
+
+
+probed.shape = lambda p: ((4,), 2)
+probed.probe = _probe
 """
 
 ENTRY_POINTS = {
-    n: f"dcplug:{n}" for n in ("fine", "declares_more", "x_unlike_in_shape", "undeclared_x_unlike")
+    n: f"dcplug:{n}"
+    for n in ("fine", "declares_more", "x_unlike_in_shape", "undeclared_x_unlike", "probed")
 }
 DIST = "dcplug-dist 1.0"
 
@@ -218,3 +235,10 @@ def test_a_plugin_dataset_is_loaded_once_by_validate(plugin, tmp_path):
     r = CliRunner().invoke(app, ["validate", str(_suite(tmp_path, "{name: fine, dim: 6}"))])
     assert r.exit_code == 0, r.output
     assert sys.modules["dcplug"].CALLS == [6]  # two cells, one data spec: one load
+
+
+def test_a_plugin_dataset_with_a_probe_is_probed_not_loaded(plugin, tmp_path):
+    line = _refused(_suite(tmp_path, "{name: probed, root: /data/shards}"))
+    assert f"plugin {DIST}: dataset 'probed' (dcplug:probed): [dataset.load]" in line, line
+    assert "probe({'root': '/data/shards'}): no shards under /data/shards: copy them" in line
+    assert sys.modules["dcplug"].CALLS == []
