@@ -350,8 +350,9 @@ def run(
         bool,
         typer.Option(
             "--check/--no-check",
-            help="Check the contracts of the suite's models and solvers on CPU before starting "
-            "(as deqbench validate does).",
+            help="Check the contracts of the suite's models and solvers on CPU, and that its "
+            "data can load (files, packages; not with --scheduler: the workers read it), before "
+            "starting (as deqbench validate does).",
         ),
     ] = True,
 ) -> None:
@@ -390,7 +391,7 @@ def run(
         if check:
             from ..run.plugin_checks import check_suites
 
-            check_suites(suites)
+            check_suites(suites, data=scheduler is None)
         from ..run.executors import open_executor
 
         summaries: list[Any] = []  # RunSummary of each part
@@ -427,7 +428,8 @@ def validate(
 ) -> None:
     """Check a suite without running it: the schema, then the contracts of every model, init
     and solver it names (on CPU: each factory called and run on a batch of 2, each solver on a
-    small test problem; deqbench/run/plugin_checks.py); list its cells."""
+    small test problem; deqbench/run/plugin_checks.py) and that its data can load (files,
+    packages, a plugin's shapes); list its cells."""
     with handle_errors():
         from ..run.suite import format_cells, load_suites
 

@@ -550,14 +550,20 @@ class DatasetLoader(Protocol):
     moves the tensors and caches the bundle per process.
 
     Optional attribute ``shape``: ``loader.shape(params) -> (in_shape, num_outputs)``, where
-    ``params`` is the loader's defaults updated with the suite's keys [dataset.declared]. With
-    it, ``deqbench validate`` builds and checks the suite's models without loading the data;
-    without it, validate loads the data once per distinct params to learn the shape.
-    ``deqbench.testing.check_dataset`` checks that the declared shape is the loaded one.
+    ``params`` is the loader's defaults updated with the suite's keys [dataset.declared]: the
+    shape ``deqbench validate`` builds and checks the suite's models with, before any data is
+    loaded. ``deqbench.testing.check_dataset`` checks that the declared shape is the loaded one.
 
-    Checked by ``deqbench validate``: the entry point imports [dataset.import]; the declared
-    shape, or else the loaded bundle [dataset.load]. The tensors themselves (shapes, labels in
-    range) are checked by ``deqbench.testing.check_dataset``.
+    Optional attribute ``probe``: ``loader.probe(params)`` (the same ``params``) checks cheaply,
+    without loading the data, that it can load: it raises ``deqbench.errors.DataError`` naming
+    the fix (the files it looked for and where, the package to install) or ``ConfigError`` for
+    a param the loader would refuse [dataset.load]. Give one when loading is slow (large files).
+
+    Checked by ``deqbench validate`` and by ``deqbench run`` before it writes anything: the
+    entry point imports [dataset.import]; the declared shape [dataset.declared]; then the probe,
+    or else the loader is called once per distinct params and its bundle checked: x shaped
+    ``(N, *in_shape)`` [dataset.load], (in_shape, num_outputs) the declared shape
+    [dataset.declared]. Labels in range are checked by ``deqbench.testing.check_dataset``.
 
     Example:
         >>> import torch

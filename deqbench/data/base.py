@@ -24,6 +24,10 @@ from ..core.registry import datasets
 #: a dataset's declared shape: ``shape(params) -> (in_shape, num_outputs)``, ``params`` the
 #: loader's defaults updated with the suite's ``data`` keys
 ShapeFn = Callable[[dict[str, Any]], tuple[tuple[int, ...], int]]
+#: a dataset's cheap check that its data can load, without loading it: ``probe(params)`` (the
+#: same ``params`` as ``shape``) raises a DataError that names the fix (the files it looked for
+#: and where, the package to install) or a ConfigError for a param the loader would refuse
+ProbeFn = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -87,12 +91,30 @@ DATASETS: MutableMapping[str, Callable[..., DataBundle]] = _DatasetMap()
 
 
 def dataset(
-    name: str, *, shape: ShapeFn | None = None
+    name: str, *, shape: ShapeFn | None = None, probe: ProbeFn | None = None
 ) -> Callable[[Callable[..., DataBundle]], Callable[..., DataBundle]]:
     """Decorator registering a built-in dataset loader under ``name``; ``shape`` declares
-    (in_shape, num_outputs) from the params, so that ``deqbench validate`` need not load it."""
+    (in_shape, num_outputs) from the params, so that ``deqbench validate`` need not load it;
+    ``probe`` checks cheaply that the data can load (:data:`ProbeFn`), what validate and run do
+    instead of loading it."""
+    attrs = {k: v for k, v in (("shape", shape), ("probe", probe)) if v is not None}
     register = datasets.register  # the source index reads the literal names at the call sites
-    return register(name, **({"shape": shape} if shape is not None else {}))
+    return register(name, **attrs)
+
+
+def loader_params(fn: Callable[..., Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The params a loader's ``shape`` and ``probe`` get: ``fn``'s defaults updated with
+    ``params`` (the suite's ``data`` keys)."""
+    try:
+        full = {
+            k: v.default
+            for k, v in inspect.signature(fn).parameters.items()
+            if v.default is not inspect.Parameter.empty
+        }
+    except (TypeError, ValueError):
+        full = {}
+    full.update(params)
+    return full
 
 
 def declared_shape(
@@ -104,16 +126,7 @@ def declared_shape(
     shape_fn = getattr(fn, "shape", None)
     if shape_fn is None:
         return None
-    try:
-        full = {
-            k: v.default
-            for k, v in inspect.signature(fn).parameters.items()
-            if v.default is not inspect.Parameter.empty
-        }
-    except (TypeError, ValueError):
-        full = {}
-    full.update(params)
-    out = shape_fn(full)
+    out = shape_fn(loader_params(fn, params))
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise TypeError(f"shape(params) returned {out!r}, not (in_shape, num_outputs)")
     in_shape, num_outputs = out

