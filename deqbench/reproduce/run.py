@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from .claims import CLAIMS, PAPERS, Claim
 from .verdicts import (
@@ -246,35 +246,10 @@ def _suite_name(path: Path) -> str:
         return path.stem
 
 
-def reproduce(
-    papers: Sequence[str] = (),
-    *,
-    scale: str = "cpu",
-    claim_ids: Sequence[str] = (),
-    out: Path | None = None,
-    data_root: Path | None = None,
-    log: TextIO | None = None,
-    options: RunOptions | None = None,
-    runner: Callable[..., SuiteRun] = run_one,
-) -> Path:
-    """Run the suites of the chosen claims and write the report; returns the output folder
-    (:func:`reproduce_run` also returns the exit code).
-
-    Args:
-        papers: paper numbers (``"001"`` ...); all when empty.
-        scale: ``"cpu"`` or ``"paper"``.
-        claim_ids: only these claim ids (after ``papers``).
-        out: output folder (default ``results/reproduction/<YYYYmmdd-HHMMSS>``).
-        data_root: root of torchvision datasets (also sets ``DEQBENCH_DATA_ROOT``).
-        log: progress lines (default stderr): one per suite started and finished.
-        options: ``--set`` overrides and the executor for every suite (:class:`RunOptions`).
-        runner: runs one suite (tests pass a fake).
-    """
-    folder, _ = reproduce_run(
-        papers, scale=scale, claim_ids=claim_ids, out=out, data_root=data_root, log=log,
-        options=options, runner=runner,
-    )  # fmt: skip
-    return folder
+def reproduce(papers: Sequence[str] = (), **kwargs: Any) -> Path:
+    """Run the suites of the chosen claims and write the report; returns the output folder.
+    The keyword arguments are :func:`reproduce_run`'s (which also returns the exit code)."""
+    return reproduce_run(papers, **kwargs)[0]
 
 
 def reproduce_run(
@@ -288,7 +263,20 @@ def reproduce_run(
     options: RunOptions | None = None,
     runner: Callable[..., SuiteRun] | None = None,
 ) -> tuple[Path, int]:
-    """:func:`reproduce`, returning ``(folder, exit code)``: 0 when every suite ran to its end
+    """Run the suites of the chosen claims and write the report; returns ``(folder, exit
+    code)``.
+
+    Args:
+        papers: paper numbers (``"001"`` ...); all when empty.
+        scale: ``"cpu"`` or ``"paper"``.
+        claim_ids: only these claim ids (after ``papers``).
+        out: output folder (default ``results/reproduction/<YYYYmmdd-HHMMSS>``).
+        data_root: root of torchvision datasets (also sets ``DEQBENCH_DATA_ROOT``).
+        log: progress lines (default stderr): one per suite started and finished.
+        options: ``--set`` overrides and the executor for every suite (:class:`RunOptions`).
+        runner: runs one suite (default :func:`run_one`; tests pass a fake).
+
+    The exit code: 0 when every suite ran to its end
     with every task trained, 1 when some suite failed (its claims are ``not run``, reason
     ``run failed``), 130 / 143 when a signal stopped the command (the suite running then and
     those after it are not run; the report says so and the resume command is printed). One

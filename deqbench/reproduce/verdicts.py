@@ -328,16 +328,23 @@ def steps_text(claim: Claim, steps: int | None, epochs: int | None = None) -> st
     return f"{ours} of {paper}"
 
 
-def run_epochs(run_dir: Path | None) -> int | None:
-    """The training epochs of the run's longest-trained cell (the largest ``step`` of its
-    ``metrics`` rows: epoch 0 is the evaluation before training); None when unknown."""
+def _results(run_dir: Path | None) -> Any:
+    """The run's results (:func:`extract.load`), None without a readable ``results.csv``."""
     if run_dir is None:
         return None
     from .extract import load
 
     try:
-        df = load(run_dir)
+        return load(run_dir)
     except Exception:
+        return None
+
+
+def run_epochs(run_dir: Path | None) -> int | None:
+    """The training epochs of the run's longest-trained cell (the largest ``step`` of its
+    ``metrics`` rows: epoch 0 is the evaluation before training); None when unknown."""
+    df = _results(run_dir)
+    if df is None:
         return None
     m = df[(df["analysis"] == "metrics") & df["step"].notna()]
     return int(m["step"].max()) if len(m) else None
@@ -347,8 +354,17 @@ def run_steps(run_dir: Path | None) -> int | None:
     """The optimizer steps of the run's longest-trained cell: the ``training``
     ``optimizer_steps`` row each task writes, else (runs made before it was recorded) the
     per-epoch ``family_stats`` ``steps`` summed; None when the run records neither."""
-    if run_dir is None:
+    df = _results(run_dir)
+    if df is None:
         return None
+    rec = df[(df["analysis"] == "training") & (df["metric"] == "optimizer_steps")]
+    rec = rec[rec["value"].notna()]
+    if len(rec):
+        return int(rec["value"].max())
+    fs = df[(df["analysis"] == "family_stats") & (df["metric"] == "steps")]
+    if len(fs):
+        return int(fs.groupby(["cell_id", "seed"])["value"].sum().max())
+    return None
     from .extract import load
 
     try:
