@@ -410,7 +410,7 @@ def test_short_cells_add_a_worker_on_gpus_with_room(monkeypatch):
     assert len(Loop.calls) == 1
     assert executor().add_gpu_workers([30.0, 31.0], remaining=100) == []  # long cells
     assert executor().add_gpu_workers([2.0, 2.0], remaining=10) == []  # nearly done
-    # the issue-16 4x H100 case per worker: a short median but a flagged cell among the first
+    # the 4x H100 Dask case per worker: a short median but a flagged cell among the first
     # (1.9 s median, 8 s tail): the mean, not the median, estimates the remaining work
     assert executor().add_gpu_workers([1.9, 1.9, 8.0], remaining=20) == ["0"]
     assert executor().add_gpu_workers([1.9, 1.9], remaining=20) == []  # 19 s per worker

@@ -1,4 +1,4 @@
-"""Issue 32 on CPU: the run's time breakdown (deqbench.run.timeline) adds up, longest tasks are
+"""On CPU: the run's time breakdown (deqbench.run.timeline) adds up, longest tasks are
 handed out first (deqbench.run.schedule) while results.csv keeps the suite's order, and a
 cluster started with Dask's own CLI (``dask scheduler`` / ``dask worker``) gives the inline rows.
 No timing is asserted: only the arithmetic of the breakdown."""

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 27): each file of tests/hostile/ is one case, run in process through the
+"""Hostile inputs: each file of tests/hostile/ is one case, run in process through the
 command line (Typer's CliRunner); each gives its documented exit code, one ``error:`` line that
 says what is wrong (no traceback) and writes no run directory. tests/hostile/README.md lists them.
 """

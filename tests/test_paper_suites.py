@@ -1,4 +1,4 @@
-"""Every paper-scale suite (suites/paper/*.yaml, issue 29) runs end to end at a tiny size on CPU
+"""Every paper-scale suite (suites/paper/*.yaml) runs end to end at a tiny size on CPU
 through ``deqbench reproduce --scale paper``, so that the suites and their claim extraction cannot
 rot between GPU runs: the suite validates, every task of it finishes, and each claim the suite
 measures gets one of the three verdicts with the run directory and a data column that says what

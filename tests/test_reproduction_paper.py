@@ -27,7 +27,7 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 
 def test_there_are_committed_paper_reports() -> None:
-    assert len(PAPERS) >= 2, PAPERS  # issue 29: at least two papers at paper scale
+    assert len(PAPERS) >= 2, PAPERS  # at least two papers at paper scale
 
 
 @pytest.mark.parametrize("paper", PAPERS)

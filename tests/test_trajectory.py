@@ -1,4 +1,4 @@
-"""The trajectory analysis (papers/004 section 4.1): probes, thinning, recorded residuals against
+"""The trajectory analysis (Nguyen 2022 section 4.1): probes, thinning, recorded residuals against
 recomputed ones, PCA against numpy's SVD, silhouette against scikit-learn, and one tiny run
 through the runner with its series, plots and claim verdicts (summary.csv)."""
 
@@ -156,7 +156,7 @@ def test_trajectory_suite_through_the_runner(tmp_path: Path):
     assert per_class.max() - per_class.min() <= 2  # balanced probes
     plots = {p.name for p in (Path(summary.run_dir) / "plots").glob("*.png")}
     assert {"trajectory_residuals.png", "trajectory_pca.png", "trajectory_epochs.png"} <= plots
-    # the runner wrote the verdicts of the two papers/004 trajectory claims (one seed: a trend
+    # the runner wrote the verdicts of the two Nguyen 2022 trajectory claims (one seed: a trend
     # needs three, so "not run" with that reason is an honest verdict here)
     out = pd.read_csv(Path(summary.run_dir) / "summary.csv", keep_default_na=False)
     assert list(out["claim_id"]) == ["004-trajectory-init", "004-trajectory-separation"]
