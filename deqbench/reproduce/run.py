@@ -111,8 +111,8 @@ def select_claims(papers: Sequence[str] = (), ids: Sequence[str] = ()) -> list[C
     for p in papers:
         q = PAPER_NAMES.get(p.strip().lower(), p.strip().zfill(3))
         if q not in PAPERS:
-            known = ", ".join(f"{n} ({k})" for n, k in PAPER_NAMES.items())
-            raise ConfigError(f"unknown paper {p!r}; known: {known}")
+            names = ", ".join(f"{n} ({k})" for n, k in PAPER_NAMES.items())
+            raise ConfigError(f"unknown paper {p!r}; known: {names}")
         norm.append(q)
     known = {c.id for c in CLAIMS}
     bad = [i for i in ids if i not in known]
