@@ -201,6 +201,7 @@ def test_local_workers_do_not_get_dask_malloc_trim_threshold(monkeypatch):
 
 
 @needs_dask
+@pytest.mark.slow
 def test_local_cluster_gives_inline_rows_and_resumes(
     tmp_path, fast_workers, smoke_fc, inline_smoke_fc
 ):

@@ -122,6 +122,7 @@ def test_breakdown_of_an_inline_run_adds_up(tmp_path):
 
 
 @needs_dask
+@pytest.mark.slow
 def test_dask_run_breakdown_lpt_order_and_suite_ordered_rows(
     tmp_path,
     fast_workers,  # noqa: F811

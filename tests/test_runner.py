@@ -271,6 +271,7 @@ def _finished(path) -> int:
         return 0
 
 
+@pytest.mark.slow  # two runs and a killed one: about 20 s on 2 cores
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
     p = write_suite(
         tmp_path,

@@ -127,6 +127,7 @@ output: results
 """
 
 
+@pytest.mark.slow  # a whole suite through the runner: about 10 s on 2 cores
 def test_trajectory_suite_through_the_runner(tmp_path: Path):
     import pandas as pd
     from conftest import write_suite
