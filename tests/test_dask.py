@@ -244,6 +244,7 @@ def test_local_cluster_gives_inline_rows_and_resumes(
 
 
 @needs_dask
+@pytest.mark.slow  # 7-15 s on a shared 2-core machine
 def test_worker_killed_mid_cell_is_retried_once_then_recorded(tmp_path, fast_workers):
     import dask_helpers  # noqa: F401  (registers test_die here too: the suite is checked here)
 
