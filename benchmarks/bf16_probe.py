@@ -1,4 +1,4 @@
-"""Probe of bfloat16 autocast on the conv_deq cell (64 channels, 32x32, batch 128; the issue-17
+"""Probe of bfloat16 autocast on the conv_deq cell (64 channels, 32x32, batch 128; the bf16
 throughput cell): where the time of one f-evaluation goes and how far each variant's f(z) is
 from float64. A diagnostic for choosing the cell's bf16 path; the target is measured by the
 ``throughput`` stage of benchmarks/vs_torchdeq.py.

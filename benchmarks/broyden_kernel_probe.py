@@ -1,5 +1,5 @@
 """Bandwidth of Broyden's fused update kernels (``fused.broyden_update``) on the conv64 state
-(batch 128 x 65536, issue 31): time per call and effective GB/s (rows read twice, five rows
+(batch 128 x 65536): time per call and effective GB/s (rows read twice, five rows
 written) for several pair counts, warps and unroll factors, beside a plain copy of the same
 rows (the copy of the whole contiguous buffer gives the card's bandwidth); then whole captured
 conv64 solves at rel 1e-4 and 1e-6 with their overhead and this representation's floor (f

@@ -1,4 +1,4 @@
-"""Benchmark cells f(z, x) for the solver benchmarks (REFERENCE.md section 2.6), in one place.
+"""Benchmark cells f(z, x) for the solver benchmarks, in one place.
 
 * ``conv``: the implicit-layers tutorial ResNet cell
   f(z, x) = GN3(relu(z + GN2(x + conv2(GN1(relu(conv1(z))))))), 3x3 no-bias convolutions with

@@ -1,4 +1,4 @@
-"""``runtime.compile`` on the issue-17 cells: the time of ``DEQLayer.solve`` (Anderson, rel tol
+"""``runtime.compile`` on the benchmark cells (fc1024, conv64): the time of ``DEQLayer.solve`` (Anderson, rel tol
 1e-4, new inputs copied in each repeat) with the cell eager vs compiled by ``torch.compile``
 (inductor), each on the layer's default path (CUDA graph for fc1024, eager for conv64), and one
 IFT training step. float32, TF32 off; the compile time is reported apart (first call).

@@ -1,4 +1,4 @@
-"""Where a cell's time goes in a Dask worker vs inline (issue 16, item 1).
+"""Where a cell's time goes in a Dask worker vs inline.
 
 The same cells (seed 0) run on one device in several settings, each after a warm-up cell (the
 first cell again, not counted); per setting: the cells' own ``wall_time`` (as results.csv

@@ -1,4 +1,4 @@
-"""Dask executor scaling (issue 9): cells per hour inline on one GPU vs the local Dask cluster.
+"""Dask executor scaling: cells per hour inline on one GPU vs the local Dask cluster.
 
 Two steps, so that the inline baseline can run while other work uses the second GPU:
 
@@ -15,8 +15,8 @@ Two steps, so that the inline baseline can run while other work uses the second 
 wait, tasks with all workers busy, the tail, plots, outcome checks, exit; per worker its warm-up,
 late start, cell work, first-task excess, task overhead, gaps, idle at the end) and keeps it in
 the JSON; `report` prints both breakdowns and the Amdahl bound of the Dask run (its serial time
-plus the inline task time split over the GPUs) next to the measured ratio. Issue 32's
-measurement, with the defaults (CUDA graphs on):
+plus the inline task time split over the GPUs) next to the measured ratio. The
+measurement with the defaults (CUDA graphs on):
 
     for n in 2 4; do
       CUDA_VISIBLE_DEVICES=0 python benchmarks/dask_scaling.py time suites/kglm_denoise_gpu.yaml \
@@ -32,7 +32,7 @@ defaults.train.epochs=2`). `report` compares every result row of the two runs (k
 analysis, variant, metric, step, repeat), timing rows (unit s) aside: the set of keys must be
 equal; values are compared with a relative tolerance (``--rtol``, default 1e-4: cuDNN picks
 kernels per process, so GPU runs agree to rounding, not bit for bit) and the largest difference
-is printed. Target (issues 16, 32): dask cells/hour >= 1.8 x inline on 2 GPUs (3.4 x on 4),
+is printed. Target: dask cells/hour >= 1.8 x inline on 2 GPUs (3.4 x on 4),
 same results. `benchmarks/dask_profile.py` shows where a cell's time goes in a worker vs inline.
 """
 
@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KEYS = ["cell_id", "seed", "analysis", "variant", "metric", "step", "repeat"]
-#: issue 32: cells/hour of the Dask run over inline, by GPUs
+#: targets: cells/hour of the Dask run over inline, by GPUs
 TARGETS = {2: 1.8, 4: 3.4}
 
 

@@ -1,4 +1,4 @@
-"""Probe of the fused bookkeeping kernels (deqbench/solvers/fused.py) on the issue-17 cells: the
+"""Probe of the fused bookkeeping kernels (deqbench/solvers/fused.py) on the benchmark cells (fc1024, conv64): the
 DEQ layer's default solve with the fused kernels on and off (``fused.ENABLED``), in one process,
 side by side, and a kernel table (torch.profiler) of one solve per cell and solver, to see where
 a step's time goes. A diagnostic; the targets are measured by benchmarks/vs_torchdeq.py.

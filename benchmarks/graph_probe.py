@@ -1,4 +1,4 @@
-"""Probe of the DEQ layer's solve paths on the issue-17 cells (a diagnostic for choosing
+"""Probe of the DEQ layer's solve paths on the benchmark cells (fc1024, conv64) (a diagnostic for choosing
 ``graph_steps``; the targets are measured by benchmarks/vs_torchdeq.py).
 
 For conv64 and fc1024 (benchmarks/cells.py), float32, TF32 off: t_f of a plain loop, then per

@@ -5,7 +5,7 @@ into the model in place (not timed) and one plain ``model(X)`` under ``no_grad``
 timed, so the floor does exactly the solver work of that point and nothing else. The landscape
 is :func:`deqbench.landscape.evaluate_grid` on the same grid, directions and examples (its
 parameter arithmetic, ``functional_call``, loss/accuracy and per-point solver statistics
-included). Target (issue 7): landscape <= 1.2 x floor for ``conv_deq``, 51 x 51, 1024 examples,
+included). Target: landscape <= 1.2 x floor for ``conv_deq``, 51 x 51, 1024 examples,
 on an H100.
 
     python benchmarks/landscape.py --device cuda                       # 51 x 51, 1024, conv_deq
@@ -23,7 +23,7 @@ labels) are used: only the cost is measured, which depends on the solver's itera
 (reported for both passes so one can check they did the same work). The landscape of this mode is
 solved cold (``--warm-start off``, the floor's own start) unless ``--warm-start`` says otherwise.
 
-**Warm vs cold** (``--warm``, issue 31): the same grid, directions, weights (the model's seeded
+**Warm vs cold** (``--warm``): the same grid, directions, weights (the model's seeded
 initialisation, ``torch.manual_seed(0)``: not trained) and examples solved twice in one process,
 cold (every point from the model's own initial state) and warm (``warm_start="neighbour"``: every
 point from its solved grid neighbours' fixed points, per example), same solver, tolerance and

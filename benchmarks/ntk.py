@@ -1,4 +1,4 @@
-"""Empirical NTK speed benchmark (issue 8; REFERENCE.md section 8).
+"""Empirical NTK speed benchmark.
 
 Model: the tanh fc_deq, z = tanh(W z + U x + b), ||W||_2 = 0.7, linear head, input dim 32
 (H = 300: P = 100,201). Solves in float32 with 60 plain iterations each (fixed_point, no early
@@ -24,8 +24,8 @@ Measured side by side in one run:
   contraction is blockwise (blocks of at most a quarter of the free GPU memory, 8 GiB), so J is
   never held whole when it does not fit; ``--block-mib`` sets the budget.
 
-Targets on an H100 (issue 8): N = 512, P ~ 100k in <= 25 ms and <= 1.3 x the sum of its parts;
->= 50 x faster than the naive loop; N = 2048 in <= 80 ms. Issue 17: N = 512, P ~ 100k in
+Targets on an H100: N = 512, P ~ 100k in <= 25 ms and <= 1.3 x the sum of its parts;
+>= 50 x faster than the naive loop; N = 2048 in <= 80 ms. The NTK target: N = 512, P ~ 100k in
 <= 20 ms (``--quick-target``: that case alone, with its parts, no naive loop, no scaling sweeps;
 the JSON's ``target`` says met / not met).
 
@@ -33,7 +33,7 @@ Usage::
 
     python benchmarks/ntk.py --device cuda --out benchmarks/results/ntk_h100.json
     python benchmarks/ntk.py --device cpu --quick          # small CPU smoke run
-    python benchmarks/ntk.py --device cuda --quick-target --out ntk.json   # issue 17 only
+    python benchmarks/ntk.py --device cuda --quick-target --out ntk.json   # the NTK target only
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from deqbench.ntk import (
     reference_converged,
 )
 
-#: issue 17: N = 512, P ~ 100k, whole evaluation (empirical_ntk + ntk_summary)
+#: the NTK target: N = 512, P ~ 100k, whole evaluation (empirical_ntk + ntk_summary)
 TARGET_MS = 20.0
 
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick-target",
         action="store_true",
-        help=f"only the issue-17 case (N = 512, P ~ 100k; with --quick the small one) and its "
+        help=f"only the NTK target case (N = 512, P ~ 100k; with --quick the small one) and its "
         f"parts: no naive loop, no scaling sweeps; target whole <= {TARGET_MS:g} ms",
     )
     ap.add_argument("--threads", type=int, default=None)
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": out["env"].get("gpu", out["env"].get("cpu")),
     }
     print(
-        f"issue 17 target: NTK {out['target']['case']} whole {ms:.2f} ms <= {TARGET_MS:g} ms: "
+        f"NTK target: {out['target']['case']} whole {ms:.2f} ms <= {TARGET_MS:g} ms: "
         f"{'met' if ms <= TARGET_MS else 'NOT met'} ({out['target']['device']})",
         flush=True,
     )
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             "## headline (N=512, P~100k)",
             table([headline]),
             "",
-            f"issue 17 target: whole {ms:.2f} ms <= {TARGET_MS:g} ms: "
+            f"NTK target: whole {ms:.2f} ms <= {TARGET_MS:g} ms: "
             f"{'met' if out['target']['met'] else 'NOT met'} ({out['target']['device']})",
         ]
         if not args.quick_target:

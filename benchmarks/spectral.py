@@ -1,4 +1,4 @@
-"""Spectral-norm and kGLM-init microbenchmarks (REFERENCE.md 5.1 and 9.3, papers/001 figure 8).
+"""Spectral-norm and kGLM-init microbenchmarks (Tsuchida et al. 2022 figure 8).
 
 Part 1, convolution spectral norms (C -> C, k x k, n x n input):
   * ``fft``: the exact circular norm by the FFT method of Sedghi, Gupta & Long (2018);

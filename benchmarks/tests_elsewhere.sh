@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite on another machine (issue 28: tests that hold on any machine): a fresh venv on
+# The test suite on another machine (tests that hold on any machine): a fresh venv on
 # the machine's own Python and torch (system site packages), deqbench's other dependencies from
 # the wheels in .whl/ (carry .whl), the package installed editable, then
 #   1. pytest -m "not gpu" with the GPU hidden (the machine's CPU, as CI runs it), in parallel

@@ -1,4 +1,4 @@
-"""Traces (torch.profiler, Chrome trace JSON) of single solves on the issue-17 cells, to see
+"""Traces (torch.profiler, Chrome trace JSON) of single solves on the benchmark cells (fc1024, conv64), to see
 where a solve's wall time goes: host work before the first kernel, GPU gaps, and the work after
 the last one. A diagnostic; the targets are measured by benchmarks/vs_torchdeq.py.
 

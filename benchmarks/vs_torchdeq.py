@@ -1,5 +1,5 @@
-"""deqbench vs TorchDEQ 0.1.0 side by side, through the plugin path, with the issue-6 and
-issue-17 targets.
+"""deqbench vs TorchDEQ 0.1.0 side by side, through the plugin path, with the targets for
+solver time against TorchDEQ and for the default path's overhead.
 
 One run, one device, float32, TF32 off, the same seeded batches and tolerances for both
 libraries; TorchDEQ is reached only through the registered plugin (examples/deqbench-torchdeq:
@@ -8,7 +8,7 @@ when TorchDEQ is importable but the plugin is not installed), f-evaluations are 
 deqbench wrapping f for both. Without TorchDEQ every stage still runs its deqbench rows and the
 summary says "TorchDEQ not installed". Stages (each can be skipped):
 
-1. ``solvers``: the REFERENCE.md 2.6 bare cells (benchmarks/cells.py: conv64 at batch 128,
+1. ``solvers``: the bare cells (benchmarks/cells.py: conv64 at batch 128,
    fc1024 at batch 512), rel tol 1e-4 and 1e-6, max_iter 100: time to tolerance (every repeat
    kept), f-evaluations, t_f (plain loop), overhead, the residual of the returned iterate
    recomputed by deqbench in float32 for both, peak extra memory of a solve (GPU). deqbench runs
@@ -17,12 +17,12 @@ summary says "TorchDEQ not installed". Stages (each can be skipped):
    captured as a CUDA graph on the warm-up call and replayed afterwards, a new ``u`` of the same
    shape copied in each repeat; ``path`` says which path ran). ``nstep`` counts the
    f-evaluations made, ``nstep_to_tol`` those up to the first iterate that met the tolerance
-   (the graph path checks once per replayed chunk of steps); the issue-17 overhead is
+   (the graph path checks once per replayed chunk of steps); the overhead is
    time / (nstep_to_tol x t_f). With ``--amp`` (default on) the rows at rel tol 1e-2 are run in
    float32 and under ``Runtime(amp="bf16")`` (TorchDEQ: its solve under
    ``torch.autocast(dtype=torch.bfloat16)``), the residual recomputed in float32;
 2. ``train_step``: one IFT training step on each bare cell (loss <R, z*>, Anderson forward rel
-   1e-4 and adjoint rel 1e-6, max_iter 100; REFERENCE.md 3.2): deqbench IFT (through the
+   1e-4 and adjoint rel 1e-6, max_iter 100): deqbench IFT (through the
    DEQ layer: the graph forward path on CUDA), TorchDEQ IFT (``torchdeq_deq`` wrapper on the
    same cell) and deqbench unrolled-30: forward / backward / step time, the forward solve alone
    and the adjoint's VJPs, peak extra memory, gradient cosine and relative error against a
@@ -40,7 +40,7 @@ Usage:
     pip install torchdeq==0.1.0 && pip install -e examples/deqbench-torchdeq   # the plugin
     python benchmarks/vs_torchdeq.py --out results/vs_torchdeq                 # H100: ~5 min
     python benchmarks/vs_torchdeq.py --quick --device cpu --out /tmp/vs --stages solvers train_step
-    bash benchmarks/issue17_gpu.sh results/issue17          # issue 17: GPU stages + NTK target
+    bash benchmarks/gpu_solvers_vs_torchdeq.sh results/gpu_solvers_vs_torchdeq   # GPU stages + NTK target
 """
 
 from __future__ import annotations
@@ -93,15 +93,15 @@ PAIRS = (
     ("broyden", "torchdeq_broyden"),
 )
 TIME_TARGET = {"fixed_point": 0.8, "anderson": 0.6, "broyden": 0.6}
-#: issue 17: overhead of the default path, time / (nstep_to_tol x t_f), float32, per cell
+#: targets: overhead of the default path, time / (nstep_to_tol x t_f), float32, per cell
 OVERHEAD_TARGET = {
     "fc": {"fixed_point": 1.5, "anderson": 2.5, "broyden": 3.0},
     "conv": {"fixed_point": 1.15, "anderson": 1.5, "broyden": 2.5},
 }
 TOLS = (1e-4, 1e-6)  # the float32 rows
 AMP_TOL = 1e-2  # the bf16 rows and the float32 rows they are compared with
-IFT_VS_UNROLLED = 1.0  # issue 17: fc IFT step <= 1.0 x unrolled-30
-BF16_SPEEDUP = 1.5  # issue 17: bf16 conv64 throughput >= 1.5 x float32 (same tol)
+IFT_VS_UNROLLED = 1.0  # target: fc IFT step <= 1.0 x unrolled-30
+BF16_SPEEDUP = 1.5  # target: bf16 conv64 throughput >= 1.5 x float32 (same tol)
 BF16_ITERS = 0.2  # ... with iteration counts within 20%
 NO_TORCHDEQ = "TorchDEQ not installed"
 STAGES = ("solvers", "train_step", "throughput", "suites")
@@ -726,7 +726,7 @@ def solver_sections(env: dict, solvers: list[dict], td: bool) -> list[str]:
     ours = [r for r in solvers if r["library"] == "deqbench"]
     f32 = [r for r in ours if r["amp"] == "none" and r["tol"] in TOLS]
     L = [
-        f"## Issue 17: solver overhead, eager vs default path (float32; {card})",
+        f"## Solver overhead, eager vs default path (float32; {card})",
         "",
         "`eager`: the solver called directly on the bare cell map; `default`: "
         "`DEQLayer(cell).solve(u, z0, cfg)`, what a user gets (on CUDA: captured on the warm-up "
@@ -766,7 +766,7 @@ def solver_sections(env: dict, solvers: list[dict], td: bool) -> list[str]:
             f"{ratio} | {mark(ok) if ok is not None else '-'} | {num(r['rel_residual'], '.2e')} | "
             f"{r['status']}{' ' + r['error'] if r['error'] else ''} |"
         )
-    L += ["", f"Targets (issue 17, default path, float32, {card}):", "", *marks]
+    L += ["", f"Targets (default path, float32, {card}):", "", *marks]
     if td:
         ok = not behind if known else None
         L.append(
@@ -824,12 +824,12 @@ def solver_sections(env: dict, solvers: list[dict], td: bool) -> list[str]:
                 f"{len(known)}: {mark(all(known) if known else None)}"
             )
         L.append("")
-    # issue 6: deqbench eager vs TorchDEQ
+    # deqbench eager vs TorchDEQ
     if not td:
-        L += [f"## Solver time vs TorchDEQ (issue 6): {NO_TORCHDEQ}", ""]
+        L += [f"## Solver time vs TorchDEQ: {NO_TORCHDEQ}", ""]
         return L
     L += [
-        "## Solver time to tolerance vs TorchDEQ (issue 6; eager rows, float32, rel stop mode)",
+        "## Solver time to tolerance vs TorchDEQ (eager rows, float32, rel stop mode)",
         "",
         "Target: time deqbench / TorchDEQ <= 0.6 (anderson, broyden), <= 0.8 (fixed_point), "
         "at equal or lower final residual (the residual of the returned iterate, recomputed "
@@ -930,7 +930,7 @@ def summarize(
                 f"{r['grad_cosine']:.6f} | {r['grad_rel_error']:.2e} |"
             )
         L.append("")
-        L += [f"Targets (issue 17, {card}):", ""]
+        L += [f"Targets ({card}):", ""]
         for cell in dict.fromkeys(r["cell"] for r in steps):
             v = {r["variant"]: r for r in steps if r["cell"] == cell}
             if not {"deqbench_ift", "deqbench_unrolled30"} <= set(v):
@@ -958,14 +958,14 @@ def summarize(
         L.append("")
         conv = {r["variant"]: r for r in steps if r["cell"] == "conv"}
         if not td:
-            L += [f"Issue-6 TorchDEQ targets (conv cell): {NO_TORCHDEQ}", ""]
+            L += [f"TorchDEQ time-ratio targets (conv cell): {NO_TORCHDEQ}", ""]
         elif {"deqbench_ift", "torchdeq_ift", "deqbench_unrolled30"} <= set(conv):
             dq, tdr, un = conv["deqbench_ift"], conv["torchdeq_ift"], conv["deqbench_unrolled30"]
             tr = dq["step_ms"] / tdr["step_ms"]
             mr = dq["peak_mib"] / tdr["peak_mib"] if tdr["peak_mib"] > 0 else math.nan
             ur = dq["peak_mib"] / un["peak_mib"] if un["peak_mib"] > 0 else math.nan
             L += [
-                "Targets (issue 6, conv cell):",
+                "Targets (conv cell):",
                 "",
                 f"- IFT step time <= 0.8 x TorchDEQ: ratio {tr:.2f}: {mark(tr <= 0.8)}",
                 f"- IFT peak extra memory <= TorchDEQ: ratio {mr:.2f}: "
@@ -1001,7 +1001,7 @@ def summarize(
             sp = b["samples_per_s"] / f["samples_per_s"]
             it = within(float(b["f_evals"]), float(f["f_evals"]), BF16_ITERS)
             L += [
-                f"Target (issue 17, {card}): bf16 conv64 throughput >= {BF16_SPEEDUP}x float32 at "
+                f"Target ({card}): bf16 conv64 throughput >= {BF16_SPEEDUP}x float32 at "
                 f"the same rel tol {AMP_TOL:g}, iteration counts within 20%:",
                 "",
                 f"- {b['model']} batch {b['batch']}: bf16 {b['samples_per_s']:.0f} / float32 "
@@ -1061,12 +1061,12 @@ def plots(out: Path, solvers: list[dict], steps: list[dict]) -> None:
             fig = new_figure(8.0, 4.2)
             grouped(fig.axes[0], vs_torchdeq, lambda g: TIME_TARGET[g[2]],
                     "time to tolerance, deqbench / TorchDEQ",
-                    "time ratio to TorchDEQ (float32; red: issue-6 target)", "solver_ratio.png")  # fmt: skip
+                    "time ratio to TorchDEQ (float32; red: time-ratio target)", "solver_ratio.png")  # fmt: skip
         fig = new_figure(8.0, 4.2)
         grouped(fig.axes[0], lambda r: r["overhead_to_tol"],
                 lambda g: OVERHEAD_TARGET.get(g[0], {}).get(g[2]),
                 "time / (f-evals to tol x t_f)",
-                "solver overhead (float32; red: issue-17 target for the default path)",
+                "solver overhead (float32; red: overhead target for the default path)",
                 "solver_overhead.png")  # fmt: skip
     steps = [r for r in steps if not r.get("error")]
     if steps:

@@ -1,4 +1,4 @@
-"""Where a fresh process's start-up goes on a GPU (issue 32): imports, CUDA's initialisation, and
+"""Where a fresh process's start-up goes on a GPU: imports, CUDA's initialisation, and
 the pieces of deqbench.run.task.warm_up, each timed in this process, in order.
 
     python benchmarks/warmup_probe.py            # run it twice: the second run finds the

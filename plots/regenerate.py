@@ -34,9 +34,9 @@ TARGETS = {
     "smoke": ("suites/smoke.yaml", "plots/smoke", "run", None),
     "trajectory": ("suites/trajectory.yaml", "plots/trajectory_cpu", "run-noseries", None),
     "ntk": ("suites/ntk.yaml", "plots/ntk_cpu.png", "png", "ntk.png"),
-    # every backward mode side by side (issue 33), about 4 minutes on one thread
+    # every backward mode side by side, about 4 minutes on one thread
     "backward": ("suites/backward.yaml", "plots/backward_cpu", "run", None),
-    # time_to_tolerance.png and path_independence.png (issue 34), about 30 s on 2 cores
+    # time_to_tolerance.png and path_independence.png, about 30 s on 2 cores
     "convergence": ("suites/convergence.yaml", "plots/convergence_cpu", "run", None),
     # the CPU reproduction report (deqbench reproduce --scale cpu, about 6 minutes on 2 cores):
     # the report and, per suite run, run.json / suite.yaml / summary.csv; docs/reproductions.md

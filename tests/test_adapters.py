@@ -1,4 +1,4 @@
-"""deqbench.adapters (issue 30): measuring a network's own fixed-point loop (track_loop, OwnLoop)
+"""deqbench.adapters: measuring a network's own fixed-point loop (track_loop, OwnLoop)
 and making a deqbench cell from a method of a whole network (cell_from_method), each against an
 independent reference."""
 

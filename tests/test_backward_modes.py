@@ -1,4 +1,4 @@
-"""Backward modes as a registry (issue 33): the built-ins and the forward each needs, validation
+"""Backward modes as a registry: the built-ins and the forward each needs, validation
 of names, options and forward solvers (config, layer, suite), a third-party mode registered
 through the ``deqbench.backward`` entry-point group joining the ``backward`` analysis'
 comparison, and the analysis' new rows (memory split, descent check, accuracy after the same

@@ -1,4 +1,4 @@
-"""Broyden's static-buffer path (``cuda_graph``, issue 17). On CPU the static step runs eagerly
+"""Broyden's static-buffer path (``cuda_graph``). On CPU the static step runs eagerly
 and must make the eager path's iterates (the points f is evaluated at, the traces, the counts);
 the gpu-marked test captures it in a CUDA graph, caches it and replays it."""
 
@@ -83,7 +83,7 @@ def test_supports_cuda_graph():
 #: float64 rounding (batch max >= ~1e-9 tanh, ~1e-10 linear at the last step). With 25 steps the
 #: tanh cell reached f(z) == z exactly (residual 0) from step ~17 on: from there every update is
 #: degenerate, and the skip decisions, line-search acceptances and per-sample lowest iterates
-#: the two paths are compared on are rounding ties (machine-dependent, issue 28)
+#: the two paths are compared on are rounding ties (machine-dependent)
 BUDGET = {False: 10, True: 20}
 #: the lowest stop-mode residual a max_iter solve may reach (about 5000 float64 eps): above it a
 #: step changes the residual by far more than rounding, so no decision above is a tie
@@ -168,7 +168,7 @@ def test_chunked_layout(monkeypatch):
 )
 def test_large_state_buckets_of_one_pair(monkeypatch, opts):
     """States above AUTO_NUMEL (conv64) read exactly the pairs that can be in use at each step
-    (LARGE_GRAIN = 1: one captured graph per pair count, issue 31) and still make the eager
+    (LARGE_GRAIN = 1: one captured graph per pair count) and still make the eager
     path's iterates; a bucket one pair short would drop a pair in use and change them."""
     import deqbench.solvers.broyden as mod
 

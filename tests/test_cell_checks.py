@@ -1,4 +1,4 @@
-"""`deqbench validate` checks each DEQ layer's cell directly (issue 30): a cell that does not keep
+"""`deqbench validate` checks each DEQ layer's cell directly: a cell that does not keep
 z's shape is named under [model.cell] (not [model.forward]), and a cell whose f-evaluations
 change buffers (BatchNorm in training mode inside the map) under [model.cell_pure], with the
 fix."""

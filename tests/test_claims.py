@@ -1,4 +1,4 @@
-"""The claim table and its checkers (issue 26, parts 2 and 3): every claim id once, every
+"""The claim table and its checkers: every claim id once, every
 checker present, and for each checker an input that agrees with the paper (-> reproduced), one
 that contradicts it (-> not reproduced) and the not-run cases (seeds, convergence, scale).
 Pure Python, no training."""
@@ -304,7 +304,7 @@ def test_lipschitz():
     below = [[0.1, 0.3, 0.5, 0.6, 0.7]] * 3
     paper = {"tanh": above, "softsign": above, "sigmoid": above, "relu6": below}
     assert f(sigma_max=paper).verdict == R
-    # the old check's expectation: below 1 for all four (REFERENCE 9.4)
+    # the old check's expectation: below 1 for all four
     ours = {"tanh": below, "softsign": below, "sigmoid": below, "relu6": below}
     v = f(sigma_max=ours)
     assert v.verdict == NR and "tanh" in v.reason and "relu6" not in v.reason
@@ -373,7 +373,7 @@ def test_accuracy_vs_k():
     f = ck.check_accuracy_vs_k
     t8 = {5: [0.835, 0.83, 0.84], 10: [0.873] * 3, 20: [0.877] * 3, 40: [0.878, 0.88, 0.875]}
     assert f(accuracy=t8).verdict == R
-    # REFERENCE 9.5 (digits): flat 0.957-0.965 -- within the seed spread
+    # our earlier digits run: flat 0.957-0.965 -- within the seed spread
     flat = {5: [0.96, 0.957, 0.965], 40: [0.962, 0.958, 0.963]}
     assert f(accuracy=flat).verdict == NR
     assert f(accuracy={5: [0.8, 0.8], 40: [0.9, 0.9]}).verdict == NRUN

@@ -151,6 +151,7 @@ def test_info_and_validate(tiny_suite):
     assert lines[1].split("\t")[0] == "fc_deq_tiny-fixed_point-ift-tol=0.01" and len(lines) == 5
 
 
+@pytest.mark.slow  # two runs, plots and a compare: about 10 s on 2 cores
 def test_run_plot_compare(tmp_path, tiny_suite):
     out = tmp_path / "out"
     r = invoke("run", tiny_suite, "--out", out, "--no-progress", "--set", "matrix.backward=[ift]")

@@ -1,4 +1,4 @@
-"""One CLI vocabulary (issue 14 item 4): --version without torch, one-line errors that name the
+"""One CLI vocabulary: --version without torch, one-line errors that name the
 option the user wrote (no repeated value, no pydantic internals), help reflowed for 80 columns."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Conformance by registry (issue 28): ``deqbench.testing``'s checks over every registered name
+"""Conformance by registry: ``deqbench.testing``'s checks over every registered name
 (a model's ``_tiny`` variant stands in for it), so a new built-in solver, model, init, analysis
 or dataset is checked with no edit here; and each check shown to fail on a part that breaks its
 clause.

@@ -1,4 +1,4 @@
-"""docs/contributing.md is followed as written (issue 30): each of its complete files is written
+"""docs/contributing.md is followed as written: each of its complete files is written
 into a temporary package, the source index finds its registered name (so no list needs an
 edit), it imports, and its conformance check passes (deqbench.testing)."""
 

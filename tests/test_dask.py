@@ -201,6 +201,7 @@ def test_local_workers_do_not_get_dask_malloc_trim_threshold(monkeypatch):
 
 
 @needs_dask
+@pytest.mark.slow
 def test_local_cluster_gives_inline_rows_and_resumes(
     tmp_path, fast_workers, smoke_fc, inline_smoke_fc
 ):
@@ -243,6 +244,7 @@ def test_local_cluster_gives_inline_rows_and_resumes(
 
 
 @needs_dask
+@pytest.mark.slow  # 7-15 s on a shared 2-core machine
 def test_worker_killed_mid_cell_is_retried_once_then_recorded(tmp_path, fast_workers):
     import dask_helpers  # noqa: F401  (registers test_die here too: the suite is checked here)
 
@@ -410,7 +412,7 @@ def test_short_cells_add_a_worker_on_gpus_with_room(monkeypatch):
     assert len(Loop.calls) == 1
     assert executor().add_gpu_workers([30.0, 31.0], remaining=100) == []  # long cells
     assert executor().add_gpu_workers([2.0, 2.0], remaining=10) == []  # nearly done
-    # the issue-16 4x H100 case per worker: a short median but a flagged cell among the first
+    # the 4x H100 Dask case per worker: a short median but a flagged cell among the first
     # (1.9 s median, 8 s tail): the mean, not the median, estimates the remaining work
     assert executor().add_gpu_workers([1.9, 1.9, 8.0], remaining=20) == ["0"]
     assert executor().add_gpu_workers([1.9, 1.9], remaining=20) == []  # 19 s per worker

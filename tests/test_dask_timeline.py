@@ -1,4 +1,4 @@
-"""Issue 32 on CPU: the run's time breakdown (deqbench.run.timeline) adds up, longest tasks are
+"""On CPU: the run's time breakdown (deqbench.run.timeline) adds up, longest tasks are
 handed out first (deqbench.run.schedule) while results.csv keeps the suite's order, and a
 cluster started with Dask's own CLI (``dask scheduler`` / ``dask worker``) gives the inline rows.
 No timing is asserted: only the arithmetic of the breakdown."""
@@ -122,6 +122,7 @@ def test_breakdown_of_an_inline_run_adds_up(tmp_path):
 
 
 @needs_dask
+@pytest.mark.slow
 def test_dask_run_breakdown_lpt_order_and_suite_ordered_rows(
     tmp_path,
     fast_workers,  # noqa: F811

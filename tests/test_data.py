@@ -46,7 +46,8 @@ def test_gp_sequence_definition():
     )
     t_in = np.array(d.meta["t_in"])
     assert np.allclose(t_in, np.linspace(-2 * np.pi, 2 * np.pi, 100))
-    assert np.allclose(np.array(d.meta["t_out"]), t_in - 2.0)  # papers/001: [-2pi-2, 2pi-2]
+    # Tsuchida et al. 2022: outputs on [-2pi-2, 2pi-2]
+    assert np.allclose(np.array(d.meta["t_out"]), t_in - 2.0)
     # normalised by the train inputs' statistics
     assert (
         abs(float(d.train[0].mean())) < 1e-5

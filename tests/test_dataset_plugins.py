@@ -1,4 +1,4 @@
-"""Datasets as plugins (issue 30): the entry-point group ``deqbench.datasets``, listed by
+"""Datasets as plugins: the entry-point group ``deqbench.datasets``, listed by
 ``deqbench ls`` with their distribution, run in a suite like a built-in, their contract
 (deqbench.contracts.DatasetLoader) checked by ``deqbench validate`` (one line naming the
 distribution and the clause) and by ``deqbench.testing.check_dataset``."""

@@ -1,4 +1,4 @@
-"""examples/deqbench-ownloop (issue 30): a third-party implicit conv network (conv layers,
+"""examples/deqbench-ownloop: a third-party implicit conv network (conv layers,
 GroupNorm in the map, BatchNorm around it, its own damped Picard loop and its own Jacobian-free
 backward) written with no deqbench import and not edited since (its files' hashes are pinned),
 adapted in <= 30 lines with deqbench.adapters. Through the adapter deqbench measures the

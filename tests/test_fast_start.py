@@ -1,4 +1,4 @@
-"""Fast start (issue 28): ``deqbench ls``, ``--help`` and ``validate`` of a missing or malformed
+"""Fast start: ``deqbench ls``, ``--help`` and ``validate`` of a missing or malformed
 file answer without importing torch. ``ls`` reads the built-in names from the source index
 (:mod:`deqbench.core.index`), which must list exactly what the registries load."""
 

@@ -152,6 +152,7 @@ CHECKS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # Triton interpreter: 20-30 s each on 2 cores
 @pytest.mark.parametrize("split", [False, True], ids=["per-sample", "split"])
 def test_fused_kernels_match_references_on_cpu_interpreter(split):
     steps = run_checks(CHECKS, "cpu", "split" if split else "whole")

@@ -141,6 +141,7 @@ CHECKS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # Triton interpreter: about 20 s on 2 cores
 def test_fused_broyden_matches_torch_and_eager_on_cpu_interpreter():
     out = run_checks(CHECKS, "cpu")
     assert len(out) == 9

@@ -148,6 +148,7 @@ CHECKS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # Triton interpreter: about 30 s each on 2 cores
 @pytest.mark.parametrize("split", [False, True], ids=["per-sample", "split"])
 def test_fused_eager_solves_match_torch_code_on_cpu_interpreter(split):
     steps = run_checks(CHECKS, "cpu", "split" if split else "whole")

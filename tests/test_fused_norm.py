@@ -184,6 +184,7 @@ CHECKS = textwrap.dedent(
 EXPECTED = {"kernel": 4 * 8 + 8 + 1, "cell": 4}
 
 
+@pytest.mark.slow  # Triton interpreter: 7-11 s each on 2 cores
 @pytest.mark.parametrize("mode", ["fit", "loop"])
 def test_fused_norm_matches_torch_on_cpu_interpreter(mode):
     res = run_checks(CHECKS, "cpu", mode)

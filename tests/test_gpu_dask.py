@@ -1,4 +1,4 @@
-"""The local Dask cluster on GPUs (issue 32): workers fork from a forkserver that imported torch
+"""The local Dask cluster on GPUs: workers fork from a forkserver that imported torch
 and deqbench before any CUDA call (the default on GPUs), initialise CUDA after the fork on their
 own GPU, and give the inline rows. GPU only (CI has none); each run is a fresh `deqbench run`
 process, as a user starts it, so the forkserver starts with the command."""

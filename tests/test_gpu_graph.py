@@ -1,4 +1,4 @@
-"""The DEQ layer's automatic CUDA-graph path (issue 17): same answers as eager, recaptures or
+"""The DEQ layer's automatic CUDA-graph path: same answers as eager, recaptures or
 falls back when it must, says which path ran. GPU only (CI has none); the static step bodies
 themselves are tested on CPU in test_solvers.py / test_broyden_graph.py."""
 

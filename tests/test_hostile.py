@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 27): each file of tests/hostile/ is one case, run in process through the
+"""Hostile inputs: each file of tests/hostile/ is one case, run in process through the
 command line (Typer's CliRunner); each gives its documented exit code, one ``error:`` line that
 says what is wrong (no traceback) and writes no run directory. tests/hostile/README.md lists them.
 """
@@ -121,9 +121,9 @@ def test_every_corpus_file_is_a_case_and_listed_in_the_readme():
 def test_hostile_suite_one_line_exit_2_nothing_written(work, name):
     code, message = SUITES[name]
     path = case_file(name, work)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: a shared machine's wall clock bounds nothing
     r = invoke("run", path, "--no-check")
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     line = one_error(r, code, message)
     # nothing from the file acts on the terminal (ESC, BEL, CR...) and no echo is unbounded
     assert not re.search("[\x00-\x09\x0b-\x1f\x7f]", r.output), repr(r.output)
@@ -142,10 +142,10 @@ def test_the_alias_bomb_is_refused_in_well_under_a_second():
     from deqbench.core.errors import ConfigError
     from deqbench.run.yamlio import read_yaml
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(ConfigError, match="YAML refused: more than 20000 nodes"):
         read_yaml(HOSTILE / "alias_bomb.yaml")
-    assert time.perf_counter() - t0 < 0.5
+    assert time.process_time() - t0 < 0.5
 
 
 def test_too_many_nodes_refused_and_aliases_within_the_limit_still_load(tmp_path):

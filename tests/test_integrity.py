@@ -1,4 +1,4 @@
-"""Run directories that cannot be corrupted (issue 27): one writer per run directory
+"""Run directories that cannot be corrupted: one writer per run directory
 (``run.lock``), the manifest check on ``--resume``, duplicate keys refused by ``load_results``,
 SIGINT/SIGTERM, and a full disk while appending. Subprocesses only for locks, signals and
 concurrency (tests/gated_cli.py)."""

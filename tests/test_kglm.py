@@ -1,4 +1,4 @@
-"""kGLM models, inits, kernels, KLR reference and analyses (papers/001, REFERENCE.md 4.6, 9.1-9.3)."""
+"""kGLM models, inits, kernels, KLR reference and analyses (Tsuchida et al. 2022)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_fit_klr_solves_the_stationarity_condition():
         assert bool((klr_objective(K, y, lam, pert) > base).all())
 
 
-# -- the key test: kGLM DEQ == KLR on every pixel (papers/001 App. G) ------------------------------
+# -- the key test: kGLM DEQ == KLR on every pixel (Tsuchida et al. 2022 App. G) ------------------------------
 
 
 def _pixel_kernel() -> tuple[torch.Tensor, float]:

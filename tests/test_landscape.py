@@ -450,7 +450,7 @@ def test_library_call_takes_the_directions_settings_unless_given(tmp_path):
         ls.landscape(m, X, y, grid=3, dims=1, directions=path, norm="layer", renormalize=False)
 
 
-# -- warm starts from solved neighbours (issue 31) ---------------------------------------------
+# -- warm starts from solved neighbours ---------------------------------------------
 
 
 def _is_neighbour(p, q):

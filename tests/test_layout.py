@@ -1,10 +1,10 @@
-"""The package layout (issue 19): no import circles inside deqbench, the pinned public API, and
+"""The package layout: no import circles inside deqbench, the pinned public API, and
 each analysis family's analysis, plots and CLI verb in its own folder.
 
 The import graph is read from the source with ``ast``: every ``import`` / ``from ... import`` of a
 deqbench module, at module level, inside functions *and* under ``if TYPE_CHECKING:`` (a
 function-level or type-only import that only hides a circle is still a circle: the layers it
-joins cannot be read, tested or type-checked apart; issue 28). Relative imports are resolved;
+joins cannot be read, tested or type-checked apart). Relative imports are resolved;
 importing ``deqbench.a.b`` also imports the package ``deqbench.a`` (its ``__init__``), unless the
 importer lives inside it. Strings given to ``importlib.import_module`` (registries loading their
 built-ins, the CLI finding its verbs) are not edges: they name what to load, not what a module
@@ -151,7 +151,7 @@ def test_the_graph_sees_imports_under_type_checking():
 
 
 def test_the_analysis_contract_imports_nothing_from_the_runner():
-    """deqbench.analyses.base is the ground floor plugins build on (issue 28): it reaches the DEQ
+    """deqbench.analyses.base is the ground floor plugins build on: it reaches the DEQ
     core and the datasets, never deqbench.run, at module level, in a function or for types."""
     g = import_graph()
     up = sorted(m for m in g["deqbench.analyses.base"] if m.split(".")[:2] == ["deqbench", "run"])
@@ -177,7 +177,7 @@ def test_the_allow_list_names_real_imports():
         assert b in g.get(a, {}), f"stale allow-list entry {a} -> {b}"
 
 
-# -- the public API (issue 19): everything else is private ----------------------------------------
+# -- the public API: everything else is private ----------------------------------------
 
 PUBLIC = {
     "deqbench": [

@@ -183,7 +183,7 @@ def test_mondeq_batched_matches_naive_ift_and_unrolled():
     torch.manual_seed(3)
     m = deqbench.models.create("mondeq_fc_tiny", in_shape=(6,), num_outputs=2, m=0.5).double()
     H = m.deq.cell.A.shape[0]
-    with torch.no_grad():  # REFERENCE.md 8.2 scales: A, B at 0.4/sqrt(H)
+    with torch.no_grad():  # the monDEQ scales: A, B at 0.4/sqrt(H)
         m.deq.cell.A.copy_(torch.randn(H, H) * 0.4 / H**0.5)
         m.deq.cell.B.copy_(torch.randn(H, H) * 0.4 / H**0.5)
     X = torch.randn(6, 6, dtype=torch.float64)
@@ -437,7 +437,7 @@ def test_bad_inputs_are_config_errors_and_default_tolerance_is_tight():
     assert rel(empirical_ntk(m, X, tol=1e-4), ref) > 1e-8  # what the old default gave
 
 
-# -- issue 13: singular and ill-conditioned K, references that converge, flagged solves --------
+# -- singular and ill-conditioned K, references that converge, flagged solves --------
 
 
 def small_fc(dtype=torch.float32, width=3, in_dim=2, seed=0):
@@ -512,7 +512,7 @@ def expanding_fc():
 
 
 def test_naive_reference_solves_its_adjoint_robustly_and_reports_convergence():
-    """Issue 13 item 4: the naive loop is a reference; a plain fixed-point adjoint (rho(J) > 1
+    """The naive loop is a reference; a plain fixed-point adjoint (rho(J) > 1
     here) is solved by Anderson, and every probe's convergence is reported."""
     from deqbench.ntk import naive_ntk, reference_converged
 

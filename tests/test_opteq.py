@@ -1,4 +1,4 @@
-"""OptEq family, SAM solver, feature regularisers, unroll_compare analysis (papers/003)."""
+"""OptEq family, SAM solver, feature regularisers, unroll_compare analysis (Xie et al. 2023)."""
 
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ def test_sam_l2_selects_minimum_norm_fixed_point():
 
 
 def test_sam_unrolled_training_uses_sam_steps():
-    """backward unrolled + solver sam trains through the K-th SAM iterate (papers/003 Eq. 12)."""
+    """backward unrolled + solver sam trains through the K-th SAM iterate (Xie et al. 2023 Eq. 12)."""
     torch.manual_seed(4)
     m = deqbench.models.create("opteq_tiny", gamma=0.9).to(F64)
     opts = {"prior": "l1", "rho": 0.5, "c": 0.3}

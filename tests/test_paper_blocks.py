@@ -115,7 +115,7 @@ def test_scoped_entries_factory_defaults_and_deviations(tmp_path: Path) -> None:
     "change, message",
     [
         ({"deviations": {"colour": "why"}}, "names no settings key"),
-        ({"cite": "see /work/papers/002.txt"}, "not a path"),
+        ({"cite": "see /work/Gabor et al. 2024.txt"}, "not a path"),
         ({"settings": {"lr": 0.1}}, "expected SECTION.KEY"),
         ({"settings": {"train.lr": {"cells": "", "value": 1}}}, "at least 1 character"),
         ({"budget": {"note": "no length"}}, "give steps"),

@@ -1,4 +1,4 @@
-"""Issue 34, path independence, against constructed cases: a contraction (one fixed point: every
+"""Path independence against constructed cases: a contraction (one fixed point: every
 start lands on it, 100%) and a per-coordinate bistable map z -> tanh(3 z) + u (two attracting
 fixed points per coordinate; the start decides the basin), whose fixed points, basins, fractions
 and spreads are computed here independently (bisection, iteration to rounding level, the

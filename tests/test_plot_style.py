@@ -141,7 +141,7 @@ def test_cell_styles_unique_up_to_80_cells():
 
 
 def test_unrolled_cells_epoch0_is_joined_to_their_k_steps():
-    """An unrolled cell trains and evaluates with its K plain steps (issue 25): its epoch-0 pass
+    """An unrolled cell trains and evaluates with its K plain steps: its epoch-0 pass
     is the same computation as the training points and sits on their line, hollow."""
     df = _results()
     fig = plots.iterations_per_epoch(df)

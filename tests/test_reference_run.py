@@ -14,6 +14,9 @@ import pytest
 import deqbench
 from deqbench.run.reference import check_against_reference
 
+#: every test here reads one fresh run of the whole smoke suite: about 25 s on 2 cores
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "plots" / "smoke"
 

@@ -1,4 +1,4 @@
-"""The float64 gradient reference of the ``backward`` analysis (issue 13 item 4): solved to its
+"""The float64 gradient reference of the ``backward`` analysis: solved to its
 tolerance by robust methods whatever the model's solver settings, its residuals checked, and
 never the basis of an accuracy figure when it did not converge."""
 
@@ -34,7 +34,7 @@ def _one_thread():
 
 def _mondeq(backward: str = "fixed_point") -> nn.Module:
     """A float64 monDEQ whose Jacobian has spectral radius ~4: plain iteration diverges on the
-    adjoint, the splitting solvers and Anderson converge (the third-party monDEQ of issue 13)."""
+    adjoint, the splitting solvers and Anderson converge (a third-party monDEQ)."""
     torch.manual_seed(0)
     m = deqbench.models.create("mondeq_fc_tiny", in_shape=(12,), num_outputs=3, width=16)
     with torch.no_grad():

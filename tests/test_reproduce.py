@@ -1,4 +1,4 @@
-"""``deqbench reproduce`` (issue 26, part 4): the extractors on tiny run directories written
+"""``deqbench reproduce``: the extractors on tiny run directories written
 with the results writer, the report, and the command end to end on one cheap claim."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The docs' reproduction table is the committed CPU report, verbatim (issue 26), and the report
+"""The docs' reproduction table is the committed CPU report, verbatim, and the report
 covers every claim of the table with one of the three verdicts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RevDEQ (the ``reversible`` forward solver and backward mode, issue 33) against independent
+"""RevDEQ (the ``reversible`` forward solver and backward mode) against independent
 references on CPU in float64 (BACKWARD_LAB.md 1.6 and 4): the reversal reconstructs the initial
 pair; the gradient equals autograd through the same stored (masked) iteration; it tends to the
 dense IFT gradient as the forward converges, the difference of the order of the forward residual;

@@ -256,7 +256,7 @@ def test_executor_interface_and_determinism(tiny_suite):
         run_suite(suite, executor=_PickleReverse(), progress=False, plots=False).run_dir
     )
     # the tasks finished in reverse order; results.csv is rewritten in the suite's order
-    # (issue 32), so both files list the cells and seeds alike
+    # so that both files list the cells and seeds alike
     order = ["cell_id", "seed"]
     assert b[order].drop_duplicates().values.tolist() == a[order].drop_duplicates().values.tolist()
     keys = a[order].drop_duplicates().values.tolist()
@@ -271,6 +271,7 @@ def _finished(path) -> int:
         return 0
 
 
+@pytest.mark.slow  # two runs and a killed one: about 20 s on 2 cores
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path):
     p = write_suite(
         tmp_path,

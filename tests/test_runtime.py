@@ -1,4 +1,4 @@
-"""The suites' ``runtime`` section (issue 17): schema (defaults, matrix, case, ``--set``), errors,
+"""The suites' ``runtime`` section: schema (defaults, matrix, case, ``--set``), errors,
 cell ids, bf16 autocast in training and in the throughput analysis, torch.compile backends that
 need no C++ compiler, and the flag of a bf16 cell whose solves cannot meet its tolerance. CPU."""
 
@@ -21,7 +21,7 @@ from deqbench.run.suite import one_cell_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: TINY_SUITE's ids (the unrolled cell named by its K since issue 25; before:
+#: TINY_SUITE's ids (the unrolled cell named by its K; before:
 #: fc_deq_tiny-fixed_point-unrolled) and its hash as computed before the runtime section existed
 #: (commit bd7afd7)
 TINY_IDS = ["fc_deq_tiny-fixed_point-ift", "fc_deq_tiny-unrolled5"]

@@ -1,4 +1,4 @@
-"""Second order through every adjoint (issue 13 item 3): for every registered tiny DEQ model, in
+"""Second order through every adjoint: for every registered tiny DEQ model, in
 float64, the autograd Hessian-vector product through ``ift`` equals the central difference of the
 IFT gradient, for the model's declared forward solver and every adjoint solver that applies to
 it; the direct (per-sample LU) solves of the Hessian analysis give the same products and turn
@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 #: solvers that cannot be an IFT adjoint solver: SAM selects among fixed points; the adjoint
 #: system has one solution, which SAM's iterates approach only as beta_k -> 0 (its bias decays
 #: like rho / k**c), never to an IFT tolerance
-#: solvers not used as IFT adjoint solvers here: sam; reversible (RevDEQ's forward, issue 33: a
+#: solvers not used as IFT adjoint solvers here: sam; reversible (RevDEQ's forward: a
 #: beta-damped coupled iteration at two f-evaluations per step, which as an adjoint solver on
 #: mondeq_fc_tiny stopped at rel 3.4e-9, short of this test's 1e-12 in 1000 evaluations)
 NOT_ADJOINT = {"sam", "reversible"}

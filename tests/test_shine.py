@@ -1,4 +1,4 @@
-"""SHINE (the ``shine`` backward mode with Broyden's ``keep_inverse``, issue 33) against
+"""SHINE (the ``shine`` backward mode with Broyden's ``keep_inverse``) against
 independent references on CPU in float64 (BACKWARD_LAB.md 2.7 and 4): the algebra of the inverse
 estimate Broyden hands out (adjoint identity, secant condition of every update), a linear sanity
 check, the cosine and norm ratio against the dense IFT gradient beside the Jacobian-free

@@ -374,7 +374,7 @@ def test_suite_checks_solver_option_values_when_built(tmp_path):
 
 
 def test_reference_counts_small_conv_like():
-    """REFERENCE.md 2.2: a relative lambda keeps Anderson well below fixed point at tight tol."""
+    """A relative regularisation lambda keeps Anderson well below fixed point at tight tol."""
     f, z0 = tanh_cell()
     _, fp = get("fixed_point")(f, z0, max_iter=300, tol=1e-10)
     _, an = get("anderson")(f, z0, max_iter=300, tol=1e-10)

@@ -1,4 +1,4 @@
-"""Spectral tools against dense references (REFERENCE.md section 5)."""
+"""Spectral tools against dense references."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 34, time to tolerance: the f-evaluations at which each tolerance is first reached are
+"""Time to tolerance: the f-evaluations at which each tolerance is first reached are
 those at which a solve with that tolerance stops (SolverStats.nstep), per batch, forward and
 adjoint; the rows summarise them over batches; a tolerance not reached is recorded as such."""
 

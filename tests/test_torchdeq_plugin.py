@@ -63,7 +63,7 @@ def plugin(tmp_path_factory):
 
 
 def _fc_cell(width=32, n_in=16, batch=12, norm=0.9, seed=0):
-    """f(z) = tanh(W z + U x + b), ||W||_2 = norm (REFERENCE.md 2.6, small)."""
+    """f(z) = tanh(W z + U x + b), ||W||_2 = norm (a small bare cell)."""
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(width, width, generator=g)
     W *= norm / torch.linalg.matrix_norm(W, ord=2)

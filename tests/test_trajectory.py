@@ -1,4 +1,4 @@
-"""The trajectory analysis (papers/004 section 4.1): probes, thinning, recorded residuals against
+"""The trajectory analysis (Nguyen 2022 section 4.1): probes, thinning, recorded residuals against
 recomputed ones, PCA against numpy's SVD, silhouette against scikit-learn, and one tiny run
 through the runner with its series, plots and claim verdicts (summary.csv)."""
 
@@ -127,6 +127,7 @@ output: results
 """
 
 
+@pytest.mark.slow  # a whole suite through the runner: about 10 s on 2 cores
 def test_trajectory_suite_through_the_runner(tmp_path: Path):
     import pandas as pd
     from conftest import write_suite
@@ -156,7 +157,7 @@ def test_trajectory_suite_through_the_runner(tmp_path: Path):
     assert per_class.max() - per_class.min() <= 2  # balanced probes
     plots = {p.name for p in (Path(summary.run_dir) / "plots").glob("*.png")}
     assert {"trajectory_residuals.png", "trajectory_pca.png", "trajectory_epochs.png"} <= plots
-    # the runner wrote the verdicts of the thesis's trajectory claims, both readings of
+    # the runner wrote the verdicts of the Nguyen 2022 trajectory claims, both readings of
     # N(0, 0.01) (one seed: a trend needs three, so "not run" with that reason is an honest
     # verdict here)
     out = pd.read_csv(Path(summary.run_dir) / "summary.csv", keep_default_na=False)

@@ -1,4 +1,4 @@
-"""Trustworthy results by default (issue 13): model-declared defaults fill what a suite leaves
+"""Trustworthy results by default: model-declared defaults fill what a suite leaves
 unset, and a measurement whose own solves missed tolerance is ``flagged`` (never ``ok``), in
 results.csv, the runner row, run.json, the summary and the exit code; warm-up out of wall_time."""
 

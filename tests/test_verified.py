@@ -1,4 +1,4 @@
-"""Every "ok" earned (issue 25): evaluation solves count, a solver's claim is verified, notes say
+"""Every "ok" earned: evaluation solves count, a solver's claim is verified, notes say
 what missed and a fix that can work, names say what ran, an unrolled cell evaluates its K steps."""
 
 from __future__ import annotations
@@ -281,7 +281,8 @@ def test_resume_refuses_a_run_whose_ids_this_code_would_not_make(tmp_path):
     suite = deqbench.load_suite(p)
     run = run_suite(suite, progress=False, plots=False).run_dir
     meta = json.loads((run / "run.json").read_text())
-    meta["cells"] = ["fc_deq_tiny-fixed_point-unrolled"]  # an id before issue 25's names
+    # an id from before unrolled cells were named by their K
+    meta["cells"] = ["fc_deq_tiny-fixed_point-unrolled"]
     (run / "run.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="cell ids are not those this deqbench makes"):
         run_suite(suite, resume=run, progress=False, plots=False)

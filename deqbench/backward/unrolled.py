@@ -21,7 +21,7 @@ def unrolled_steps(layer: Any, u: Tensor, z0: Tensor) -> Tensor:
     k = max(1, int(layer.backward_cfg.k))
     from .. import solvers
 
-    # A forward solver may define its own differentiable k-step iteration (e.g. SAM, papers/003
+    # A forward solver may define its own differentiable k-step iteration (e.g. SAM, Xie et al. 2023
     # Eq. 12); otherwise unroll plain iteration.
     unroll = getattr(solvers.get(layer.solver_cfg.name), "unroll", None)
     if unroll is not None:

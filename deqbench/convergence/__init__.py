@@ -1,4 +1,4 @@
-"""Convergence of the forward and adjoint solves as a user sees it (issue 34).
+"""Convergence of the forward and adjoint solves as a user sees it.
 
 * :mod:`deqbench.convergence.time_to_tolerance` (analysis ``time_to_tolerance``): per solver,
   wall-clock and f-evaluations against the relative residual, forward and IFT adjoint, every

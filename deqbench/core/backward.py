@@ -12,7 +12,7 @@ at (z*, u, theta) as independent primals, so when a double backward is requested
 (``create_graph=True``, e.g. Hessian-vector products) z*'s dependence on theta routes back through
 this same Function and the second derivatives are exact (up to the adjoint tolerance and
 ``refine`` differentiable adjoint steps). Hook-based IFT silently gets them wrong
-(REFERENCE.md section 3.3). With ``second_order="implicit"`` the adjoint is itself a
+(the hook's gradient does not depend on theta through z*). With ``second_order="implicit"`` the adjoint is itself a
 differentiable implicit function (:class:`_AdjointFunction`): its derivative is one more linear
 solve, the tangent ``v = J v + c`` (:class:`TangentMap`), with the adjoint's solver.
 
@@ -145,7 +145,7 @@ class AdjointMap:
 
 
 class GraphAdjoint:
-    """A captured IFT adjoint (issue 17): f at (z*, u, theta) recorded once as a CUDA graph with
+    """A captured IFT adjoint: f at (z*, u, theta) recorded once as a CUDA graph with
     its autograd graph kept, so that the adjoint solver's steps (VJPs of that recording) can be
     captured and replayed too. Per backward the new z*, u and g are copied into static tensors,
     the recording is replayed (refreshing the saved activations in place) and the cached adjoint

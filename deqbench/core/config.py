@@ -117,7 +117,7 @@ GRAPH_MODES = ("auto", "off")
 
 @dataclass(frozen=True)
 class Runtime:
-    """How a DEQ layer's cell runs (the suite's ``runtime`` section; issue 17).
+    """How a DEQ layer's cell runs (the suite's ``runtime`` section).
 
     Attributes:
         cuda_graph: "auto" (default): on CUDA, forward solves and IFT adjoint solves of

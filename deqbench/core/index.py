@@ -1,5 +1,5 @@
 """The built-in names of every kind, read from the package's source (``deqbench ls`` imports no
-torch: issue 28).
+torch, so that it starts fast).
 
 The built-ins register themselves with literal calls in their own modules
 (``@models.register("fc_deq")``, ``@analyses.register("landscape")``, ``@kernels.register("se")``,

@@ -1,4 +1,4 @@
-"""Feature regularisers R(z) of OptEq (papers/003 sections 5.1, 5.2 and 7.2; REFERENCE.md 4.5).
+"""Feature regularisers R(z) of OptEq (Xie et al. 2023 sections 5.1, 5.2 and 7.2).
 
 A regulariser acts on a batch of states ``z`` (B, ...) and is used two ways:
 
@@ -20,7 +20,7 @@ name                      R                                                   T_
 ``hsic``                  sum_{i<j} HSIC(Z_i,:, Z_j,:), Gaussian kernels       gradient step
 ========================  ==================================================  ===========
 
-Every regulariser has a ``weight`` (the lambda of papers/003 Table 3): R = weight * R_0.
+Every regulariser has a ``weight`` (the lambda of Xie et al. 2023 Table 3): R = weight * R_0.
 ``decorrelation`` and ``hsic`` couple the samples of a batch (``batch = True``): Z is the
 (m x B) matrix whose columns are the flattened states of the batch. Gradients are closed form
 (plain tensor operations), so T_R is differentiable by autograd and by ``torch.func`` (the IFT
@@ -70,7 +70,7 @@ class Regularizer:
         batch: True if R couples the samples of a batch (needs B >= 2 to be meaningful).
         has_prox: True if :meth:`prox` is closed form.
         lipschitz: Lipschitz constant of grad R (None when unknown or nonsmooth); SAM uses
-            eta = 1 / (2 L) by default (papers/003 Theorem 5).
+            eta = 1 / (2 L) by default (Xie et al. 2023 Theorem 5).
     """
 
     name: ClassVar[str] = "regularizer"
@@ -150,7 +150,7 @@ class L1(Regularizer):
 
 class Incay(Regularizer):
     """R(z) = weight * 2 / (||z||^2 + 2 eps) per sample (feature incay: the gradient step
-    *expands* z by the factor 1 + 4 step weight / (||z||^2 + 2 eps)^2; papers/003 Table 2 prints
+    *expands* z by the factor 1 + 4 step weight / (||z||^2 + 2 eps)^2; Xie et al. 2023 Table 2 prints
     the factor with a minus sign, which would shrink z, contradicting "feature expansion")."""
 
     name = "incay"
@@ -173,7 +173,7 @@ class Incay(Regularizer):
 
 
 class Decorrelation(Regularizer):
-    """F_Dz(Z) = weight * 0.5 ||D Z Z^T D - I||_F^2 (papers/003 Eq. 13), Z (m x B) the batch of
+    """F_Dz(Z) = weight * 0.5 ||D Z Z^T D - I||_F^2 (Xie et al. 2023 Eq. 13), Z (m x B) the batch of
     flattened states as columns, D = diag(1 / ||Z_i,:||): the squared off-diagonal cosine
     similarities between feature dimensions (over the batch)."""
 
@@ -206,7 +206,7 @@ class Decorrelation(Regularizer):
 
 
 class HSIC(Regularizer):
-    """sum_{i<j} HSIC(Z_i,:, Z_j,:) (papers/003 section 7.2.1) with the biased estimator
+    """sum_{i<j} HSIC(Z_i,:, Z_j,:) (Xie et al. 2023 section 7.2.1) with the biased estimator
     HSIC(X, Y) = tr(K_X H K_Y H) / (B - 1)^2, Gaussian kernels k(a, b) = exp(-(a-b)^2 / (2 s^2)).
 
     Z (m x B) holds the flattened states as columns, so each of the m feature dimensions is a

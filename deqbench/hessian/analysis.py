@@ -11,7 +11,7 @@ float64) with a budget of at least ``max_iter`` (200) iterations, and restored a
 once per point where the state is small (exact, and ~10x faster per HVP; checked against the
 batched map, see :func:`deqbench.deq.direct_solves`).
 
-Before any number, the gates of REFERENCE.md 3.4 run: gradient vs a central difference of the
+Before any number, these gates run: gradient vs a central difference of the
 loss, the backend's HVP vs the finite-difference HVP (the FD reference is taken on a float64
 copy at the same weights for a float32 model, ``fd_reference``; a vector whose FD step crosses a
 kink of the loss is retaken with smaller steps), symmetry. If the ``autograd`` or ``pyhessian``
@@ -63,7 +63,7 @@ GATES = ("grad_check", "hvp_vs_fd", "symmetry")
 #: the DEQ solves checked (gate d): forward, IFT adjoint, tangent of the double backward
 SOLVE_KINDS = ("forward", "backward", "tangent")
 SOLVE_NAMES = {"forward": "forward", "backward": "adjoint", "tangent": "second-order tangent"}
-#: solver tolerance of the float64 reference copy (REFERENCE.md 3.4: 1e-10 .. 1e-13)
+#: solver tolerance of the float64 reference copy (1e-10 .. 1e-13)
 REF_TOL = 1e-12
 
 

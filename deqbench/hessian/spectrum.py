@@ -1,4 +1,4 @@
-"""Hessian-vector products of a training loss and spectral estimators (REFERENCE.md 3.3, 3.4, 7).
+"""Hessian-vector products of a training loss and spectral estimators.
 
 :class:`HVPOperator` gives ``v -> H v`` for ``L(theta) = loss_fn(model(X), y)`` (mean over one
 batch, or the size-weighted mean over several) at the model's current parameters, on flat
@@ -507,7 +507,7 @@ def loss_label(model: nn.Module) -> str:
 
 @dataclass
 class GateReport:
-    """Checks before a Hessian number is reported (REFERENCE.md 3.4).
+    """Checks before a Hessian number is reported.
 
     grad_check: gradient vs central FD of the loss (gate a); hvp_vs_fd: backend HVP vs FD-HVP
     (gate b); symmetry: u.Hv vs v.Hu (gate c); residuals: largest DEQ residuals seen (gate d);
@@ -535,7 +535,7 @@ class GateReport:
 
 
 def gate_thresholds(dtype: torch.dtype) -> dict[str, float]:
-    """Refusal thresholds: HVP vs FD 1e-6 (float64) / 1e-3 (float32), per REFERENCE.md 3.4."""
+    """Refusal thresholds: HVP vs FD 1e-6 (float64) / 1e-3 (float32)."""
     if dtype == torch.float64:
         return {"grad_check": 1e-5, "hvp_vs_fd": 1e-6, "symmetry": 1e-8}
     return {"grad_check": 5e-2, "hvp_vs_fd": 1e-3, "symmetry": 1e-4}

@@ -39,7 +39,7 @@ def normal(
     model: nn.Module, *, seed: int = 0, std: float | None = None, var: float | None = None
 ) -> None:
     """Cell weights ~ N(0, std^2), or N(0, var) when ``var`` (the variance) is given (default
-    std 0.01). papers/004 section 4.1 writes N(0, sigma^2) with the variance: its
+    std 0.01). Nguyen 2022 section 4.1 writes N(0, sigma^2) with the variance: its
     "N(0, 0.01)" small init is ``var=0.01`` (std 0.1) and "N(0, 1)" is ``var=1``.
 
     Example:
@@ -66,7 +66,7 @@ def normal(
 @inits.register("small")
 def small(model: nn.Module, *, seed: int = 0) -> None:
     """Cell weights ~ N(0, 0.01^2): std 0.01 (variance 1e-4), the implicit-layers tutorial's conv
-    init (conv_deq's own). Not papers/004's "N(0, 0.01)" small init, whose 0.01 is the variance
+    init (conv_deq's own). Not Nguyen's "N(0, 0.01)" small init, whose 0.01 is the variance
     (std 0.1): that one is ``normal`` with ``var=0.01``."""
     normal(model, seed=seed, std=0.01)
 

@@ -1,4 +1,4 @@
-"""kGLM initialisations (papers/001 Theorem 3, appendix E; REFERENCE.md 4.6).
+"""kGLM initialisations (Tsuchida et al. 2022 Theorem 3, appendix E).
 
 * ``kglm_informed``: W1 = W3 = -K/lam, W2 = K/lam, V1 = -k(X~, X)/lam, V2 = k(X~, X)/lam with
   K = k(X, X) (+ white noise) from a given kernel and coordinates; lam = ||K||_2 / scale, so
@@ -214,7 +214,7 @@ def se_filters(
     """The symmetrised SE filter bank k (C, C, ks, ks) of the kGLM conv init (float64).
 
     ``lengthscale`` fixes l_c for all channels (naive init); otherwise l_c ~ U(0, max) (or
-    l_c^2 ~ U(0, max) with ``squared``, the wording of papers/001 appendix F).
+    l_c^2 ~ U(0, max) with ``squared``, the wording of Tsuchida et al. 2022 appendix F).
     """
     c = channels
     if lengthscale is not None:
@@ -371,7 +371,7 @@ def kglm_random(
 
     Dense: PyTorch default uniform weights redrawn from ``seed`` (or rescaled so that
     ||W1||_2 = ``scale``), biases zero, V2 = 0 (frozen unless ``freeze_skip`` is False).
-    Conv: every conv ~ N(0, std^2), std = ``std`` or ``scale`` / 19 (papers/001 section 4).
+    Conv: every conv ~ N(0, std^2), std = ``std`` or ``scale`` / 19 (Tsuchida et al. 2022 section 4).
     """
     kind = _check_model(model, "kglm_random")
     _check("kglm_random", scale=scale, std=std)

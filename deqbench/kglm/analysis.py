@@ -1,4 +1,4 @@
-"""kGLM analyses (papers/001, REFERENCE.md 4.6 and 9.1-9.3).
+"""kGLM analyses (Tsuchida et al. 2022).
 
 * ``klr_agreement`` (no training): on binarised, corrupted digits (dataset ``digits_klr``),
   every image is its own kernel logistic regression problem over its pixel coordinates. KLR is
@@ -10,14 +10,14 @@
   Series ``klr_agreement``: per image and dtype, disagreeing pixels and max |dp|.
 * ``kglm_init_cost`` (no training): wall time of the kGLM init vs the random init of a fully
   connected layer pair (W, V: n x n) and of a C -> C 5x5 conv pair on 32 x 32 inputs
-  (papers/001 figure 8). Rows ``init_time`` (variant ``fc/kglm``, ``fc/random``, ``conv/kglm``,
+  (Tsuchida et al. 2022 figure 8). Rows ``init_time`` (variant ``fc/kglm``, ``fc/random``, ``conv/kglm``,
   ``conv/random``; step = width or channels; one row per repeat) and ``init_time_median``.
 
 Plots (registered with :mod:`deqbench.run.plots`): ``kglm_smooth`` (figure 5: log test MSE per
 epoch, min/mean/max over seeds, per init; forward/backward iterations), ``kglm_denoise``
 (figure 6: test MSE vs the average spectral norm of the convolutions, per epoch, kGLM vs random,
 failed runs on the top border), ``kglm_init_cost`` (figure 8). The same hook writes
-``kglm_denoise_table.csv`` (table 1 analogue) into the run directory; the verdicts of papers/001's
+``kglm_denoise_table.csv`` (table 1 analogue) into the run directory; the verdicts of Tsuchida et al.'s
 claims are in ``summary.csv`` (:mod:`deqbench.outcomes`).
 
 Example (plain functions):
@@ -72,7 +72,7 @@ def klr_agreement(
         model: a kglm_deq model (Bernoulli family) whose output are logits on the pixels.
         Y: (B, ...) binary images (the corrupted inputs); each is one KLR problem.
         kernel: kernel spec of the KLR reference (default SE lengthscale 1 + white 1e-8).
-        lambda_factor: lam = lambda_factor * ||K||_2 (papers/001 App. G: 2).
+        lambda_factor: lam = lambda_factor * ||K||_2 (Tsuchida et al. 2022 App. G: 2).
         newton_steps: Newton/IRLS steps (stops early at ||d alpha|| = 0).
         dtypes: precisions in which the DEQ is evaluated (KLR always runs in float64).
         coords: pixel coordinates (see :func:`deqbench.inits.kglm.coordinates`).
@@ -484,7 +484,7 @@ def denoise_points(df: Any) -> Any:
 
 def denoise_table(df: Any) -> Any:
     """Table 1 analogue per (scheme, epoch): the best cell (lowest mean log test MSE over seeds,
-    with NaN/inf replaced by the maximum first, as papers/001 does), its mean and std of log MSE,
+    with NaN/inf replaced by the maximum first, as Tsuchida et al. 2022 does), its mean and std of log MSE,
     its average spectral norm at init, and the number of failed runs over the whole grid."""
     import numpy as np
     import pandas as pd

@@ -1,4 +1,4 @@
-"""Covariance kernels for the kGLM initialisation (papers/001): squared exponential, periodic,
+"""Covariance kernels for the kGLM initialisation (Tsuchida et al. 2022): squared exponential, periodic,
 periodic-times-SE (the GP sequence task's kernel) and white noise, with sums and products.
 
 Kernels are pluggable: built-ins register with ``@kernels.register("name")``; third-party
@@ -127,7 +127,7 @@ class Periodic(Kernel):
     """variance * exp(-2 sin^2(pi ||a - b|| / period) / lengthscale^2) (MacKay's periodic kernel).
 
     With period = pi and lengthscale = sqrt(2) this is exp(-sin^2 ||a - b||), the periodic factor
-    of the GP sequence task (papers/001 section 4)."""
+    of the GP sequence task (Tsuchida et al. 2022 section 4)."""
 
     name = "periodic"
 
@@ -181,7 +181,7 @@ def periodic_se(
     variance: float = 0.1,
 ) -> Kernel:
     """Periodic times SE. The defaults give the GP sequence task's kernel
-    ``0.1 exp(-d^2/2) exp(-sin^2 d)`` (papers/001 section 4, REFERENCE.md 9.2)."""
+    ``0.1 exp(-d^2/2) exp(-sin^2 d)`` (Tsuchida et al. 2022 section 4)."""
     return ProductKernel(
         [SquaredExponential(lengthscale, variance), Periodic(period, periodic_lengthscale, 1.0)]
     )

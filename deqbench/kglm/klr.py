@@ -1,5 +1,5 @@
 """Kernel logistic regression (KLR) by Newton's method / IRLS: the reference the kGLM DEQ is
-checked against (papers/001 appendix G, REFERENCE.md 4.6). Independent of the DEQ code path.
+checked against (Tsuchida et al. 2022 appendix G). Independent of the DEQ code path.
 
 Problem (one per row of ``y``): minimise  sum_i [A(f_i) - y_i f_i] + (lam/2) alpha^T K alpha,
 f = K alpha, A(f) = log(1 + e^f), y in {0, 1}.  Gradient K(p - y) + lam K alpha, Hessian
@@ -62,7 +62,7 @@ def fit_klr(
     Args:
         K: (n, n) symmetric PSD kernel matrix k(X, X).
         y: (B, n) or (n,) binary responses in {0, 1}.
-        lam: regularisation lambda (papers/001 App. G: 2 ||K||_2).
+        lam: regularisation lambda (Tsuchida et al. 2022 App. G: 2 ||K||_2).
         steps: maximum Newton steps (quadratic convergence: 5 give ~1e-14).
         tol: stop early when max ||alpha_{t+1} - alpha_t|| <= tol (0: run all ``steps``).
 

@@ -1,4 +1,4 @@
-"""Seeded loss-landscape directions keyed by parameter name (Li et al. 2018; REFERENCE.md 6).
+"""Seeded loss-landscape directions keyed by parameter name (Li et al. 2018).
 
 Each (axis, parameter name) pair has its own seeded generator (float64 draw on the CPU), so a
 parameter's direction depends on the seed and its name only. Normalisation against the weights:

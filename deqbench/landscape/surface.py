@@ -1,4 +1,4 @@
-"""Loss-landscape slices around trained parameters (Li et al. 2018; REFERENCE.md section 6).
+"""Loss-landscape slices around trained parameters (Li et al. 2018).
 
 ``L(theta* + a d1 + b d2)`` on a grid, with seeded Gaussian directions keyed by parameter name and
 normalised against the weights (filter normalisation by default: every slice along dim 0 of a
@@ -903,7 +903,7 @@ def summarize(df: Any, level: float = 0.5, raw: bool = False) -> dict[str, float
     ``nonconverged_points``: points whose solve missed the tolerance (NaN when convergence was
     not measured: no deqbench DEQ layer reported a solve). ``low_loss_area_frac``: fraction of
     the converged points whose loss is within ``level`` of the centre loss (the "small-loss
-    neighbourhood" of papers/004 section 4.2.1); ``mean_loss_increase`` and ``loss_max`` over
+    neighbourhood" of Nguyen 2022 section 4.2.1); ``mean_loss_increase`` and ``loss_max`` over
     the same points; ``converged_frac`` the converged share of the grid.
 
     ``raw=True`` adds, when some points did not converge, ``mean_loss_increase_all`` and

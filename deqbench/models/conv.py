@@ -1,4 +1,4 @@
-"""Convolutional residual DEQ (papers/004 eq. 4.1; the implicit-layers tutorial block).
+"""Convolutional residual DEQ (Nguyen 2022 eq. 4.1; the implicit-layers tutorial block).
 
 Cell: f(z, x) = GN3(ReLU(z + GN2(x + conv2(GN1(ReLU(conv1(z))))))), 3x3 convs without bias,
 weights N(0, 0.01^2), GroupNorm with 8 groups. Model: conv stem + BatchNorm -> DEQ -> BatchNorm ->
@@ -175,7 +175,7 @@ class ConvDEQ(DEQModel):
 
 #: Declared defaults (deqbench.models.declare_defaults). The residual conv cell's Jacobian is
 #: unconstrained (its spectral radius exceeds 1 early in training: plain iteration hit max_iter
-#: on most adjoints, REFERENCE.md 3.2), so Anderson (m = 5) on the forward and on the adjoint,
+#: on most adjoints), so Anderson (m = 5) on the forward and on the adjoint,
 #: with budgets that leave room for the stiffer cells later in training.
 DEFAULTS: dict[str, Any] = dict(
     solver={"name": "anderson", "max_iter": 100, "tol": 1e-3, "m": 5},

@@ -1,4 +1,4 @@
-"""kGLM DEQs (Tsuchida et al., papers/001; REFERENCE.md 4.6).
+"""kGLM DEQs (Tsuchida et al. 2022).
 
 ``kglm_deq`` is the DEQ of Theorem 3 on flattened inputs y (T = identity):
 
@@ -8,7 +8,7 @@ with sigma = A' of the exponential family (gaussian -> identity, bernoulli -> lo
 log2cosh -> tanh) and rho = 0 by default (no W3). The hidden state lives on the input
 coordinates (width = number of inputs), the output on the target coordinates (num_outputs).
 
-``kglm_conv_deq`` is the convolutional denoiser of papers/001 appendix E:
+``kglm_conv_deq`` is the convolutional denoiser of Tsuchida et al. 2022 appendix E:
 z* = relu(conv1(z*) + conv2(y)), output relu(conv_out1(z*) + conv_out2(y)), C -> C convs,
 5x5, padding 2, no bias.
 
@@ -179,7 +179,7 @@ class KGLMConvCell(nn.Module):
 
 
 class KGLMConvDEQ(_SkipReadoutDEQ):
-    """Convolutional kGLM denoiser (papers/001 App. E): output act(conv_out1(z*) + conv_out2(y))."""
+    """Convolutional kGLM denoiser (Tsuchida et al. 2022 App. E): output act(conv_out1(z*) + conv_out2(y))."""
 
     def __init__(
         self,
@@ -242,7 +242,7 @@ def kglm_deq(
     rho: str | None = None,
     bias: bool = True,
 ) -> KGLMDEQ:
-    """kGLM DEQ of Theorem 3 (papers/001): z = sigma(W1 z + W2 y + W3 rho(z) + b), output
+    """kGLM DEQ of Theorem 3 (Tsuchida et al. 2022): z = sigma(W1 z + W2 y + W3 rho(z) + b), output
     V1 (z + rho(z)) + V2 y + c; width = number of inputs.
 
     Args:
@@ -281,7 +281,7 @@ def kglm_conv_deq(
     padding_mode: Any = "zeros",
     output_activation: str | None = "relu",
 ) -> KGLMConvDEQ:
-    """Convolutional kGLM denoiser (papers/001 App. E): z = relu(conv1(z) + conv2(y)), output
+    """Convolutional kGLM denoiser (Tsuchida et al. 2022 App. E): z = relu(conv1(z) + conv2(y)), output
     relu(conv_out1(z) + conv_out2(y)); C -> C convs (C = input channels), ``kernel`` x ``kernel``,
     same padding, no bias. ``num_outputs`` is ignored (the output is an image like the input)."""
     return KGLMConvDEQ(in_shape, kernel, activation, padding_mode, output_activation)

@@ -1,4 +1,4 @@
-"""Monotone operator equilibrium networks (monDEQ; Winston & Kolter 2020; papers/004 ch. 2-3).
+"""Monotone operator equilibrium networks (monDEQ; Winston & Kolter 2020; Nguyen 2022 ch. 2-3).
 
 Cell: ``z = relu(W z + u)`` with ``u = U x + b`` and ``W = (1 - m) I - A^T A + B - B^T``, so
 ``sym(I - W) = m I + A^T A >= m I`` for every A, B: the fixed point is unique and the operator

@@ -1,4 +1,4 @@
-"""OptEq: optimisation-induced equilibrium networks (papers/003; REFERENCE.md section 4.5).
+"""OptEq: optimisation-induced equilibrium networks (Xie et al. 2023).
 
 Unit layer (Eq. 6):  f(z, x) = alpha W^T sigma(W z + U x + b) + (1 - alpha) z,
 with sigma monotone and 1-Lipschitz and ||W||_2 <= gamma enforced by the parameterisation
@@ -447,7 +447,7 @@ class OptEqCell(nn.Module):
         if len(self.units) != 1 or self.regularizer is not None:
             raise NotImplementedError(
                 "the convex objective G is defined for one OptEq unit without a regulariser "
-                "(deep OptEq: papers/003 Theorem 2 adds a permutation term)"
+                "(deep OptEq: Xie et al. 2023 Theorem 2 adds a permutation term)"
             )
         return cast(OptEqUnit, self.units[0])
 
@@ -602,10 +602,10 @@ _COMMON_DOC = """
         in_shape, num_outputs: filled by the runner from the dataset.
         width: state dimension m (channels for conv models).
         hidden: hidden width n_l of each unit (int or list; default ``width``).
-        alpha: skip weight in (0, 1] (papers/003 use 0.8; 1 is the plain OptEq layer).
+        alpha: skip weight in (0, 1] (Xie et al. 2023 use 0.8; 1 is the plain OptEq layer).
         gamma: norm bound ||W_l||_2 <= gamma (gamma <= 1: convex objective; < 1: contraction);
             null: no bound, W_l is the raw parameter (the paper's layer).
-        init_norm: rescale each W_l at construction to ||W_l||_2 = init_norm (papers/003
+        init_norm: rescale each W_l at construction to ||W_l||_2 = init_norm (Xie et al. 2023
             section 7.4: small initial operator norms); null keeps the default init's norms.
         activation: relu | tanh | sigmoid | softsign | relu6 | identity.
         regularizer: R-star feature regulariser inside the layer (name or dict, e.g.
@@ -712,7 +712,7 @@ def opteq_deep(
     norm_method: str = "auto",
     init_norm: float | None = None,
 ) -> OptEqModel:
-    """Deep FC OptEq: one fixed point of the composition of ``depth`` units (papers/003 Lemma 3)."""
+    """Deep FC OptEq: one fixed point of the composition of ``depth`` units (Xie et al. 2023 Lemma 3)."""
     return OptEqModel(
         in_shape=in_shape,
         num_outputs=num_outputs,
@@ -861,8 +861,8 @@ def opteq_deep_conv(
     init_norm: float | None = None,
 ) -> OptEqModel:
     """Deep convolutional OptEq: 5 units of 3x3 convs with hidden channels 16, 32, 64, 128, 128
-    (papers/003 section 7.1) around a ``width``-channel state (the state width of the paper's
-    model is not given: REFERENCE.md 4.5 "unverified")."""
+    (Xie et al. 2023 section 7.1) around a ``width``-channel state (the state width of the paper's
+    model is not given in the paper: ours, unverified)."""
     return OptEqModel(
         in_shape=in_shape,
         num_outputs=num_outputs,

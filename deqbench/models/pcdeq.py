@@ -1,4 +1,4 @@
-"""Positive concave DEQs (pcDEQ; Gabor, Piotrowski & Cavalcante, ICML 2024; papers/002).
+"""Positive concave DEQs (pcDEQ; Gabor, Piotrowski & Cavalcante, ICML 2024).
 
 Layer ``z = sigma(W z + x~)`` with W >= 0 (Linear or 3x3 Conv, no bias), weight-normalised per
 output channel (``W = g v / ||v||``) and kept nonnegative by clamping both g and v at 0 after
@@ -11,7 +11,7 @@ Then the layer is a positive concave mapping with a unique fixed point, reached 
 plain iteration for any ||W|| (Prop. 4.6). Default solver: plain fixed point from 0, rel 1e-4,
 max 200 (the paper's setting); the IFT backward runs the same iteration on the adjoint.
 
-Architectures (paper appendix B; REFERENCE.md section 4.3):
+Architectures (paper appendix B):
 
 * ``pcdeq_l``: Flatten -> Linear(d, ch) -> BN -> [softplus|relu] -> pcDEQ -> BN -> Linear.
 * ``pcdeq_sc``: Conv(in, ch, 3, p1) -> BN -> [softplus|relu] -> pcDEQ -> MaxPool(3,1,1) -> BN ->
@@ -306,7 +306,7 @@ def _conv(in_shape, num_outputs, channels, variant, activation, nonneg, pool, re
 
 #: Declared defaults (deqbench.models.declare_defaults): the paper's plain iteration, rel 1e-4,
 #: max 200, forward and adjoint. A positive concave map has a unique fixed point that plain
-#: iteration reaches from any start (papers/002), and its Jacobian at that point has spectral
+#: iteration reaches from any start (Gabor et al. 2024), and its Jacobian at that point has spectral
 #: radius < 1, so plain iteration also solves the adjoint (started from the incoming gradient).
 DEFAULTS: dict[str, Any] = dict(
     solver={"name": "fixed_point", "max_iter": 200, "tol": 1e-4},

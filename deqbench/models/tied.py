@@ -1,5 +1,5 @@
 """Explicit weight-tied baseline: the DEQ cell applied a fixed N times with shared weights,
-trained by ordinary backprop (papers/004 section 4.2.1)."""
+trained by ordinary backprop (Nguyen 2022 section 4.2.1)."""
 
 from __future__ import annotations
 

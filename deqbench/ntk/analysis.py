@@ -14,7 +14,7 @@ whose NTK solves missed their tolerance, whose K is non-finite or whose lambda_m
 the solves' own error (residual x lambda_max) is ``flagged``: its K rows carry status
 "flagged" and a one-line cause and fix (series column ``flag``), so the run exits 1.
 
-Linear-convergence check (papers/004 sections 2.6 and 3): for full-batch gradient descent
+Linear-convergence check (Nguyen 2022 sections 2.6 and 3): for full-batch gradient descent
 (``optimizer: sgd``, ``momentum: 0``, no weight decay) on the mean squared loss over R = N*O
 target entries, with the probes equal to the whole train split and the kernel of every output
 (``output: full``, or a one-output model), the linearised dynamics are
@@ -330,7 +330,7 @@ class NTK(Analysis):
         conv = [info[k] for k in ("forward_converged", "adjoint_converged") if k in info]
         res = [info[k] for k in ("forward_rel_residual", "adjoint_rel_residual") if k in info]
         rec["converged"] = float(all(c == 1.0 for c in conv)) if conv else math.nan
-        # the solves' error reaches lambda_min at about residual * lambda_max (REFERENCE 8.3)
+        # the solves' error reaches lambda_min at about residual * lambda_max
         rec["solver_floor"] = max(res) * s["lambda_max"] if res else math.nan
         rec["spectrum"] = s["status"]  # resolved | singular | non-finite
         if self._records:

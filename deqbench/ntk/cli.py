@@ -2,7 +2,7 @@
 
 The command builds a one-cell suite from its options (:func:`deqbench.run.suite.one_cell_suite`)
 with the analyses ``metrics`` and ``ntk`` and runs it through the same runner as
-``deqbench run`` (one code path). Defaults reproduce the setting of papers/004 chapter 3 on a
+``deqbench run`` (one code path). Defaults reproduce the setting of Nguyen 2022 chapter 3 on a
 small scale: full-batch gradient descent (``sgd``, momentum 0) with the squared loss on a digits
 subset with scalar +-1 targets, float64, lambda_min of the NTK on the whole train split beside the
 loss and the log-loss slope it predicts. Nothing heavy is imported until the command runs.

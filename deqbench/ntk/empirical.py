@@ -12,7 +12,7 @@
 
 For a DEQ ``F(x) = c . readout(z*)``, ``z* = f(z*, inject(x))``, the per-sample gradient is
 ``(df/dtheta)^T w + d readout/dtheta`` with the adjoint ``w = J^T w + d F/dz*`` (J = df/dz at z*),
-so K equals the NTK of the one-step surrogate (REFERENCE.md section 8.1)::
+so K equals the NTK of the one-step surrogate::
 
     s_i(theta) = <w_i, f(z*_i, inject(x_i; theta); theta)> + c_i . readout(z*_i; theta)
 
@@ -25,7 +25,7 @@ itself (its configured backward mode); ``method="gram"`` never forms a Jacobian 
 closed-form Gram expression of ``fc_deq``-type models (``z = act(W z + U x + b)``, linear head).
 Models without DEQ layers (MLP, ``tied_repeat``) get the plain per-sample NTK.
 
-Numerics (REFERENCE.md section 8.3): TF32 is switched off inside (and restored), K is
+Numerics: TF32 is switched off inside (and restored), K is
 accumulated and diagonalised in float64, and :func:`ntk_summary` reports a rounding-noise floor
 next to lambda_min (K's float64 rounding plus that of the per-sample gradients); a lambda_min
 at or below it is reported as K singular to working precision (lambda_min clamped to [0, floor],
@@ -197,7 +197,7 @@ def ntk_budget(
 
     ``tol`` None: 1e-10 in float64, 1e-6 in float32, unless the model is configured tighter
     (then its own tolerances and budgets are kept: None, ``max_iter``). The lambda_min error is
-    about tol * cond / (1 - L) (REFERENCE 8.3), so a training tolerance is far too loose. When
+    about tol * cond / (1 - L), so a training tolerance is far too loose. When
     the tolerance is tighter than the configured ones and ``max_iter`` is None, the budget is
     the largest configured one, at least 1000."""
     layers = list(deq_layers(model))
@@ -218,7 +218,7 @@ def ntk_budget(
 def ntk_summary(K: Tensor, *, eps: float | None = None, c: float = 1.0) -> dict[str, Any]:
     """Spectrum summary of an NTK matrix, computed in float64 on ``(K + K^T)/2``.
 
-    Noise floor (REFERENCE.md section 8.3): the smallest eigenvalue a computed K can tell
+    Noise floor: the smallest eigenvalue a computed K can tell
     apart from 0, ``floor = c * (eps_K * N * lambda_max + (10 * eps)^2 * trace)``:
 
     * ``eps_K * N * lambda_max``: rounding of K's own arithmetic (contraction and eigvalsh);

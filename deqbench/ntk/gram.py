@@ -1,5 +1,5 @@
 """Gram fast path of the empirical NTK (``method="gram"``): K from N x N Gram matrices of the
-fixed points, inputs and adjoints, never forming a Jacobian (REFERENCE.md section 8.1)."""
+fixed points, inputs and adjoints, never forming a Jacobian."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .engine import prepare, standard_deq
 def gram_ntk(
     model: nn.Module, X: Tensor, output: str | int, tol: float | None, max_iter: int | None
 ) -> tuple[Tensor, dict[str, Any]]:
-    """Closed-form K from N x N Gram matrices (no Jacobian formed), REFERENCE.md section 8.1.
+    """Closed-form K from N x N Gram matrices (no Jacobian formed).
 
     With D = act'(a) * w (a the pre-activation, w the adjoint), Z, X, C the stacked fixed
     points, inputs and output cotangents of the rows:

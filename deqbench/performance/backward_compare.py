@@ -1,4 +1,4 @@
-"""What the ``backward`` analysis measures beyond time and gradient error (issue 33): where the
+"""What the ``backward`` analysis measures beyond time and gradient error: where the
 memory of a training step goes, whether a mode's gradient is a descent direction of the true
 loss, and the test accuracy after the same number of optimiser steps.
 

@@ -1,6 +1,6 @@
 """Gradient vectors of a training step, their accuracy, and the float64 IFT reference.
 
-The reference gradient (REFERENCE.md 3.2) is the same training step in float64 with the implicit
+The reference gradient is the same training step in float64 with the implicit
 gradient, forward and adjoint solved to a tight tolerance (1e-12) by robust methods chosen
 independently of the model's or suite's solver settings, on a copy of the model whose DEQ layers
 (of any implementation, e.g. a plugin's) are :class:`ReferenceLayer` around the same cells: the
@@ -13,7 +13,7 @@ basis of an accuracy figure.
 Accuracy is the cosine and the relative error ||g - g_ref|| / ||g_ref|| over all trainable
 parameters, matched by name. ``task`` is "classification" / "regression" (the training loss) or
 a callable ``loss(output, target)``; :class:`CellModel` with :class:`InnerProductLoss` gives the
-bare-cell setting of REFERENCE.md 3.2 (loss <R, z*> for a fixed R).
+bare-cell setting (loss <R, z*> for a fixed R).
 
 Example:
     >>> import deqbench, torch
@@ -54,7 +54,7 @@ from ._perf import loss_for, preserved
 
 class CellModel(DEQModel):
     """A bare cell ``f(z, x)`` as a DEQ model: ``inject`` and ``readout`` are the identity, so
-    the output is z* itself (REFERENCE.md 2.6 benchmark cells; train with
+    the output is z* itself (the solver benchmarks' bare cells; train with
     :class:`InnerProductLoss`). ``state_shape`` is the per-sample shape of z when it differs
     from x's (z0 = 0)."""
 
@@ -82,7 +82,7 @@ class CellModel(DEQModel):
 
 
 class InnerProductLoss:
-    """loss(z, R) = <R, z> summed over the batch: the fixed-direction loss of REFERENCE.md 3.2
+    """loss(z, R) = <R, z> summed over the batch: the fixed-direction loss of the bare-cell benchmarks
     (picklable, for peak memory in a fresh worker)."""
 
     def __call__(self, out: Tensor, target: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Shared timing helpers (DESIGN.md "Measuring", REFERENCE.md section 1.3); memory helpers
+"""Shared timing helpers (DESIGN.md "Measuring"); memory helpers
 live in :mod:`deqbench.performance.memory` and are re-exported here.
 
 * :func:`time_fn` / :func:`time_phases` warm up, then time every repeat: CUDA events on a GPU,
@@ -49,7 +49,7 @@ def set_threads(n: int | None = None) -> int:
     """Set torch's intra-op thread count (when ``n`` is given) and return the one in effect.
 
     CPU timings without an explicit thread count are meaningless on a shared machine
-    (oversubscription made runs 10-100x slower, REFERENCE.md 1.3)."""
+    (oversubscription made runs 10-100x slower)."""
     if n is not None:
         torch.set_num_threads(int(n))
     return torch.get_num_threads()

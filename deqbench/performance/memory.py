@@ -1,4 +1,4 @@
-"""Peak memory, always measured in its own pass (never in a timed repeat; REFERENCE.md 1.3).
+"""Peak memory, always measured in its own pass (never in a timed repeat).
 
 * GPU: ``empty_cache`` + ``reset_peak_memory_stats``, then ``max_memory_allocated`` minus the
   ``memory_allocated`` baseline (:func:`gpu_peak_memory`).

@@ -10,7 +10,7 @@ Rows (variant ``<solver label>-tol=<tol>``; ``step`` 0 = before training, = epoc
   or a plugin's), in the same repeat as its time;
 * ``t_f_ms``: per-call time of f in a plain no-grad loop z <- f(z) at this batch (what a solver
   with free bookkeeping pays per f-evaluation); ``overhead`` = time / (f-evals x t_f) per
-  repeat and ``overhead_median`` (REFERENCE.md 1.3); on the CPU also thread CPU times;
+  repeat and ``overhead_median``; on the CPU also thread CPU times;
 * ``rel_residual`` / ``abs_residual`` (batch max) and ``rel_residual_mean`` of the returned
   iterate, recomputed here with one uncounted, untimed evaluation for every solver alike;
   ``converged`` (1 if ``rel_residual`` < tol) and the solver's own ``status`` in the note;

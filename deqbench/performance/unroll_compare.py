@@ -1,4 +1,4 @@
-"""Unrolled-K vs implicit (IFT) training of a DEQ: papers/003 Table 8 (REFERENCE.md 9.5).
+"""Unrolled-K vs implicit (IFT) training of a DEQ: Xie et al. 2023 Table 8.
 
 After training, for the cell's backward mode, measures on the test set:
 
@@ -6,7 +6,7 @@ After training, for the cell's backward mode, measures on the test set:
   ``unrolled`` cell (the solver's own K-step iteration when it defines ``unroll``, e.g. SAM),
   the forward solver at its tolerance otherwise;
 * ``rel_residual_opteq``: OptEq's relative residual ||z - T(z)|| / ||z||, whole-batch norms,
-  averaged over test batches (papers/003 section 7.4), and the canonical per-sample residual
+  averaged over test batches (Xie et al. 2023 section 7.4), and the canonical per-sample residual
   ``rel_residual_mean`` / ``rel_residual_max`` (||T(z) - z|| / ||T(z)||);
 * ``inference_ms`` (no-grad forward of one batch), ``train_forward_ms`` and ``backprop_ms``
   (forward with grad and ``loss.backward()``): per repeat the median over the timed batches,
@@ -25,7 +25,7 @@ tolerance before training, so one matrix axis ``backward: [{name: ift, tol: 1e-2
 the paper's single residual threshold "thd" for both passes.
 
 :func:`unroll_table` gives one row per cell (metrics as columns), :func:`plot_unroll_compare`
-draws residual and memory against K. The verdicts of papers/003's claims on these rows are in the
+draws residual and memory against K. The verdicts of Xie et al.'s claims on these rows are in the
 run's ``summary.csv`` (:mod:`deqbench.outcomes`).
 
 Example (plain functions)::
@@ -114,7 +114,7 @@ def infer(model: Any, x: Tensor, k: int | None = None) -> Tensor:
 @torch.no_grad()
 def opteq_residual(model: Any, z: Tensor, u: Tensor) -> dict[str, float]:
     """Residuals of state ``z`` under the cell map T(., u): ``opteq`` = ||z - T(z)||_F /
-    ||z||_F over the batch (papers/003), ``rel_mean``/``rel_max`` per sample canonical."""
+    ||z||_F over the batch (Xie et al. 2023), ``rel_mean``/``rel_max`` per sample canonical."""
     tz = _layer(model).cell(z, u)
     d = (tz - z).reshape(z.shape[0], -1)
     opteq = float(torch.linalg.vector_norm(d) / (torch.linalg.vector_norm(z) + 1e-12))
@@ -126,7 +126,7 @@ def opteq_residual(model: Any, z: Tensor, u: Tensor) -> dict[str, float]:
 
 @torch.no_grad()
 def sam_selection(model: Any, x: Tensor, prior: str = "l2", iters: int = 400) -> list[Row]:
-    """R(z) of the equilibrium that SAM (papers/003 Eq. 11, ``prior``) selects vs plain
+    """R(z) of the equilibrium that SAM (Xie et al. 2023 Eq. 11, ``prior``) selects vs plain
     iteration from z0 (``iters`` steps each; SAM's iterate is then finished with plain steps to
     the plain solution's residual): rows ``sam_prior_value`` / ``plain_prior_value`` (mean per
     sample), ``sam_rel_residual`` / ``plain_rel_residual`` (batch max) and ``sam_gap``, the mean
@@ -171,7 +171,7 @@ def _median(xs: list[float]) -> float:
 
 @analyses.register("unroll_compare")
 class UnrollCompare(Analysis):
-    """Unrolled-K vs IFT: accuracy, inference/backprop time, residual, memory (papers/003 Table 8)."""
+    """Unrolled-K vs IFT: accuracy, inference/backprop time, residual, memory (Xie et al. 2023 Table 8)."""
 
     name = "unroll_compare"
     #: the cell deqbench.testing.check_analysis runs it on (over testing.DEFAULT_EXAMPLE)
@@ -388,7 +388,7 @@ def _plots(df: Any, run_dir: Any) -> dict[str, Any]:
 
 def plot_unroll_compare(df: Any) -> Any:
     """Figure: OptEq residual (log) and activation memory against K per gamma, IFT thresholds as
-    dashed lines (papers/003 Table 8 as curves)."""
+    dashed lines (Xie et al. 2023 Table 8 as curves)."""
     from matplotlib.figure import Figure
 
     tab = unroll_table(df)

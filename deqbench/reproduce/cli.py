@@ -12,17 +12,20 @@ from typing import Annotated
 import typer
 
 EXAMPLE = (
-    "Example: deqbench reproduce 002 003 --scale cpu --out results/reproduction/cpu\n\n"
+    "Example: deqbench reproduce pcdeq opteq --scale cpu --out results/reproduction/cpu\n\n"
     "One claim: deqbench reproduce --claims 001-init-cost. All claims at CPU scale (about "
     "15 minutes on 2 cores): deqbench reproduce --scale cpu. Paper scale on one GPU, "
-    "8 small cells at a time: deqbench reproduce 002 --scale paper --executor dask --workers 8"
+    "8 small cells at a time: deqbench reproduce pcdeq --scale paper --executor dask --workers 8"
 )
 
 
 def reproduce_command(
     papers: Annotated[
         list[str] | None,
-        typer.Argument(help="Papers to reproduce: 001 002 003 004 (default: all)."),
+        typer.Argument(
+            help="Papers to reproduce, by name or number: kglm (001), pcdeq (002), opteq (003), "
+            "thesis or ntk (004); default: all."
+        ),
     ] = None,
     scale: Annotated[
         str,

@@ -92,15 +92,27 @@ def rejudgeable_claims(paper: str, out: Path) -> list[str]:
     return ids
 
 
+#: paper names accepted wherever a paper number is (case-insensitive): name -> key in PAPERS
+PAPER_NAMES: dict[str, str] = {
+    "kglm": "001",
+    "pcdeq": "002",
+    "opteq": "003",
+    "thesis": "004",
+    "ntk": "004",
+}
+
+
 def select_claims(papers: Sequence[str] = (), ids: Sequence[str] = ()) -> list[Claim]:
-    """Claims of ``papers`` (``"001"``, ``"1"``; all when empty), restricted to ``ids``."""
+    """Claims of ``papers`` (a name of :data:`PAPER_NAMES` such as ``"pcdeq"``, or its number
+    ``"002"`` / ``"2"``; all when empty), restricted to ``ids``."""
     from ..core.errors import ConfigError
 
     norm = []
     for p in papers:
-        q = p.strip().zfill(3)
+        q = PAPER_NAMES.get(p.strip().lower(), p.strip().zfill(3))
         if q not in PAPERS:
-            raise ConfigError(f"unknown paper {p!r}; known: {', '.join(PAPERS)}")
+            names = ", ".join(f"{n} ({k})" for n, k in PAPER_NAMES.items())
+            raise ConfigError(f"unknown paper {p!r}; known: {names}")
         norm.append(q)
     known = {c.id for c in CLAIMS}
     bad = [i for i in ids if i not in known]
@@ -267,7 +279,7 @@ def reproduce_run(
     code)``.
 
     Args:
-        papers: paper numbers (``"001"`` ...); all when empty.
+        papers: paper names or numbers (``"pcdeq"``, ``"002"`` ...); all when empty.
         scale: ``"cpu"`` or ``"paper"``.
         claim_ids: only these claim ids (after ``papers``).
         out: output folder (default ``results/reproduction/<YYYYmmdd-HHMMSS>``).

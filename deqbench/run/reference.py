@@ -45,7 +45,7 @@ ANALYSES = ("metrics", "solver_stats")
 # converged shares 0 -> 1, in 14 of the 18 cells it reached. Each bound sits above the first set
 # and below most of the second; the checks together caught the change in most affected cells.
 # A second machine (Intel Xeon, torch 2.11.0 vs the reference's AMD EPYC, torch 2.14.1; the
-# 20-cell smoke suite of issue 25) moved one count by 17% (conv Broyden cell, final-test
+# 20-cell smoke suite) moved one count by 17% (conv Broyden cell, final-test
 # adjoint, 24 -> 28 f-evals) and nothing else beyond these bounds: counts get 20%.
 
 #: f-evaluation counts (``*_nstep``, ``*_nstep_max``, unit f-evals): within ``ATOL_COUNTS``

@@ -12,7 +12,7 @@ i.e. alpha = w / sum(w) with (G G^T + lam_eff I) w = 1, and moves to
 
 ``lam`` is relative: lam_eff = lam * max_i ||G_i||^2 per sample (+ ``lam_abs``). An absolute
 lambda such as TorchDEQ's 1e-4 swamps G G^T once ||g||^2 falls below it, alpha tends to uniform
-weights and Anderson degenerates into averaging the last iterates (REFERENCE.md 2.2).
+weights and Anderson degenerates into averaging the last iterates.
 
 The first step (one residual) is a plain fixed-point step x_1 = f(x_0). G G^T is kept in
 float64 and updated by one new row per step (a batched matrix-vector product over the buffer,

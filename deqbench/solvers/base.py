@@ -1,6 +1,6 @@
 """Solver contract: ``solve(f, z0, *, max_iter, tol, stop_mode="rel", **options) -> (z, SolverStats)``.
 
-Conventions (REFERENCE.md section 1):
+Conventions:
 
 * batched over dim 0; each sample's state is flattened (all non-batch dims);
 * canonical residual per sample: ``abs_i = ||f(z)_i - z_i||``, ``rel_i = abs_i / (||f(z)_i|| + 1e-9)``;
@@ -443,7 +443,7 @@ class Tracker:
     """
 
     #: exact read when the predicted residual is within this factor of tol. On the recorded
-    #: residual traces of the issue-17 cells (fc1024 and conv64, three solvers, rel 1e-4 and
+    #: residual traces of the benchmark cells (fc1024 and conv64, three solvers, rel 1e-4 and
     #: 1e-6) 2 gives no step past convergence and 1-5 exact reads per solve where 10 gave 2-13
     #: (each one a GPU bubble: the next chunk waits for the host)
     NEAR = 2.0
@@ -963,7 +963,7 @@ def forbid_sync() -> Iterator[None]:
     fails halfway, which leaves the CUDA generator in capture state (later random ops raise
     "Offset increment outside graph capture")."""
     prev = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():  # "a prototype feature" on every run (issue 25: no warnings)
+    with warnings.catch_warnings():  # "a prototype feature" on every run (no warnings)
         warnings.filterwarnings("ignore", message="Synchronization debug mode")
         torch.cuda.set_sync_debug_mode("error")
     try:

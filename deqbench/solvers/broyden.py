@@ -135,7 +135,7 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
 
 @solvers.register("broyden")
 # captured up to LARGE_NUMEL elements: on conv64 (8.4M) the captured step (two fused kernels
-# reading only the pairs in use) beats the eager one, overhead 1.85 vs 2.26 on an H200 (issue 31)
+# reading only the pairs in use) beats the eager one, overhead 1.85 vs 2.26 on an H200
 @solver(BroydenOptions, cuda_graph=True, graph_numel=LARGE_NUMEL)
 def broyden(
     f: Callable[[Tensor], Tensor],

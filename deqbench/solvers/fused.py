@@ -49,7 +49,7 @@ ENABLED = ENABLED_BY_ENV
 SPLIT_MIN = 1 << 14
 CHUNK = 1 << 13
 #: Broyden: a chunk of the pair buffer longer than this is split over several programs, each
-#: reading its piece of every row in one load (issue 31: one row at a time streamed at 3.0-3.8
+#: reading its piece of every row in one load (one row at a time streamed at 3.0-3.8
 #: TB/s on an H200 with 8 warps and the row loop unrolled 4 times, against 2.2-3.4 for 2-D
 #: tiles of rows x columns; ``benchmarks/broyden_kernel_probe.py``)
 BROYDEN_PIECE = 1 << 12

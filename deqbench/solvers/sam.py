@@ -1,11 +1,11 @@
-"""Sequential averaging (SAM) with a feature prior: OptEq's R-dagger (papers/003 section 5.2).
+"""Sequential averaging (SAM) with a feature prior: OptEq's R-dagger (Xie et al. 2023 section 5.2).
 
     z_k = beta_k S_k(z_{k-1}) + (1 - beta_k) T(z_{k-1}),    beta_k = lambda_k = rho / k^c,
     S_k(z) = (1 - eta lambda_k) z - eta grad R(z)           (prior_step "grad"),
     S_k(z) = prox_{eta R}((1 - eta lambda_k) z)             (prior_step "prox"),
 
 with T the cell map and R the prior (:mod:`deqbench.core.regularizers`). As beta_k -> 0 the iterates
-approach argmin R over Fix(T) (papers/003 Theorem 5: eta = 1 / (2 L), rho + 2c < 1, T
+approach argmin R over Fix(T) (Xie et al. 2023 Theorem 5: eta = 1 / (2 L), rho + 2c < 1, T
 nonexpansive, e.g. an OptEq layer with ||W|| <= 1). When Fix(T) is a single point SAM converges
 to it, more slowly than plain iteration; when it is not, plain iteration stops at a point that
 depends on z0 while SAM selects the prior's minimiser.
@@ -16,7 +16,7 @@ from stopping on the residual too early; use ``tol=0`` to run ``max_iter`` steps
 
 A solver may define ``unroll(f, z0, k, **options) -> (z_k, abs_trace, rel_trace)``: the
 differentiable k-step iteration the ``unrolled`` backward mode uses instead of plain iteration
-(papers/003 Eq. 12: training through the K-th SAM iterate).
+(Xie et al. 2023 Eq. 12: training through the K-th SAM iterate).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class _Schedule:
 def unroll(
     f: Callable[[Tensor], Tensor], z0: Tensor, k: int, **options
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """k differentiable SAM steps from z0 (papers/003 Eq. 12): returns z_k and the canonical
+    """k differentiable SAM steps from z0 (Xie et al. 2023 Eq. 12): returns z_k and the canonical
     (abs, rel) residuals of T at z_0 ... z_{k-1} (one (B,) tensor per step, detached)."""
     opts = {key: v for key, v in options.items() if key not in COMMON_OPTIONS}
     sch = _Schedule(parse_options("sam", SamOptions, opts))
@@ -161,7 +161,7 @@ def sam(
     tol: float = 1e-4,
     stop_mode: str = "rel",
 ) -> tuple[Tensor, SolverStats]:
-    """SAM iteration selecting argmin R over Fix(f) (papers/003 Eq. 11, Theorem 5).
+    """SAM iteration selecting argmin R over Fix(f) (Xie et al. 2023 Eq. 11, Theorem 5).
 
     f is the map T; ``max_iter`` bounds its evaluations; the solve stops when the batch max
     canonical residual of T is below ``tol`` (after ``min_iter`` steps; ``tol=0`` runs

@@ -8,7 +8,7 @@ through the map it is given: :class:`deqbench.deq.CellMap` (forward) and
 :class:`deqbench.core.backward.AdjointMap` (IFT adjoint) expose ``.cell``. Given any other callable,
 they raise a ConfigError.
 
-Forward (REFERENCE.md section 2.4), with c = u:
+Forward, with c = u:
 
 * FB: ``z <- prox((1 - alpha) z + alpha (W z + c))``; guaranteed only for alpha < 2m/||I - W||^2.
 * PR: with ``V = (I + alpha (I - W))^-1``: ``u' = 2z - u; z' = V(u' + alpha c); u = 2z' - u';

@@ -8,7 +8,7 @@ Rows (analysis ``spectral``; ``step`` = epoch, 0 = before training):
   size, an upper bound for zero padding) and ``sigma_max_power`` (power iteration of the operator
   as applied, i.e. the exact zero-padded norm of a conv);
 * ``sigma_max`` with ``variant="mean"`` / ``"max"`` over the layers in scope (the "average
-  spectral norm" of papers/001 figure 6);
+  spectral norm" of Tsuchida et al. 2022 figure 6);
 * with ``jacobian: true``, on ``jacobian_batch`` test inputs at z*: ``jacobian_spectral_radius``
   (power iteration on VJPs + short Arnoldi), ``jacobian_spectral_norm`` (power iteration on
   J^T J), ``jacobian_frobenius`` (Hutchinson), each with variant ``mean`` and ``max`` over the

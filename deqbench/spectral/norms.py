@@ -1,4 +1,4 @@
-"""Spectral tools (REFERENCE.md section 5): layer norms, the cell Jacobian at the fixed point,
+"""Spectral tools: layer norms, the cell Jacobian at the fixed point,
 and a Lipschitz bound.
 
 Layers
@@ -383,7 +383,7 @@ def operator_norm(weight: Tensor, input_size: int | tuple[int, int] = 32) -> flo
 
 def monotonicity_margin(W: Tensor) -> float:
     """lambda_max((W + W^T)/2) of a square matrix, by ``eigvalsh`` (not power iteration, which
-    returns the eigenvalue of largest magnitude; REFERENCE.md 5.2)."""
+    returns the eigenvalue of largest magnitude)."""
     A = W.detach().double()
     return float(torch.linalg.eigvalsh(0.5 * (A + A.T)).max())
 

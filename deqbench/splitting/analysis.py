@@ -1,4 +1,4 @@
-"""Forward-backward vs Peaceman-Rachford step sweep on a trained monDEQ (REFERENCE.md 9.6).
+"""Forward-backward vs Peaceman-Rachford step sweep on a trained monDEQ.
 
 After training, on ``samples`` test inputs: forward iterations of FB and PR to ``tol`` for each
 alpha, beside the FB step bound 2m/||I - W||^2 and lambda_max((W + W^T)/2). Expected: PR

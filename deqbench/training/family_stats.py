@@ -2,7 +2,7 @@
 family's own spectral quantities (``model.spectral_quantities()``: pcDEQ sigma_max per layer,
 monDEQ lambda_max((W + W^T)/2), ||I - W||, FB step bound).
 
-This is what the pcDEQ and monDEQ reproductions check (papers/002 figures 3 and 4: iterations
+This is what the pcDEQ and monDEQ reproductions check (Gabor et al. 2024 figures 3 and 4: iterations
 and the largest singular value per epoch). It works on any DEQ; models without
 ``spectral_quantities`` only get the solver rows.
 
@@ -170,7 +170,7 @@ class FamilyStats(Analysis):
         return out
 
 
-# -- plots (papers/002 figures 3 and 4) ----------------------------------------------------
+# -- plots (Gabor et al. 2024 figures 3 and 4) ----------------------------------------------------
 
 
 def _family(df: Any) -> Any:
@@ -180,7 +180,7 @@ def _family(df: Any) -> Any:
 
 def iterations_plot(df: Any) -> Any | None:
     """Forward and backward iterations per layer solve (mean over layers) per epoch, one line
-    per cell (papers/002 figure 3)."""
+    per cell (Gabor et al. 2024 figure 3)."""
     from ..plots import legend, lines, new_figure
 
     d = _family(df)
@@ -201,7 +201,7 @@ def iterations_plot(df: Any) -> Any | None:
 
 def sigma_plot(df: Any) -> Any | None:
     """Largest singular value of W (max over pcDEQ layers) per epoch, or monDEQ's
-    lambda_max((W + W^T)/2) and ||I - W|| (papers/002 figure 4)."""
+    lambda_max((W + W^T)/2) and ||I - W|| (Gabor et al. 2024 figure 4)."""
     from ..plots import legend, lines, new_figure
 
     d = _family(df)

@@ -1,4 +1,4 @@
-"""Analysis ``trajectory``: the path of the forward iterates z^[i] (papers/004 section 4.1).
+"""Analysis ``trajectory``: the path of the forward iterates z^[i] (Nguyen 2022 section 4.1).
 
 A fixed probe set (default 256 examples, balanced by class, seeded) is solved at chosen epochs
 (default: at init, after epoch 1 and at the end) with every point at which the solver evaluates
@@ -381,7 +381,7 @@ def iterations_to_tol(residual: np.ndarray, tol: float) -> tuple[np.ndarray, np.
 @analyses.register("trajectory")
 class Trajectory(Analysis):
     """Forward iterates of a fixed probe set at chosen epochs: per-iteration residuals, PCA
-    trajectories and class separation of the fixed points (papers/004 section 4.1)."""
+    trajectories and class separation of the fixed points (Nguyen 2022 section 4.1)."""
 
     judges_own_solves = True  # see Analysis.judges_own_solves
     name = "trajectory"

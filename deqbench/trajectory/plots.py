@@ -1,4 +1,4 @@
-"""Suite-level plots of the ``trajectory`` analysis (papers/004 figures 4.1-4.3): the cells
+"""Suite-level plots of the ``trajectory`` analysis (Nguyen 2022 figures 4.1-4.3): the cells
 (e.g. the N(0, 1) and the small init) side by side, each cell in its own PCA plane.
 
 * ``trajectory_residuals`` (Fig. 4.1): relative residual per forward iteration, one line per

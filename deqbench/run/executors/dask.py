@@ -612,8 +612,8 @@ class DaskExecutor:
             }
             return []
         # The remaining work is estimated from the mean, not the median: cells whose solves
-        # miss tolerance run to max_iter and take several times the median (4x H100 run of
-        # issue 16: median 1.89 s, flagged cells 6-11 s), so the median underestimated it 2x.
+        # miss tolerance run to max_iter and take several times the median (a 4x H100 run
+        # of kglm_denoise_gpu: median 1.89 s, flagged cells 6-11 s), so the median underestimated it 2x.
         per_cell = max(median, statistics.fmean(first_walls))
         per_worker = len(self._specs)
         # A worker starts in the background (~10-20 s) while the others keep working, so adding

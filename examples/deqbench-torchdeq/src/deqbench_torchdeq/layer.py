@@ -11,7 +11,7 @@ analysis measures it like a native layer; only the equilibrium computation is To
   ``torchdeq_*`` names, options as for the adapters in :mod:`deqbench_torchdeq.solvers`;
 * every key is passed to ``get_deq`` explicitly (``f_stop_mode``/``b_stop_mode``, ``f_tol``/
   ``b_tol``, ...) and read back from the built module: TorchDEQ silently ignores misspelt keys
-  (issue #12), so a mismatch raises instead of running with TorchDEQ's defaults;
+  (a known TorchDEQ limitation), so a mismatch raises instead of running with TorchDEQ's defaults;
 * f-evaluations are counted by wrapping f (forward solve, tracked gradient steps) and the
   adjoint map inside TorchDEQ's solver registry (backward VJPs).
 
@@ -196,7 +196,7 @@ class TorchDEQLayer(DEQLayer):
         key = json.dumps(kw, sort_keys=True, default=str)
         if self._td is None or self._td_key != key:
             td = get_deq(**kw)
-            # TorchDEQ ignores unknown keys silently (issue #12): check what it actually uses.
+            # TorchDEQ ignores unknown keys silently: check what it actually uses.
             want = {
                 "f_max_iter": kw["f_max_iter"],
                 "f_tol": kw["f_tol"],

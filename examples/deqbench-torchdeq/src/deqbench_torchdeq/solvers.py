@@ -3,7 +3,7 @@
 ``solve(f, z0, *, max_iter, tol, stop_mode="rel", **options) -> (z, SolverStats)``:
 
 * the stop mode and tolerance are always passed to TorchDEQ explicitly (its default is
-  ``stop_mode='abs'``; REFERENCE.md 1.3 and TorchDEQ issue #12), and unknown options are
+  ``stop_mode='abs'``; TorchDEQ ignores misspelt keys), and unknown options are
   rejected (TorchDEQ swallows them silently);
 * ``nstep`` counts f-evaluations by wrapping ``f``, exactly as deqbench counts them for its own
   solvers; TorchDEQ's own ``nstep`` (the index of the lowest-residual step) is kept in
@@ -13,7 +13,7 @@
 * the residual reported is that of the returned iterate. TorchDEQ's Anderson and fixed-point
   solvers return f(x_best), one contraction past the iterate their ``rel_lowest`` describes, so
   with ``check_returned=True`` (the default) the adapter recomputes it with one extra f-evaluation
-  that is *not* counted (REFERENCE.md 1.1). Benchmarks time with ``check_returned=False`` and
+  that is *not* counted. Benchmarks time with ``check_returned=False`` and
   recompute the residual themselves, untimed, for every solver alike.
 
 Example:
@@ -184,7 +184,7 @@ def _make(name: str) -> Callable[..., tuple[Tensor, SolverStats]]:
         z = z.reshape(z0.shape)
         a = r = None
         if check:
-            a, r = residuals(f(z), z)  # one extra f-evaluation, not counted (REFERENCE.md 1.1)
+            a, r = residuals(f(z), z)  # one extra f-evaluation, not counted
         return z, stats_from_info(
             name,
             key,

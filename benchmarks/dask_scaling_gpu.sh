@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 32 on one GPU host: `deqbench run suites/kglm_denoise_gpu.yaml` inline on GPU 0, then on
+# Dask scaling with the defaults on one GPU host: `deqbench run suites/kglm_denoise_gpu.yaml` inline on GPU 0, then on
 # the local Dask cluster over every GPU, with the defaults (`--set deterministic=true` so that the
 # rows can be compared at rtol 0), one run each, then the report (ratio, breakdowns, Amdahl bound,
 # rows compared).
 #
-#   benchmarks/issue32_gpu.sh SEEDS OUT        e.g. benchmarks/issue32_gpu.sh 0-2 /tmp/sweep78
+#   benchmarks/dask_scaling_gpu.sh SEEDS OUT        e.g. benchmarks/dask_scaling_gpu.sh 0-2 /tmp/sweep78
 #
 # Each run compiles from cold (its own TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR), so the second
 # run does not reuse the first one's kernels; matplotlib's font cache is built first, once per
@@ -23,7 +23,7 @@ for ex in inline dask; do
   export TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR
   if [ "$ex" = inline ]; then vis=0; else vis=$(seq -s, 0 $((n - 1))); fi
   CUDA_VISIBLE_DEVICES=$vis $py benchmarks/dask_scaling.py time $suite --executor "$ex" \
-    --out "/tmp/issue32_$seeds" --json "$out/$ex.json" -- --seeds "$seeds" \
+    --out "/tmp/dask_scaling_$seeds" --json "$out/$ex.json" -- --seeds "$seeds" \
     --set deterministic=true > "$out/$ex.log" 2>&1 || true
 done
 $py benchmarks/dask_scaling.py report "$out/inline.json" "$out/dask.json" --rtol 0 | tee "$out/report.txt"

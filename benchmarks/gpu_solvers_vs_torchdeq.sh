@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue 17 on one GPU (H100), in one go, well under 8 minutes: the default-path (CUDA graph)
+# The GPU solver, training-step and throughput rows against TorchDEQ plus the NTK target, on one
+# GPU (H100), in one go, well under 8 minutes: the default-path (CUDA graph)
 # solver rows, bf16 rows, the IFT training step and the throughput stage of
 # benchmarks/vs_torchdeq.py (not its suites stage), then the NTK target case (N = 512, P ~ 100k)
 # of benchmarks/ntk.py. Everything is written under DIR ($1, default $OUT, else
-# results/issue17) and packed at the end into DIR/issue17.tgz, beside which stay summary.md,
+# results/gpu_solvers_vs_torchdeq) and packed at the end into DIR/gpu_solvers_vs_torchdeq.tgz, beside which stay summary.md,
 # ntk.json, ntk.md and the two logs (6 files: the device machine returns at most 8).
 #
-#   bash benchmarks/issue17_gpu.sh "$OUT"
+#   bash benchmarks/gpu_solvers_vs_torchdeq.sh "$OUT"
 #
 # Python: $PYTHON, else python3, else python. deqbench runs from this checkout (PYTHONPATH).
 # Missing packages are installed offline, only if missing: deqbench's dependencies from the
@@ -15,10 +16,10 @@
 # Without TorchDEQ the deqbench rows still run and summary.md says "TorchDEQ not installed".
 # Each step has a time limit (VS_TIMEOUT, NTK_TIMEOUT seconds) so the packing always happens.
 # VS_ARGS / NTK_ARGS are appended to the two commands (a CPU check of this script:
-# VS_ARGS="--quick --device cpu" NTK_ARGS="--quick --device cpu" bash benchmarks/issue17_gpu.sh /tmp/i17).
+# VS_ARGS="--quick --device cpu" NTK_ARGS="--quick --device cpu" bash benchmarks/gpu_solvers_vs_torchdeq.sh /tmp/gpu_solvers_check).
 set -o pipefail
 export PYTHONUNBUFFERED=1
-DIR=${1:-${OUT:-results/issue17}}
+DIR=${1:-${OUT:-results/gpu_solvers_vs_torchdeq}}
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
 cd "$(dirname "$0")/.."
@@ -55,12 +56,12 @@ cat "$DIR/setup.log"
 rc=0
 timeout "$VS_TIMEOUT" "$PY" benchmarks/vs_torchdeq.py --out "$DIR/vs" \
   --stages solvers train_step throughput --amp ${VS_ARGS:-} 2>&1 | tee "$DIR/vs.log" || rc=$?
-echo "[issue17] vs_torchdeq exit $rc at $(($(date +%s) - t0)) s" | tee -a "$DIR/vs.log"
+echo "[gpu_solvers_vs_torchdeq] vs_torchdeq exit $rc at $(($(date +%s) - t0)) s" | tee -a "$DIR/vs.log"
 
 rc2=0
 timeout "$NTK_TIMEOUT" "$PY" benchmarks/ntk.py --device cuda --quick-target \
   --out "$DIR/ntk.json" ${NTK_ARGS:-} 2>&1 | tee "$DIR/ntk.log" || rc2=$?
-echo "[issue17] ntk exit $rc2 at $(($(date +%s) - t0)) s" | tee -a "$DIR/ntk.log"
+echo "[gpu_solvers_vs_torchdeq] ntk exit $rc2 at $(($(date +%s) - t0)) s" | tee -a "$DIR/ntk.log"
 
 # pack: everything in one tarball; summary.md, ntk.json/.md and the logs stay beside it
 mv "$DIR/setup.log" "$DIR/vs/setup.log" 2>/dev/null || true
@@ -69,11 +70,11 @@ if [[ -f $DIR/vs/summary.md ]]; then
 else
   echo "vs_torchdeq.py wrote no summary.md (exit $rc): see vs.log" >"$DIR/summary.md"
 fi
-tar -czf "$DIR/issue17.tgz" -C "$DIR" $(cd "$DIR" && ls -d vs ntk.json ntk.md vs.log ntk.log 2>/dev/null) \
+tar -czf "$DIR/gpu_solvers_vs_torchdeq.tgz" -C "$DIR" $(cd "$DIR" && ls -d vs ntk.json ntk.md vs.log ntk.log 2>/dev/null) \
   && rm -rf "$DIR/vs"
-echo "[issue17] done in $(($(date +%s) - t0)) s: $(ls "$DIR" | tr '\n' ' ')"
+echo "[gpu_solvers_vs_torchdeq] done in $(($(date +%s) - t0)) s: $(ls "$DIR" | tr '\n' ' ')"
 # the targets, compactly (the tables are in summary.md)
 echo "== targets; $(sed -n 3p "$DIR/summary.md" | cut -c1-200)"
 grep -E '^(\*\*|Target|Failed|  - |- .*(met|n/a|x;|=))' "$DIR/summary.md" || true
-grep -h "issue 17 target" "$DIR/ntk.log" || true
+grep -h "NTK target" "$DIR/ntk.log" || true
 exit $((rc != 0 ? rc : rc2))
