@@ -27,14 +27,9 @@ PATH = re.compile(rf"({_WORDS})_?[0-9]", re.IGNORECASE)
 
 #: committed run data under plots/: values a run wrote (its command, ids, paths), not prose
 RUN_DATA = re.compile(
-    r"(^|/)(results\.csv(\.gz)?|run\.json|timeline\.csv|summary\.csv|reproduction\.(csv|md))$"
+    r"(^|/)(results\.csv(\.gz)?|run\.json|timeline\.csv)$"
     r"|/series/[^/]+\.csv$"
 )
-#: docs pages carrying a committed report verbatim between these markers (checked against the
-#: report by tests/test_reproduce_report.py): the report is run data
-PASTED = re.compile(r"<!-- reproduction[\w-]*:begin -->.*?<!-- reproduction[\w-]*:end -->", re.S)
-
-
 def _tracked() -> list[str]:
     try:
         out = subprocess.run(
@@ -71,8 +66,6 @@ def find_mentions(paths: list[str], root: Path = ROOT) -> list[str]:
         text = _text(root / rel)
         if text is None:
             continue
-        if rel.startswith("docs/"):
-            text = PASTED.sub(lambda m: "\n" * m.group(0).count("\n"), text)
         for n, line in enumerate(text.splitlines(), 1):
             if TEXT.search(line):
                 hits.append(f"{rel}:{n}: {line.strip()[:160]}")

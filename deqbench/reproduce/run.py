@@ -410,7 +410,10 @@ def _rel(p: Path, base: Path) -> str:
 
 
 def _md(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """A table cell: ``|`` escaped, one line, and ``[``/``]`` escaped (the measured notes in
+    brackets are text, not links or cross-references)."""
+    out = str(text).replace("|", "\\|").replace("\n", " ")
+    return out.replace("[", "\\[").replace("]", "\\]")
 
 
 def _provenance(sr: SuiteRun) -> tuple[str, str, float]:
