@@ -6,9 +6,7 @@ plugin, load it once and compare its x with the shape it declares; data that can
 
 from __future__ import annotations
 
-import importlib
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from conftest import write_suite
 from typer.testing import CliRunner
 
 from deqbench.cli import app
-from deqbench.core.registry import REGISTRIES
+from tests.plugin_helpers import installed_plugin
 
 SUITE = """\
 schema: 1
@@ -110,23 +108,10 @@ DIST = "dcplug-dist 1.0"
 def plugin(tmp_path, monkeypatch):
     """The dataset plugin ``dcplug`` installed (a dist-info with its entry points) on sys.path,
     plugin discovery on; the registries rescanned around the test."""
-    monkeypatch.delenv("DEQBENCH_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "dcplug.py").write_text(textwrap.dedent(PLUGIN))
-    info = site / "dcplug_dist-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dcplug-dist\nVersion: 1.0\n")
-    eps = "\n".join(f"{k} = {v}" for k, v in ENTRY_POINTS.items())
-    (info / "entry_points.txt").write_text(f"[deqbench.datasets]\n{eps}\n")
-    monkeypatch.syspath_prepend(str(site))
-    importlib.invalidate_caches()
-    for r in REGISTRIES.values():
-        r.reset_plugins()
-    yield site
-    for r in REGISTRIES.values():
-        r.reset_plugins()
-    sys.modules.pop("dcplug", None)
+    eps = {"deqbench.datasets": ENTRY_POINTS}
+    with installed_plugin(tmp_path / "site", monkeypatch, "dcplug-dist", {"dcplug": PLUGIN},
+                          eps) as site:  # fmt: skip
+        yield site
 
 
 def _suite(tmp_path: Path, data: str) -> Path:

@@ -5,9 +5,6 @@ distribution and the clause) and by ``deqbench.testing.check_dataset``."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,8 +14,9 @@ from typer.testing import CliRunner
 from deqbench.cli import app
 from deqbench.contracts import CLAUSES
 from deqbench.core.errors import ConfigError, PluginError
-from deqbench.core.registry import REGISTRIES, datasets
+from deqbench.core.registry import datasets
 from deqbench.testing import ConformanceError, check_dataset, conformance_names
+from tests.plugin_helpers import installed_plugin
 
 DIST = "dsplug-dist 1.0"
 
@@ -104,23 +102,10 @@ output: results
 def plugin(tmp_path, monkeypatch):
     """The plugin ``dsplug`` installed (a dist-info with its entry points) in a fresh site dir on
     sys.path, plugin discovery on; the registries rescanned around the test."""
-    monkeypatch.delenv("DEQBENCH_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "dsplug.py").write_text(textwrap.dedent(PLUGIN))
-    info = site / "dsplug_dist-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dsplug-dist\nVersion: 1.0\n")
-    eps = "\n".join(f"{k} = {v}" for k, v in ENTRY_POINTS.items())
-    (info / "entry_points.txt").write_text(f"[deqbench.datasets]\n{eps}\n")
-    monkeypatch.syspath_prepend(str(site))
-    importlib.invalidate_caches()
-    for r in REGISTRIES.values():
-        r.reset_plugins()
-    yield site
-    for r in REGISTRIES.values():
-        r.reset_plugins()
-    sys.modules.pop("dsplug", None)
+    eps = {"deqbench.datasets": ENTRY_POINTS}
+    with installed_plugin(tmp_path / "site", monkeypatch, "dsplug-dist", {"dsplug": PLUGIN},
+                          eps) as site:  # fmt: skip
+        yield site
 
 
 def _suite(tmp_path: Path, data: str) -> Path:

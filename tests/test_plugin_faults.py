@@ -10,10 +10,8 @@ exit 2 and one line. Only a signal to deqbench's own process interrupts (exit 13
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from typer.testing import CliRunner
 
 from deqbench.cli import app
 from deqbench.run.results import RUNNER, load_results
+from tests.plugin_helpers import installed_plugin
 
 #: fault kind -> (what the plugin does, a substring of the note)
 FAULTS = {
@@ -144,12 +143,6 @@ output: results
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
     """The plugin distribution ``faultplug 1.0`` installed (entry points of every kind)."""
-    from deqbench.core.registry import REGISTRIES
-
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "faultplug.py").write_text(PLUGIN)
-    (site / "faultplug_kbimport.py").write_text("raise KeyboardInterrupt\n")
     groups: dict[str, dict[str, str]] = {
         "deqbench.models": {"unpicklable": "faultplug:unpicklable"},
         "deqbench.datasets": {},
@@ -161,24 +154,10 @@ def plugin(tmp_path, monkeypatch):
         groups["deqbench.datasets"][f"data_{k}"] = f"faultplug:data_{k}"
         groups["deqbench.analyses"][f"bad_{k}"] = f"faultplug:bad_{k}"
     groups["deqbench.models"]["kbimport"] = "faultplug_kbimport:model"
-    d = site / "faultplug-1.0.dist-info"
-    d.mkdir()
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: faultplug\nVersion: 1.0\n")
-    lines = []
-    for group, eps in groups.items():
-        lines += [f"[{group}]", *(f"{k} = {v}" for k, v in eps.items()), ""]
-    (d / "entry_points.txt").write_text("\n".join(lines))
-    monkeypatch.delenv("DEQBENCH_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    monkeypatch.syspath_prepend(str(site))
+    modules = {"faultplug": PLUGIN, "faultplug_kbimport": "raise KeyboardInterrupt\n"}
     monkeypatch.chdir(tmp_path)
-    importlib.invalidate_caches()
-    for r in REGISTRIES.values():
-        r.reset_plugins()
-    yield tmp_path
-    for r in REGISTRIES.values():
-        r.reset_plugins()
-    for mod in [m for m in sys.modules if m.startswith("faultplug")]:
-        del sys.modules[mod]
+    with installed_plugin(tmp_path / "site", monkeypatch, "faultplug", modules, groups):
+        yield tmp_path
 
 
 def invoke(*args: object):

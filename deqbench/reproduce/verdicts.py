@@ -365,20 +365,6 @@ def run_steps(run_dir: Path | None) -> int | None:
     if len(fs):
         return int(fs.groupby(["cell_id", "seed"])["value"].sum().max())
     return None
-    from .extract import load
-
-    try:
-        df = load(run_dir)
-    except Exception:
-        return None
-    rec = df[(df["analysis"] == "training") & (df["metric"] == "optimizer_steps")]
-    rec = rec[rec["value"].notna()]
-    if len(rec):
-        return int(rec["value"].max())
-    fs = df[(df["analysis"] == "family_stats") & (df["metric"] == "steps")]
-    if len(fs):
-        return int(fs.groupby(["cell_id", "seed"])["value"].sum().max())
-    return None
 
 
 def report_row(
