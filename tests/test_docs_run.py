@@ -221,9 +221,13 @@ def test_smoke_cell_count_and_time_are_the_suites():
     secs = (
         datetime.fromisoformat(meta["finished"]) - datetime.fromisoformat(meta["started"])
     ).total_seconds()
-    for page in ("README.md", "getting-started.md"):
-        for m in re.finditer(r"took (\d+) s on two CPU cores", texts[page]):
+    for page in ("README.md", "getting-started.md", "benchmarks.md"):
+        for m in re.finditer(
+            r"took (\d+) s (?:on two CPU cores|from start to finish)", texts[page]
+        ):
             assert int(m.group(1)) == round(secs), (page, m.group(0), secs)
+        for m in re.finditer(r"(\d+) tasks: (\d+) cells x 2 seeds", texts[page]):
+            assert (int(m.group(1)), int(m.group(2))) == (2 * n, n), (page, m.group(0))
 
 
 def test_smoke_header_names_the_solvers_it_runs():
