@@ -14,7 +14,7 @@ import typer
 EXAMPLE = (
     "Example: deqbench reproduce pcdeq opteq --scale cpu --out results/reproduction/cpu\n\n"
     "One claim: deqbench reproduce --claims 001-init-cost. All claims at CPU scale (about "
-    "15 minutes on 2 cores): deqbench reproduce --scale cpu. Paper scale on one GPU, "
+    "3 minutes on 2 cores): deqbench reproduce --scale cpu. Paper scale on one GPU, "
     "8 small cells at a time: deqbench reproduce pcdeq --scale paper --executor dask --workers 8"
 )
 
