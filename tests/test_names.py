@@ -30,6 +30,8 @@ RUN_DATA = re.compile(
     r"(^|/)(results\.csv(\.gz)?|run\.json|timeline\.csv)$"
     r"|/series/[^/]+\.csv$"
 )
+
+
 def _tracked() -> list[str]:
     try:
         out = subprocess.run(
