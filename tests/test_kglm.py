@@ -227,7 +227,7 @@ def test_conv_informed_init():
 
 
 def test_parse_number():
-    from deqbench.inits.kglm import parse_number
+    from deqbench.kglm.inits import parse_number
 
     assert parse_number("-2pi") == pytest.approx(-2 * math.pi)
     assert parse_number("0.5*pi") == pytest.approx(math.pi / 2)
@@ -302,7 +302,7 @@ def test_init_cost_rows():
 def test_white_noise_on_coinciding_points_keeps_v1_equal_to_w1():
     """Theorem 3 with X~ = X needs V1 = W1 with the white-noise term too; torch.cdist's matmul
     path misses exact zeros on such coordinates (the old code added the noise only there)."""
-    from deqbench.inits.kglm import kernel_weights
+    from deqbench.kglm.inits import kernel_weights
 
     torch.manual_seed(0)
     X = torch.rand(200, 3, dtype=torch.float64) * 10
