@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import deqbench
-from deqbench.core.regularizers import REGULARIZERS, get_regularizer
 from deqbench.deq import BackwardConfig, SolverConfig, configure
 from deqbench.errors import ConfigError
 from deqbench.models.opteq import ConvexObjective, OptEqConvUnit, OptEqUnit
+from deqbench.solvers.regularizers import REGULARIZERS, get_regularizer
 
 torch.set_num_threads(1)
 F64 = torch.float64
