@@ -12,11 +12,11 @@ import torch
 
 import deqbench
 from deqbench.analyses.base import CellContext
+from deqbench.data.base import load_data
 from deqbench.deq import SolverConfig, configure
 from deqbench.errors import ConfigError
 from deqbench.kernels import kernels, make_kernel
 from deqbench.klr import fit_klr
-from deqbench.run.data import load_data
 
 torch.set_num_threads(1)
 
@@ -262,7 +262,7 @@ def test_digits_klr_corruption():
 
 
 def test_denoise_data(monkeypatch):
-    import deqbench.run.data as data_mod
+    import deqbench.data.kglm as data_mod
 
     d = load_data("denoise", n_train=6, n_test=4, size=8, channels=2, noise=0.2)
     assert d.train[0].shape == (6, 2, 8, 8) and d.in_shape == (2, 8, 8)

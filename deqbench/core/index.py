@@ -76,7 +76,6 @@ FUNCTIONS: dict[str, str] = {
     **{f"{r}.register": k for r, k in RECEIVERS.items()},
     f"{PACKAGE}.data.base.dataset": "datasets",
     f"{PACKAGE}.data.dataset": "datasets",
-    f"{PACKAGE}.run.data.dataset": "datasets",
 }
 #: a module-level dict literal whose name ends so holds datasets (its string keys)
 DATASET_DICT_SUFFIX = "DATASETS"

@@ -22,7 +22,7 @@ claims are in ``summary.csv`` (:mod:`deqbench.outcomes`).
 
 Example (plain functions):
     >>> import deqbench, torch
-    >>> from deqbench.run.data import load_data
+    >>> from deqbench.data.base import load_data
     >>> from deqbench.kglm.analysis import klr_agreement
     >>> d = load_data("digits_klr")
     >>> m = deqbench.models.create("kglm_deq", in_shape=d.in_shape, family="bernoulli").double()

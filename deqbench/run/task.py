@@ -175,7 +175,7 @@ _DATA_CACHE: dict[str, Any] = {}
 def _load_data(cell: Cell) -> tuple[Any, float | None]:
     """Datasets are loaded once per process (on CPU, default dtype) and shared by its tasks.
     Returns the data and the load time in seconds (None when it came from the cache)."""
-    from .data import load_data
+    from ..data.base import load_data
 
     name, params = cell.data_params()
     key = json.dumps([name, params], sort_keys=True, default=str)
