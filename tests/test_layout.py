@@ -1,5 +1,6 @@
-"""The package layout: no import circles inside deqbench, the pinned public API, and
-each analysis family's analysis, plots and CLI verb in its own folder.
+"""The package layout: layers that import one way (:data:`LAYERS`), no import circles inside
+deqbench, the pinned public API, and each analysis family's analysis, plots and CLI verb in its
+own folder.
 
 The import graph is read from the source with ``ast``: every ``import`` / ``from ... import`` of a
 deqbench module, at module level, inside functions *and* under ``if TYPE_CHECKING:`` (a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from importlib import metadata
 from pathlib import Path
 
@@ -289,6 +291,18 @@ def test_the_layer_check_fails_on_an_upward_import():
     assert layer["deqbench.solvers"] == 0  # the package of solvers.base (the solver contract)
     assert layer["deqbench.solvers.anderson"] == 1
     assert layer["deqbench.landscape.cli"] == len(LAYERS) - 1
+
+
+def test_the_architecture_page_shows_the_same_layers():
+    """docs/architecture.md's table "Layers": one row per layer, in order, naming the same
+    modules (``deqbench.<family>.cli``, the pattern, aside)."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| **")]
+    assert [r.split("**")[1] for r in rows] == [name for name, _ in LAYERS]
+    for row, (name, prefixes) in zip(rows, LAYERS, strict=True):
+        shown = set(re.findall(r"`(deqbench(?:\.[\w]+)*)`", row))
+        assert shown == set(prefixes), name
 
 
 def test_the_layer_exceptions_name_real_imports():
