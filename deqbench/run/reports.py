@@ -3,82 +3,58 @@ plots, that write a file of their own beside ``results.csv`` (the claim summary
 ``summary.csv`` of :mod:`deqbench.outcomes` is one).
 
 A report registers with ``@reports.register("name")`` in its own module, as a plot does with
-``@plots.register``. The runner names none of them: the source index
-(:mod:`deqbench.core.index`, kind ``reports``) finds the modules of the package that register
-one, and :func:`load_builtins` imports them by name the first time the reports are listed. A
-report that raises never fails a run: :func:`write_reports` returns its error line for the run's
-log and goes on with the next.
+``@plots.register``. The runner names none of them: :data:`registry` (a
+:class:`~deqbench.core.registry.Registry` of kind ``reports``) imports its built-ins from the
+modules the source index (:mod:`deqbench.core.index`) finds registering one, and plugins add
+theirs through the entry-point group ``deqbench.reports``. A report that raises never fails a
+run: :func:`write_reports` returns its error line for the run's log and goes on with the next.
 
 Example:
     >>> from deqbench.run import reports
-    >>> @reports.register("row_count")
+    >>> @reports.register("row_count")                           # doctest: +SKIP
     ... def row_count(run_dir):
     ...     n = sum(1 for _ in open(run_dir / "results.csv")) - 1
     ...     (run_dir / "row_count.txt").write_text(f"{n}\\n")
-    >>> reports.write_reports("results/smoke/<run_id>")  # doctest: +SKIP
+    >>> reports.write_reports("results/smoke/<run_id>")          # doctest: +SKIP
     []
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..core.registry import Registry
+
 #: ``fn(run_dir)``; its return value is ignored
 ReportFn = Callable[[Path], Any]
-_REGISTRY: dict[str, ReportFn] = {}
-_LOADED: list[str] = []  # the built-in report modules imported so far
+registry: Registry[ReportFn] = Registry("reports", __name__, singular="post-run report")
+register = registry.register
+names = registry.names
+get = registry.get
 
 
-def register(name: str) -> Callable[[ReportFn], ReportFn]:
-    """Register ``fn(run_dir)`` under ``name``: called after every run's plots."""
-
-    def deco(fn: ReportFn) -> ReportFn:
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
-
-
-def load_builtins() -> list[str]:
-    """Import the package's modules that register a report (found by the source index, once);
-    returns an error line for each that cannot be imported."""
+def builtin_modules() -> list[str]:
+    """The modules of the package that register a report, found in the source by
+    :mod:`deqbench.core.index` (imported by :data:`registry` on first use)."""
     from ..core.index import modules
 
-    errors = []
-    for module in modules("reports"):
-        if module in _LOADED:
-            continue
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - one broken report never stops the others
-            errors.append(f"reports: {module} cannot be imported: {type(exc).__name__}: {exc}")
-            continue
-        _LOADED.append(module)
-    return errors
-
-
-def names() -> list[str]:
-    """The registered reports (the built-ins imported first), sorted."""
-    load_builtins()
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> ReportFn:
-    load_builtins()
-    return _REGISTRY[name]
+    return modules("reports")
 
 
 def write_reports(run_dir: str | Path) -> list[str]:
     """Call every registered report on ``run_dir``, in the order of :func:`names`; returns the
     error lines (``NAME: ExceptionType: message``) of those that failed or could not load."""
     run_dir = Path(run_dir)
-    errors = load_builtins()
-    for name in sorted(_REGISTRY):
+    try:
+        listed = names()
+    except Exception as exc:  # a report module that cannot be imported: the run goes on
+        return [f"reports: {type(exc).__name__}: {exc}"]
+    errors = []
+    for name in listed:
         try:
-            _REGISTRY[name](run_dir)
+            get(name)(run_dir)
         except Exception as exc:  # a report never fails a run
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
     return errors

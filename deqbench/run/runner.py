@@ -541,9 +541,9 @@ def _preload_finishing(suite: Suite) -> threading.Thread:
             import matplotlib.figure  # noqa: F401
 
             from .plots import _import_analyses
-            from .reports import load_builtins
+            from .reports import names
 
-            load_builtins()
+            names()  # imports the report modules
 
             _import_analyses({name for name, _ in suite.analyses}, [])
         except Exception:  # noqa: BLE001 - the plots import again and report
