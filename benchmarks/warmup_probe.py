@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 mark("import torch")
 from deqbench.core.registry import analyses, inits, models, solvers  # noqa: E402
-from deqbench.run import data, results, task, train  # noqa: E402,F401
+from deqbench.data import base, images, kglm, small  # noqa: E402,F401
+from deqbench.run import results, task, train  # noqa: E402,F401
 
 for r in (models, solvers, inits, analyses):
     r.names()

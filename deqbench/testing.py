@@ -140,10 +140,10 @@ def check_solver(name: str, *, options: dict[str, Any] | None = None) -> None:
 
     from .core.errors import ConfigError
     from .core.registry import solvers
-    from .run.plugin_checks import _Checks
+    from .run.plugin_checks import ContractChecks
 
     fn = solvers.get(name)
-    checks = _Checks()
+    checks = ContractChecks()
     with _quiet_threads():
         for adjoint in (False, True):
             checks.solver(name, dict(options or {}), adjoint=adjoint)
@@ -242,7 +242,7 @@ def check_model(
     factory's defaults) under its declared solver, backward mode and init (or the ones given);
     raise :class:`ConformanceError` if a clause breaks."""
     from .core.registry import models
-    from .run.plugin_checks import _Checks
+    from .run.plugin_checks import ContractChecks
 
     models.get(name)  # an unknown name: UnknownNameError with close matches
     shape, n_out = _factory_shape(name)
@@ -250,7 +250,7 @@ def check_model(
     n_out = int(num_outputs) if num_outputs is not None else n_out
     spec: dict[str, Any] = {"name": name, **(params or {})}
     suite = _cell_suite(model=spec, solver=solver, backward=backward, init=init)
-    checks = _Checks()
+    checks = ContractChecks()
     with _quiet_threads():
         for c in suite.cells:
             checks.solver(c.solver["name"], c.solver_config().options, adjoint=False)
@@ -318,7 +318,7 @@ def check_init(
     import torch
 
     from .core.registry import inits, models
-    from .run.plugin_checks import _Checks
+    from .run.plugin_checks import ContractChecks
 
     fn = inits.get(name)
     model = model or getattr(fn, "example_model", None) or "fc_deq_tiny"
@@ -326,7 +326,7 @@ def check_init(
     suite = _cell_suite(
         model={"name": model, **(model_params or {})}, init={"name": name, **(params or {})}
     )
-    checks = _Checks()
+    checks = ContractChecks()
     with _quiet_threads():
         checks.model(list(suite.cells), (shape, n_out), "float64")
     lines = [v.line() for v in checks.violations if v.kind == "init"]

@@ -16,7 +16,6 @@
   ``fields [MODULE:]CLASS``    the fields of a dataclass or pydantic model (name, type, default,
                                its docstring's Attributes and the fields' comments); without
                                MODULE, the class is found wherever the package defines it
-  ``summary PATH``             a committed ``summary.csv`` (outcome checks) as a table
   ``registry KIND``            the built-in models (with declared defaults), backward modes, solvers (with
                                options) or inits, from the registries
   ``datasets``                 the datasets a suite's ``data:`` names, with their options
@@ -45,7 +44,6 @@ warning, which ``mkdocs build --strict`` turns into a failed build.
 from __future__ import annotations
 
 import ast
-import csv
 import dataclasses
 import importlib
 import inspect
@@ -529,34 +527,6 @@ def fields_markdown(arg: str) -> str:
     return _table(["key", "type", "default", "notes"], rows)
 
 
-def summary_markdown(arg: str) -> str:
-    path = REPO / arg
-    with path.open(newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    out = []
-    for r in rows:
-        value = r.get("value", "")
-        try:
-            value = f"{float(value):.4g}" if value not in ("", "nan") else ""
-        except ValueError:
-            pass
-        held = r.get("held", "")
-        held = {"yes": "**yes**", "no": "**no**"}.get(held, held)
-        out.append(
-            [
-                r.get("check", ""),
-                r.get("cell_id", ""),
-                held,
-                value,
-                r.get("expected", ""),
-                r.get("detail", ""),
-            ]
-        )
-    held = [r.get("held") for r in rows]
-    head = f"`{arg}`: {held.count('yes')} held, {held.count('no')} not held, {held.count('n/a')} n/a, {held.count('info')} info.\n\n"
-    return head + _table(["check", "cell", "held", "value", "expected", "detail"], out)
-
-
 # ------------------------------------------------------------------------------------- layout
 
 
@@ -655,7 +625,7 @@ def datasets_markdown() -> str:
     rows = []
     from deqbench.core.registry import datasets
 
-    for n, fn in _locate("deqbench.run.data", "DATASETS").items():
+    for n, fn in _locate("deqbench.data.base", "DATASETS").items():
         if not str(datasets.origin(n)).startswith("built"):  # an installed plugin's
             continue
         params = _signature_params(fn)
@@ -793,7 +763,6 @@ GENERATORS: dict[str, Any] = {
     "analyses-covered": lambda arg, st: analyses_index(st["analyses"]),
     "suite-keys": lambda arg, st: suite_keys_markdown(),
     "fields": lambda arg, st: fields_markdown(arg),
-    "summary": lambda arg, st: summary_markdown(arg),
     "registry": lambda arg, st: registry_markdown(arg),
     "datasets": lambda arg, st: datasets_markdown(),
     "api": lambda arg, st: api_markdown(arg),

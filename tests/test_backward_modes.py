@@ -19,9 +19,9 @@ from lab_helpers import one_thread_seeded  # noqa: F401
 import deqbench
 from deqbench.analyses.base import CellContext
 from deqbench.core.registry import REGISTRIES
+from deqbench.data.base import load_data
 from deqbench.deq import BACKWARD_MODES, BackwardConfig, DEQLayer, SolverConfig, configure
 from deqbench.errors import ConfigError, UnknownNameError
-from deqbench.run.data import load_data
 from deqbench.testing import check_backward
 
 ROOT = Path(__file__).resolve().parents[1]

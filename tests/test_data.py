@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from deqbench.data.base import load_data
 from deqbench.errors import ConfigError, DataError
-from deqbench.run.data import load_data
 
 
 def test_digits_shapes_split_and_upsample():
@@ -303,7 +303,7 @@ def test_download_is_off_by_default_and_missing_files_are_one_line(
 ):
     import inspect
 
-    from deqbench.run.data import DATASETS
+    from deqbench.data.base import DATASETS
 
     params = inspect.signature(DATASETS[name]).parameters
     assert params["download"].default is False and params["root"].default is None

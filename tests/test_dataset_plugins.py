@@ -212,7 +212,7 @@ def test_an_unknown_dataset_is_one_line_with_close_matches(plugin, tmp_path):
 
 
 def test_check_dataset_on_plugin_datasets(plugin):
-    from deqbench.run.data import DATASETS, load_data
+    from deqbench.data.base import DATASETS, load_data
 
     check_dataset("blobs", dim=5)
     check_dataset("blobs_loaded")
@@ -230,7 +230,7 @@ def test_check_dataset_on_plugin_datasets(plugin):
 
 
 def test_builtin_datasets_declare_their_shapes():
-    """Every built-in declares its shape: validate never loads one (deqbench.run.data)."""
+    """Every built-in declares its shape: validate never loads one (deqbench.data)."""
     from deqbench.data.base import declared_shape
 
     for name in conformance_names("datasets", builtin_only=True):

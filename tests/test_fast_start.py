@@ -26,12 +26,13 @@ RUNTIME_ROWS = """
 import json
 from deqbench.core.registry import REGISTRIES
 from deqbench.kglm.kernels import kernels
-from deqbench.run import data, plots
+from deqbench.data.base import DATASETS
+from deqbench.run import plots
 
 rows = []
 for kind, reg in [*REGISTRIES.items(), ("kernels", kernels)]:
     rows += [(kind, n, reg.origin(n)) for n in reg.names()]
-rows += [("datasets", n, "built-in") for n in data.DATASETS]
+rows += [("datasets", n, "built-in") for n in DATASETS]
 rows += [("plots", n, "built-in") for n in plots.names()]  # the analyses' modules are imported
 print(json.dumps(rows))
 """
@@ -147,7 +148,7 @@ def test_the_scanner_reads_every_registering_form():
     plots_module = "def register(name): ...\n@register('own')\ndef f(): ...\n"
     assert index.scan_source(plots_module, "run/plots.py").names == {"plots": ["own"]}
     data = "from ..data.base import dataset\n@dataset('ds')\ndef ds(): ...\n"
-    assert index.scan_source(data, "run/data.py").names == {"datasets": ["ds"]}
+    assert index.scan_source(data, "data/extra.py").names == {"datasets": ["ds"]}
     assert index.scan_source("x = 1  # registers nothing\n", "a.py").names == {}
 
 

@@ -257,8 +257,8 @@ def test_pyhessian_backend_cleans_up():
 
 def test_hessian_analysis_hook():
     from deqbench.analyses.base import CellContext
+    from deqbench.data.base import DataBundle
     from deqbench.hessian.analysis import Hessian
-    from deqbench.run.data import DataBundle
 
     model = _deq()
     X, y = _data()
@@ -404,8 +404,8 @@ def test_power_method_gives_the_top_eigenvalue_only():
 
 def _analysis_rows(model, params, dtype=torch.float64):
     from deqbench.analyses.base import CellContext
+    from deqbench.data.base import DataBundle
     from deqbench.hessian.analysis import Hessian
-    from deqbench.run.data import DataBundle
 
     X, y = _data()
     X = X.to(dtype)

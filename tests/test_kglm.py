@@ -12,11 +12,11 @@ import torch
 
 import deqbench
 from deqbench.analyses.base import CellContext
+from deqbench.data.base import load_data
 from deqbench.deq import SolverConfig, configure
 from deqbench.errors import ConfigError
 from deqbench.kernels import kernels, make_kernel
 from deqbench.klr import fit_klr
-from deqbench.run.data import load_data
 
 torch.set_num_threads(1)
 
@@ -227,7 +227,7 @@ def test_conv_informed_init():
 
 
 def test_parse_number():
-    from deqbench.inits.kglm import parse_number
+    from deqbench.kglm.inits import parse_number
 
     assert parse_number("-2pi") == pytest.approx(-2 * math.pi)
     assert parse_number("0.5*pi") == pytest.approx(math.pi / 2)
@@ -262,7 +262,7 @@ def test_digits_klr_corruption():
 
 
 def test_denoise_data(monkeypatch):
-    import deqbench.run.data as data_mod
+    import deqbench.data.kglm as data_mod
 
     d = load_data("denoise", n_train=6, n_test=4, size=8, channels=2, noise=0.2)
     assert d.train[0].shape == (6, 2, 8, 8) and d.in_shape == (2, 8, 8)
@@ -302,7 +302,7 @@ def test_init_cost_rows():
 def test_white_noise_on_coinciding_points_keeps_v1_equal_to_w1():
     """Theorem 3 with X~ = X needs V1 = W1 with the white-noise term too; torch.cdist's matmul
     path misses exact zeros on such coordinates (the old code added the noise only there)."""
-    from deqbench.inits.kglm import kernel_weights
+    from deqbench.kglm.inits import kernel_weights
 
     torch.manual_seed(0)
     X = torch.rand(200, 3, dtype=torch.float64) * 10

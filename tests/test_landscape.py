@@ -135,7 +135,7 @@ def test_centre_is_unperturbed_loss_and_parameters_restored():
             / 32
         )
     assert centre["loss"] == direct
-    from deqbench.run.train import evaluate
+    from deqbench.core.evaluation import evaluate
 
     assert math.isclose(centre["loss"], evaluate(m, X, y, "classification")["loss"], rel_tol=1e-12)
     assert len(df) == 25 and df["converged"].all()
@@ -248,8 +248,8 @@ def test_offcentre_nonconverged_points_are_data_not_statistics():
 
 def test_starved_centre_flags_the_rows(tmp_path):
     from deqbench.analyses.base import CellContext
+    from deqbench.data.base import DataBundle
     from deqbench.landscape.analysis import Landscape
-    from deqbench.run.data import DataBundle
 
     m = _fc_deq(max_iter=2, tol=1e-6, scale=0.9)  # two f-evals cannot reach 1e-6
     X, y = _data(48)
@@ -270,8 +270,8 @@ def test_starved_centre_flags_the_rows(tmp_path):
 
 def test_convergence_not_measured_is_nan_not_zero(tmp_path):
     from deqbench.analyses.base import CellContext
+    from deqbench.data.base import DataBundle
     from deqbench.landscape.analysis import Landscape
-    from deqbench.run.data import DataBundle
 
     m = _Ordered().double()  # no DEQ layer: nothing reports a solve
     X, y = _data(16)
@@ -313,8 +313,8 @@ def test_warm_start_same_fixed_point_for_a_contraction():
 
 def test_landscape_analysis_hook_and_directions_file(tmp_path):
     from deqbench.analyses.base import CellContext
+    from deqbench.data.base import DataBundle
     from deqbench.landscape.analysis import Landscape
-    from deqbench.run.data import DataBundle
 
     m = _fc_deq()
     X, y = _data(48)
@@ -415,7 +415,7 @@ def test_landscape_command_through_runner(tmp_path):
         run / "plots" / "landscape_curves.png"
     ).exists()
     # the loaded checkpoint is the centre
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
 
     centre = float(lrows[lrows.metric == "loss_center"].value.iloc[0])
     configure(net, SolverConfig("fixed_point", max_iter=30, tol=1e-4))

@@ -236,7 +236,7 @@ def test_auto_alpha_and_default_config():
 
 
 def test_conv_model_trains_and_splitting_sweep_rows(tmp_path):
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
     from deqbench.run.train import TrainConfig, train
     from deqbench.splitting.analysis import SplittingSweep, splitting_sweep
 

@@ -253,7 +253,7 @@ def test_tf32_and_mode_restored_and_errors():
 
 
 def test_digits_regression_targets():
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
 
     d = load_data("digits", flatten=True, target="onehot", train_subset=20, test_subset=5)
     assert d.task == "regression" and d.num_outputs == 10 and d.train[1].shape == (20, 10)
@@ -267,7 +267,7 @@ def test_analysis_hooks_write_series_rows_and_plot(tmp_path):
     import pandas as pd
 
     from deqbench.analyses.base import CellContext
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
     from deqbench.run.train import TrainConfig, train
 
     data = load_data("digits", flatten=True, target="binary", train_subset=16, test_subset=8)
@@ -534,7 +534,7 @@ def test_starved_ntk_solves_flag_the_rows_with_cause_and_fix(tmp_path):
     """Solves that miss their tolerance: the evaluation's rows are "flagged" with a one-line
     cause and fix (the run then exits 1), never "ok"."""
     from deqbench.analyses.base import CellContext
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
 
     data = load_data("digits", flatten=True, target="binary", train_subset=12, test_subset=4)
     data = data.to(dtype=torch.float64)

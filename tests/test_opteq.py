@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import deqbench
-from deqbench.core.regularizers import REGULARIZERS, get_regularizer
 from deqbench.deq import BackwardConfig, SolverConfig, configure
 from deqbench.errors import ConfigError
 from deqbench.models.opteq import ConvexObjective, OptEqConvUnit, OptEqUnit
+from deqbench.solvers.regularizers import REGULARIZERS, get_regularizer
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -144,7 +144,7 @@ def test_conv_transpose_is_adjoint_and_power_norm_is_exact():
 
 def test_norm_bound_holds_after_training_steps():
     """||W||_2 <= gamma after optimiser steps that push V's norm up (exact dense check)."""
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
     from deqbench.run.train import TrainConfig, train
 
     data = load_data("digits", flatten=True, train_subset=128, test_subset=32)
@@ -348,12 +348,12 @@ def test_unroll_compare_rows_and_table():
     import pandas as pd
 
     from deqbench.analyses.base import CellContext
+    from deqbench.data.base import load_data
     from deqbench.performance.unroll_compare import (
         UnrollCompare,
         plot_unroll_compare,
         unroll_table,
     )
-    from deqbench.run.data import load_data
 
     data = load_data("digits", flatten=True, train_subset=64, test_subset=64)
     rows = []

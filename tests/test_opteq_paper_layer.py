@@ -48,8 +48,8 @@ def test_without_a_bound_w_is_the_raw_parameter() -> None:
 
 
 def test_model_without_bound_reports_inf_gamma_and_trains() -> None:
+    from deqbench.data.base import load_data
     from deqbench.deq import BackwardConfig, SolverConfig, configure
-    from deqbench.run.data import load_data
     from deqbench.run.train import TrainConfig, train
 
     torch.manual_seed(1)

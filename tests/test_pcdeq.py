@@ -31,7 +31,7 @@ def _solve(cell, u, z0, tol=1e-12, max_iter=500):
 
 @pytest.mark.parametrize("name", ["pcdeq_l_tiny", "pcdeq_mc_tiny"])
 def test_weights_stay_nonnegative_after_training_steps(name):
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
     from deqbench.run.train import TrainConfig, train
 
     data = load_data("digits", train_subset=96, test_subset=32)
@@ -150,7 +150,7 @@ def test_sigma_max_of_nonnegative_conv_is_summed_taps():
 
 def test_family_stats_rows_and_projection_while_training():
     from deqbench.analyses.base import CellContext
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
     from deqbench.run.train import TrainConfig, train
     from deqbench.training.family_stats import FamilyStats
 

@@ -14,10 +14,10 @@ import torch
 import deqbench
 import deqbench.errors
 from deqbench.analyses.base import CellContext
+from deqbench.data.base import load_data
 from deqbench.deq import BackwardConfig, SolverConfig, configure
 from deqbench.performance.backward import measure_mode
 from deqbench.performance.gradients import grad_vector, gradient_accuracy, reference_gradient
-from deqbench.run.data import load_data
 
 
 @pytest.fixture(autouse=True)

@@ -286,7 +286,7 @@ def test_contracts_are_documented_and_rendered():
 
 
 def test_data_shapes_match_the_loaded_data():
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
     from deqbench.run.plugin_checks import data_shape
 
     for name, params in [

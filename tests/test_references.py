@@ -12,6 +12,7 @@ from torch import nn
 
 import deqbench
 from deqbench.analyses.base import CellContext
+from deqbench.data.base import DataBundle
 from deqbench.deq import BackwardConfig, SolverConfig, configure
 from deqbench.performance.gradients import (
     CellModel,
@@ -19,7 +20,6 @@ from deqbench.performance.gradients import (
     gradient_accuracy,
     reference_gradient,
 )
-from deqbench.run.data import DataBundle
 
 GRAD = ("grad_rel_error", "grad_cosine")
 

@@ -141,7 +141,7 @@ def test_bad_runtime_names_the_key(tmp_path, change, overrides, where, message):
 
 
 def _tiny(seed: int = 0):
-    from deqbench.run.data import load_data
+    from deqbench.data.base import load_data
 
     data = load_data("digits", train_subset=64, test_subset=32)
     torch.manual_seed(seed)

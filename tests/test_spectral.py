@@ -14,8 +14,8 @@ from torch import nn
 import deqbench
 from deqbench import spectral as sp
 from deqbench.analyses.base import CellContext, EpochInfo
+from deqbench.data.base import DataBundle
 from deqbench.deq import SolverConfig, configure
-from deqbench.run.data import DataBundle
 
 torch.set_num_threads(1)
 

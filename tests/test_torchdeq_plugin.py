@@ -167,7 +167,7 @@ def test_torchdeq_layer_matches_deqbench_ift_and_pickles(plugin):
 
 def test_backward_analysis_side_by_side_with_wrapper(plugin):
     from deqbench.analyses.base import CellContext
-    from deqbench.run.data import DataBundle
+    from deqbench.data.base import DataBundle
 
     torch.manual_seed(0)
     X, y = torch.randn(24, 16), torch.randint(0, 3, (24,))
@@ -203,7 +203,7 @@ def test_backward_analysis_side_by_side_with_wrapper(plugin):
 
 def test_solver_overhead_analysis_with_torchdeq_solvers(plugin):
     from deqbench.analyses.base import CellContext
-    from deqbench.run.data import DataBundle
+    from deqbench.data.base import DataBundle
 
     torch.manual_seed(0)
     X, y = torch.randn(24, 16), torch.randint(0, 3, (24,))

@@ -8,8 +8,8 @@ import torch
 
 import deqbench
 from deqbench.analyses.base import Analysis, Row
+from deqbench.data.base import load_data
 from deqbench.deq import BackwardConfig, SolverConfig, configure
-from deqbench.run.data import load_data
 from deqbench.run.train import TrainConfig, train
 
 

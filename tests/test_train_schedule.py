@@ -13,8 +13,8 @@ import torch
 import deqbench
 from deqbench.analyses.base import Analysis
 from deqbench.core.errors import ConfigError
+from deqbench.data.base import load_data
 from deqbench.deq import SolverConfig, configure
-from deqbench.run.data import load_data
 from deqbench.run.results import load_results
 from deqbench.run.runner import run_suite
 from deqbench.run.suite import suite_from_dict

@@ -403,9 +403,9 @@ class TimeToTolerance(PhasedAnalysis):
     params: Params  # narrowed for type checkers
 
     def _measure(self, ctx: CellContext, step: int):
+        from ..core.evaluation import loss_function
         from ..performance._perf import measuring, preserved
         from ..performance.measure import flag_rows
-        from ..run.train import loss_function
 
         p = self.params
         layer, why = pick_layer(ctx.model, p.layer)

@@ -8,7 +8,7 @@ read these types; import them from ``deqbench.deq``.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -109,6 +109,16 @@ class BackwardConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def to_dataclass(section: str, d: dict[str, Any]) -> Any:
+    """A validated ``solver``/``backward`` dict -> SolverConfig/BackwardConfig (extras -> options)."""
+    dc: Any = SolverConfig if section == "solver" else BackwardConfig
+    names = {f.name for f in fields(dc)} - {"options"}
+    return dc(
+        **{k: v for k, v in d.items() if k in names},
+        options={k: v for k, v in d.items() if k not in names},
+    )
 
 
 AMP_MODES = ("none", "bf16")

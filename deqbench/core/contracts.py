@@ -657,6 +657,23 @@ def structure_of(solver: Any) -> type | None:
     return MonotoneCell if need else None
 
 
+#: a test cell for each structure a solver may need (:func:`structure_of`), as
+#: ``make(width) -> cell``: the conformance checks run a structured solver on it. The model
+#: family that implements the structure registers one with :func:`example_cell` (the monDEQ's
+#: dense cell for :class:`MonotoneCell`), so the checks name no model.
+EXAMPLE_CELLS: dict[type, Callable[[int], Any]] = {}
+
+
+def example_cell(structure: type) -> Callable[[Callable[[int], Any]], Callable[[int], Any]]:
+    """Decorator registering ``make(width) -> cell`` as the test cell of ``structure``."""
+
+    def deco(make: Callable[[int], Any]) -> Callable[[int], Any]:
+        EXAMPLE_CELLS[structure] = make
+        return make
+
+    return deco
+
+
 def missing_members(obj: Any, protocol: type) -> list[str]:
     """The members of ``protocol`` that ``obj`` lacks (empty when it implements it)."""
     names = [

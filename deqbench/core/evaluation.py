@@ -1,8 +1,7 @@
 """Evaluation of a model on a data split: loss, accuracy or MSE, and mean DEQ forward stats
 (used by training, :mod:`deqbench.run.train`, and by the analyses through
 :meth:`CellContext.evaluate <deqbench.analyses.base.CellContext.evaluate>`). It depends on the
-DEQ core only, so that the analysis contract can call it without importing the runner;
-:mod:`deqbench.run.evaluation` re-exports it."""
+DEQ core only, so that the analysis contract can call it without importing the runner."""
 
 from __future__ import annotations
 

@@ -11,8 +11,11 @@ ones too; at module level or inside functions):
 
 * ``models``, ``solvers``, ``inits``, ``analyses`` of :mod:`deqbench.core.registry` and the facade
   packages ``deqbench.models`` (...), whose ``register`` may also be imported and called bare;
-* ``kernels`` of :mod:`deqbench.kglm.kernels` (or its face ``deqbench.kernels``);
+* a registry that a module of the package defines at its top level under the name of its kind
+  (the kernels' ``kernels``, wherever its family keeps it);
 * the module :mod:`deqbench.run.plots` (``plots.register``; its own ``register`` inside it);
+* the module :mod:`deqbench.run.reports` (``reports.register``): post-run reports, kind
+  ``reports``, which ``deqbench ls`` does not list; the runner imports their modules by name;
 * ``backward_modes`` of :mod:`deqbench.core.registry` (or ``registry`` of the facade
   :mod:`deqbench.backward`): backward modes, kind ``backward``;
 * ``datasets`` of :mod:`deqbench.core.registry`, the decorator ``dataset`` of
@@ -61,9 +64,8 @@ RECEIVERS: dict[str, str] = {
     **{f"{PACKAGE}.core.registry.{k}": k for k in REGISTRY_KINDS[:4]},
     **{f"{PACKAGE}.{k}": k for k in REGISTRY_KINDS[:4]},  # the facade packages
     **{f"{PACKAGE}.{k}.registry": k for k in REGISTRY_KINDS[:4]},  # what the facades import
-    f"{PACKAGE}.kglm.kernels.kernels": "kernels",
-    f"{PACKAGE}.kernels.kernels": "kernels",
     f"{PACKAGE}.run.plots": "plots",
+    f"{PACKAGE}.run.reports": "reports",
     f"{PACKAGE}.core.registry.datasets": "datasets",
     f"{PACKAGE}.core.registry.backward_modes": "backward",
     f"{PACKAGE}.backward": "backward",  # the facade package (its ``register``)
@@ -74,7 +76,6 @@ FUNCTIONS: dict[str, str] = {
     **{f"{r}.register": k for r, k in RECEIVERS.items()},
     f"{PACKAGE}.data.base.dataset": "datasets",
     f"{PACKAGE}.data.dataset": "datasets",
-    f"{PACKAGE}.run.data.dataset": "datasets",
 }
 #: a module-level dict literal whose name ends so holds datasets (its string keys)
 DATASET_DICT_SUFFIX = "DATASETS"
@@ -181,7 +182,11 @@ def _kind_of_receiver(node: ast.AST, bindings: dict[str, str]) -> str | None:
     dotted = _dotted(node)
     if dotted is None:
         return None
-    kind = RECEIVERS.get(_resolve(dotted, bindings))
+    full = _resolve(dotted, bindings)
+    kind = RECEIVERS.get(full)
+    if kind is None and full.startswith(f"{PACKAGE}.") and full.count(".") >= 2:
+        attr = full.rpartition(".")[2]  # a module's registry named by its kind
+        kind = attr if attr in REGISTRY_KINDS else None
     if kind is None and dotted.split(".")[0] not in bindings:
         kind = dotted.rpartition(".")[2] if dotted.rpartition(".")[2] in KINDS else None
     return kind

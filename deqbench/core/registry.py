@@ -283,6 +283,18 @@ REGISTRIES: dict[str, Registry[Any]] = {
 }
 
 
+#: registries a module outside this one defines (the kernels, which live with the kGLM family),
+#: by kind: added by :func:`publish` when that module is imported, so that generic code
+#: (``deqbench ls``) finds one that is loaded without naming its module
+PUBLISHED: dict[str, Registry[Any]] = {}
+
+
+def publish(reg: Registry[T]) -> Registry[T]:
+    """Add ``reg`` to :data:`PUBLISHED` under its kind; returns it."""
+    PUBLISHED[reg.kind] = reg
+    return reg
+
+
 def registry(kind: str) -> Registry[Any]:
     """The registry of ``kind`` (accepts singular or plural)."""
     key = kind if kind in REGISTRIES or kind.endswith("s") else kind + "s"

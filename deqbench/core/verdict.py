@@ -1,4 +1,6 @@
-"""Convergence is verified, not believed: the runner's check of every DEQ solve.
+"""A solve's verdict: did one DEQ solve converge? Convergence is verified, not believed: the
+check of every DEQ solve. (A paper claim's verdict, reproduced or not, is another thing:
+:mod:`deqbench.reproduce.verdicts`.)
 
 A solver returns ``SolverStats.converged``; deqbench does not take it on trust. After every
 solve of a DEQ layer (forward and IFT adjoint), :func:`check_claim` tests the solver's reported

@@ -1,6 +1,7 @@
-"""Dataset machinery (:mod:`deqbench.data.base`) and the image datasets
-(:mod:`deqbench.data.images`). :mod:`deqbench.run.data` registers the other built-in datasets and
-re-exports these names; use ``deqbench.run.data.load_data``."""
+"""The datasets: the machinery (:mod:`deqbench.data.base`: ``load_data``, ``DataBundle``, the
+``@dataset`` decorator) and the built-in loaders: the small offline ones
+(:mod:`deqbench.data.small`), the image sets (:mod:`deqbench.data.images`) and those of the kGLM
+experiments (:mod:`deqbench.data.kglm`)."""
 
 
 def builtin_modules() -> list[str]:

@@ -2,9 +2,10 @@
 :data:`DATASETS` mapping and the split helpers every loader shares.
 
 Datasets live in the registry ``deqbench.core.registry.datasets`` (kind ``datasets``): the
-built-ins register with ``@dataset("name", shape=fn)`` (in :mod:`deqbench.run.data` and
-:mod:`deqbench.data.images`), plugins through the entry-point group ``deqbench.datasets``
-(the contract: :class:`deqbench.contracts.DatasetLoader`). :data:`DATASETS` is that registry seen
+built-ins register with ``@dataset("name", shape=fn)`` in the modules of this package
+(:mod:`deqbench.data.small`, :mod:`deqbench.data.images`, :mod:`deqbench.data.kglm`), plugins
+through the entry-point group ``deqbench.datasets`` (the contract:
+:class:`deqbench.contracts.DatasetLoader`). :data:`DATASETS` is that registry seen
 as a dict ``name -> loader`` (for older callers).
 """
 

@@ -233,7 +233,7 @@ class Hessian(Analysis):
         import torch
 
         from ..core.deq import direct_solves, is_deq
-        from ..run.train import loss_function
+        from ..core.evaluation import loss_function
         from . import spectrum as hs
 
         p = self.params

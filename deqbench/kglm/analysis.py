@@ -22,7 +22,7 @@ claims are in ``summary.csv`` (:mod:`deqbench.outcomes`).
 
 Example (plain functions):
     >>> import deqbench, torch
-    >>> from deqbench.run.data import load_data
+    >>> from deqbench.data.base import load_data
     >>> from deqbench.kglm.analysis import klr_agreement
     >>> d = load_data("digits_klr")
     >>> m = deqbench.models.create("kglm_deq", in_shape=d.in_shape, family="bernoulli").double()
@@ -75,14 +75,14 @@ def klr_agreement(
         lambda_factor: lam = lambda_factor * ||K||_2 (Tsuchida et al. 2022 App. G: 2).
         newton_steps: Newton/IRLS steps (stops early at ||d alpha|| = 0).
         dtypes: precisions in which the DEQ is evaluated (KLR always runs in float64).
-        coords: pixel coordinates (see :func:`deqbench.inits.kglm.coordinates`).
+        coords: pixel coordinates (see :func:`deqbench.kglm.inits.coordinates`).
 
     Returns:
         (summary per dtype plus ``"klr"``, per-image DataFrame).
     """
     import pandas as pd
 
-    from ..inits.kglm import coordinates
+    from .inits import coordinates
     from .kernels import make_kernel
     from .klr import fit_klr
 
@@ -227,7 +227,7 @@ def init_cost_fc(
     init (entries N(0, 1/n), the paper's baseline: "random Gaussian initialisation", Tsuchida
     et al. 2022, App. F) vs the kGLM init (SE kernel on a grid, lam = ||K||_2, W = -K/lam,
     V = K/lam)."""
-    from ..inits.kglm import kernel_weights
+    from .inits import kernel_weights
 
     device = torch.device(device)
     W = torch.empty(width, width, device=device, dtype=dtype)
@@ -261,8 +261,8 @@ def init_cost_conv(
 ) -> dict[str, list[float]]:
     """Seconds per init of a C -> C conv pair (conv1, conv2): N(0, std^2) vs the kGLM init (SE
     filter bank, Sedghi spectral norm on size x size, scaling)."""
-    from ..inits.kglm import se_filters
     from ..spectral.norms import conv_spectral_norm
+    from .inits import se_filters
 
     device = torch.device(device)
     shape = (channels, channels, kernel_size, kernel_size)

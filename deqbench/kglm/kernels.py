@@ -31,17 +31,22 @@ import torch
 from torch import Tensor
 
 from ..core.errors import ConfigError
-from ..core.registry import Registry
+from ..core.registry import Registry, publish
 
 
 class _KernelRegistry(Registry[Callable[..., "Kernel"]]):
-    """Registry whose built-ins live in this module (not a package of modules)."""
+    """Registry whose built-ins live in this module (not a package of modules): they are
+    loaded once it is imported."""
 
     def _load_builtins(self) -> None:
         self._builtins_loaded = True
 
+    @property
+    def builtins_loaded(self) -> bool:
+        return True
 
-kernels: Registry[Callable[..., Kernel]] = _KernelRegistry("kernels", "deqbench.kernels")
+
+kernels: Registry[Callable[..., Kernel]] = publish(_KernelRegistry("kernels", "deqbench.kernels"))
 
 
 def _coords(a: Tensor) -> Tensor:

@@ -65,7 +65,7 @@ def load_checkpoint(model: Any, path: str | Path, device: Any = None) -> None:
     """Load a state dict (or ``{"state_dict"|"model": state_dict}``) with
     ``torch.load(weights_only=True)`` into ``model`` (strict)."""
     from ..core.errors import ConfigError
-    from .directions import load_tensors
+    from ..core.tensor_files import load_tensors
 
     p = Path(path).expanduser()
     obj = load_tensors(p, "checkpoint", device or "cpu")

@@ -243,7 +243,7 @@ def create(name: str, /, **params: Any) -> Any:
     deq.watch_own_solves(model)  # a model that reports its own solves: each one is recorded
     decl = defaults(name)
     if decl.get("solver") or decl.get("backward"):
-        from ..run.specs import to_dataclass
+        from ..core.config import to_dataclass
 
         if deq.is_deq(model):
             deq.configure(

@@ -13,7 +13,7 @@ z* = relu(conv1(z*) + conv2(y)), output relu(conv_out1(z*) + conv_out2(y)), C ->
 5x5, padding 2, no bias.
 
 Both start from the PyTorch default init (uniform, biases zero); the kGLM inits in
-:mod:`deqbench.inits.kglm` set the weights from a kernel.
+:mod:`deqbench.kglm.inits` set the weights from a kernel.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.contracts import MonotoneCell, example_cell
 from ..core.deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
 from ..core.registry import models
 from ..solvers.splitting import SplittingOps, fb_step_bound
@@ -112,6 +113,18 @@ class MonFCCell(nn.Module):
     def monotonicity(self) -> float:
         W = self.weight().double()
         return float(torch.linalg.eigvalsh((W + W.T) / 2).max())
+
+
+@example_cell(MonotoneCell)
+def example_monotone_cell(width: int) -> MonFCCell:
+    """The conformance checks' MonotoneCell: dense, float64, small seeded weights (FB converges
+    for alpha <= 1)."""
+    cell = MonFCCell(width, m=1.0).double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in (cell.A, cell.B):
+            p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype) / math.sqrt(width))
+    return cell
 
 
 def _circ(x: Tensor, k: Tensor) -> Tensor:

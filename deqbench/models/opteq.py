@@ -13,7 +13,7 @@ f(z) = z - alpha grad G(z): the damped iteration is gradient descent on G.
 Deep OptEq (Eqs. 5-6, Lemma 3): T = f_L o ... o f_1, all units sharing the injected x; the model
 has **one** fixed point z = T(z), of the composition, not a chain of equilibria. With a feature
 regulariser R-star (section 5.1, Theorem 4) the cell is z = T(T_R(z)), T_R = prox_{s R} or
-I - s grad R (:mod:`deqbench.core.regularizers`).
+I - s grad R (:mod:`deqbench.solvers.regularizers`).
 
 The norm ||V||_2 is held as a bilinear form sigma(V) = u^T V v with persistent singular vectors
 (u, v) (buffers): exact top singular vectors (SVD) for small dense layers, persistent power
@@ -416,7 +416,7 @@ class OptEqCell(nn.Module):
         reg_mode: str = "auto",
     ) -> None:
         super().__init__()
-        from ..core.regularizers import get_regularizer
+        from ..solvers.regularizers import get_regularizer
 
         self.units = nn.ModuleList(units)
         self.splits = [u.hidden for u in units]

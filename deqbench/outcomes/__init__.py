@@ -1,6 +1,7 @@
 """``summary.csv`` of a run: the verdicts of the source papers' claims that the run's suite measures.
 
-After every run the runner calls :func:`summarize`, which judges each claim of
+:func:`summarize` is the post-run report ``outcomes`` (:mod:`deqbench.run.reports`: the runner
+calls it after every run without naming this package); it judges each claim of
 :data:`deqbench.reproduce.claims.CLAIMS` that this run's suite measures with the same code as
 ``deqbench reproduce`` (:func:`deqbench.reproduce.verdicts.verdict_for`: the claim's extractor reads
 the run directory, its checker states the paper's claim in the paper's direction) and writes the
@@ -25,7 +26,7 @@ are ``not run`` with reason ``scale``.
 
 Example:
     >>> from deqbench.outcomes import claims_for
-    >>> [c.id for c in claims_for("pcdeq_cpu")]
+    >>> [c.id for c in claims_for("pcdeq_cpu")][:4]
     ['002-mnist-accuracy', '002-iterations', '002-lipschitz', '002-unconstrained']
     >>> from deqbench.outcomes import summarize
     >>> summarize("results/pcdeq/<run_id>")[["claim_id", "verdict", "reason"]]  # doctest: +SKIP
@@ -37,6 +38,8 @@ import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ..run import reports
 
 if TYPE_CHECKING:
     from ..reproduce.claims import Claim
@@ -128,6 +131,7 @@ def run_scale(suite: str, file: str | Path | None = None) -> str:
     return "cpu"
 
 
+@reports.register("outcomes")
 def summarize(
     run_dir: str | Path,
     *,

@@ -161,7 +161,7 @@ def loss_for(task: Any) -> Any:
     a callable ``loss(output, target)`` (e.g. :class:`deqbench.performance.gradients.InnerProductLoss`)."""
     if callable(task):
         return task
-    from ..run.train import loss_function
+    from ..core.evaluation import loss_function
 
     return loss_function(task)
 

@@ -11,7 +11,7 @@ loss, and the test accuracy after the same number of optimiser steps.
 * :func:`solver_history` (CUDA): the peak memory of each forward solve above its baseline, less
   the returned state: the solver's own history (Anderson's window, Broyden's pairs, the
   reversible states, the residual traces).
-* :func:`descent_check`: the loss of the float64 reference model (tight forward solves) after a
+* :class:`DescentCheck`: the loss of the float64 reference model (tight forward solves) after a
   step ``-eta g`` along a mode's gradient, against the same step along the reference gradient.
 * :func:`train_steps`: a copy of the model trained for a fixed number of optimiser steps with a
   mode (the same seeded batches for every mode), then evaluated on the test split.
@@ -162,8 +162,11 @@ def solver_history(
 
 
 class DescentCheck:
-    """The float64 reference loss along gradient steps (:func:`descent_check`): built once per
-    batch, then :meth:`gain` of any gradient vector (in the reference gradient's order)."""
+    """The float64 reference loss along gradient steps: built once per batch, then :meth:`gain`
+    of any gradient vector (in the reference gradient's order). The step ``theta - eta g`` takes
+    eta such that the step along the reference gradient ``g_ref`` moves the parameters by
+    ``step`` of their norm. A gain ratio near 1: as good a step as the exact gradient; near
+    cos * ||g|| / ||g_ref|| for small steps; negative: an ascent direction."""
 
     def __init__(
         self,
@@ -209,25 +212,6 @@ class DescentCheck:
         d = self.loss0 - self.loss(self.theta - self.eta * g.vec)
         ratio = d / self.gain_ref if self.gain_ref > 0 else math.nan
         return d, ratio
-
-
-def descent_check(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    g: GradVector,
-    g_ref: GradVector,
-    task: Any = "classification",
-    *,
-    step: float = 1e-3,
-    settings: ReferenceSettings | None = None,
-) -> tuple[float, float]:
-    """(loss decrease, ratio to the reference's) of the float64 reference loss after one step
-    ``theta - eta g`` with eta such that the step along the reference gradient ``g_ref`` moves
-    the parameters by ``step`` of their norm. A ratio near 1: as good a step as the exact
-    gradient; near cos * ||g|| / ||g_ref|| for small steps; negative: an ascent direction."""
-    dc = DescentCheck(model, x, y, task, g_ref, settings or ReferenceSettings(), step)
-    return dc.gain(g)
 
 
 def train_steps(

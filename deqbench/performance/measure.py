@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..analyses.base import Row
+from ..run.task import preserved_numerics as preserved_numerics  # re-exported
 
 #: a repeat spread (IQR / median) above this is flagged as noisy
 SPREAD_FLAG = 0.10
@@ -63,45 +64,6 @@ def sync(device: Any) -> None:
     """Wait for the device (no-op on CPU)."""
     if is_cuda(device):
         torch.cuda.synchronize(torch.device(device))
-
-
-@contextlib.contextmanager
-def preserved_numerics() -> Iterator[None]:
-    """Restore, after the block, the process-wide settings a run or a measurement may change:
-    TF32 (matmul, cuDNN), ``cudnn.benchmark`` / ``.deterministic``, deterministic algorithms,
-    torch threads and ``CUBLAS_WORKSPACE_CONFIG`` (so that one suite's flags do not carry over
-    into the next run of the process, e.g. the parts of a collection)."""
-    import os
-
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.cudnn.benchmark,
-        torch.backends.cudnn.deterministic,
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.get_num_threads(),
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    )
-    try:
-        yield
-    finally:
-        (
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            torch.backends.cudnn.benchmark,
-            torch.backends.cudnn.deterministic,
-        ) = saved[:4]
-        from ..run.task import set_deterministic_algorithms
-
-        # restoring: where Inductor is not loaded nothing compiled ran, the global flag suffices
-        set_deterministic_algorithms(saved[4], warn_only=saved[5], compiles=False)
-        if torch.get_num_threads() != saved[6]:
-            torch.set_num_threads(saved[6])
-        if saved[7] is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[7]
 
 
 @contextlib.contextmanager

@@ -259,7 +259,7 @@ class SolverStatsAnalysis(Analysis):
     def after_training(self, ctx: CellContext):
         if not reports_solves(ctx.model):
             return
-        from ..run.train import loss_function
+        from ..core.evaluation import loss_function
 
         X, y = ctx.data.test
         df = solve_stats(

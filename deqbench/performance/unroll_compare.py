@@ -133,7 +133,7 @@ def sam_selection(model: Any, x: Tensor, prior: str = "l2", iters: int = 400) ->
     distance between the two equilibria relative to ||z||. A gap at the residual level means
     Fix(T) is (locally) a single point, where no selection happens."""
     from .. import solvers
-    from ..core.regularizers import get_regularizer
+    from ..solvers.regularizers import get_regularizer
 
     layer, u, z0 = _start(model, x)
 

@@ -334,12 +334,12 @@ def list_names(kind: str | None, pattern: str | None, verbose: bool = False) -> 
 
 
 def _loaded_registry(kind: str, registries: dict[str, Any]) -> Any:
-    """The registry of ``kind`` when this process has already loaded its built-ins (or, for the
-    kernels, imported their module), else None: ``ls`` lists it as it is."""
-    if kind == "kernels":
-        mod = sys.modules.get("deqbench.kglm.kernels")
-        return getattr(mod, "kernels", None)
-    reg = registries.get(kind)
+    """The registry of ``kind`` when this process has already loaded its built-ins (a registry
+    defined outside :mod:`deqbench.core.registry`, the kernels': once its module is imported),
+    else None: ``ls`` lists it as it is."""
+    from ..core.registry import PUBLISHED
+
+    reg = registries[kind] if kind in registries else PUBLISHED.get(kind)
     return reg if reg is not None and reg.builtins_loaded else None
 
 

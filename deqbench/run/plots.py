@@ -940,7 +940,7 @@ def write_plots(
     Returns (written paths, error lines), in the order of :func:`names` whichever process drew
     them. One failing plot does not stop the others. ``pool``: a started :class:`PlotPool`
     draws the figures in its processes (any it cannot, here); ``meanwhile``: called here while
-    they draw (the runner's outcome checks).
+    they draw (the runner's post-run reports).
     """
     from .results import load_results
 

@@ -21,12 +21,15 @@ once per distinct model spec and solver of the suite(s), built-ins and plugins a
 * every solver (forward, and as adjoint solver for ``ift``) runs on a small contraction, with
   the suite's options and with none, and its return value is checked: ``(z, SolverStats)``,
   nstep, residual and trace shapes, status, progress towards the fixed point; a solver that ``needs_structure``
-  runs on deqbench's own small monotone cell instead, forward and adjoint;
+  runs on the test cell its structure's model family registers instead
+  (:data:`~deqbench.core.contracts.EXAMPLE_CELLS`: the monDEQ's small monotone cell), forward
+  and adjoint;
 * a structured solver is allowed only on models whose every cell implements its structure, and
   a model's declared compatibility (``declare_defaults(solvers=..., backward_modes=...)``)
   admits the cell's solver and backward mode.
 
-Plugin code that calls ``sys.exit()`` or raises ``KeyboardInterrupt``/``GeneratorExit`` breaks
+:class:`ContractChecks` holds one pass of these checks; :mod:`deqbench.testing` runs it on the
+plugins a test names. Plugin code that calls ``sys.exit()`` or raises ``KeyboardInterrupt``/``GeneratorExit`` breaks
 its clause like any exception (only a signal to this process interrupts the checks,
 :mod:`deqbench.run.interrupts`). Every violation is one line naming the distribution, the entry
 point and the clause::
@@ -45,14 +48,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import os
 import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..core.contracts import CLAUSES, MonotoneCell, missing_members, structure_of
+from ..core.contracts import CLAUSES, missing_members, structure_of
 from ..core.errors import ConfigError, DeqbenchError, PluginError
 from .interrupts import fault_line, is_interruption, marked_signals, plugin_fault
 
@@ -265,18 +267,16 @@ def _contraction_cell() -> Any:
     return Contraction()
 
 
-def _monotone_cell() -> Any:
-    """deqbench's monDEQ cell, width 6, small weights (FB converges for alpha <= 1)."""
-    import torch
+def _structure_cell(structure: type) -> Any:
+    """The test cell of ``structure`` (width WIDTH) that a model family registered in
+    :data:`~deqbench.core.contracts.EXAMPLE_CELLS` (the monDEQ's for MonotoneCell), or None."""
+    from ..core.contracts import EXAMPLE_CELLS
+    from ..core.registry import models
 
-    from ..models.mondeq import MonFCCell
-
-    cell = MonFCCell(WIDTH, m=1.0).double()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in (cell.A, cell.B):
-            p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype) / math.sqrt(WIDTH))
-    return cell
+    if structure not in EXAMPLE_CELLS:
+        models.names()  # the built-in model modules register the test cells of their structures
+    make = EXAMPLE_CELLS.get(structure)
+    return make(WIDTH) if make is not None else None
 
 
 def _problem(cell: Any, adjoint: bool) -> tuple[Any, Any]:
@@ -349,8 +349,10 @@ def _check_result(res: Any, z0: Any, max_iter: int) -> tuple[str, str] | None:
     return None
 
 
-class _Checks:
-    """One pass over one or more suites; each distinct spec is checked once."""
+class ContractChecks:
+    """One pass of contract checks over one or more suites (or the plugins :mod:`deqbench.testing`
+    names); each distinct spec is checked once and every broken clause is a :class:`Violation`
+    in ``violations``."""
 
     def __init__(self) -> None:
         self.violations: list[Violation] = []
@@ -386,12 +388,10 @@ class _Checks:
             self._signature(name, fn)
         proto = structure_of(fn)
         if len(self.violations) == n0:
-            if proto is MonotoneCell:
-                cell = _monotone_cell()
-            elif proto is None:
+            if proto is None:
                 cell = _contraction_cell()
-            else:  # a structure deqbench has no test cell for: only the signature is checked
-                cell = None
+            else:  # None: a structure with no test cell: only the signature is checked
+                cell = _structure_cell(proto)
             if cell is not None:
                 clause = "solver.structure" if proto is not None else "solver.returns"
                 # with the suite's options: the contract; with none: also convergence
@@ -931,7 +931,7 @@ def check_all(suites: Iterable[Any], data: bool = True) -> list[Violation]:
     cluster's workers)."""
     import torch
 
-    checks = _Checks()
+    checks = ContractChecks()
     shapes: dict[tuple[str, str], Any] = {}  # (dataset, params) -> (in_shape, num_outputs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny problems: one thread is fastest, and never oversubscribed
@@ -949,7 +949,7 @@ def check_all(suites: Iterable[Any], data: bool = True) -> list[Violation]:
 
 
 def _check_all(
-    checks: _Checks, suites: Iterable[Any], shapes: dict[tuple[str, str], Any], data: bool
+    checks: ContractChecks, suites: Iterable[Any], shapes: dict[tuple[str, str], Any], data: bool
 ) -> None:
     """The checks of :func:`check_all`, into ``checks`` (``shapes``: the datasets' shapes;
     ``data``: probe that each dataset can load)."""

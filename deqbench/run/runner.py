@@ -37,7 +37,14 @@ from ..core.errors import ConfigError
 from . import results as res
 from .interrupts import Interrupted, is_interruption, marking, plugin_fault
 from .lock import RunLock
-from .task import Listener, Task, TaskResult, apply_numeric_flags, run_task
+from .task import (
+    Listener,
+    Task,
+    TaskResult,
+    apply_numeric_flags,
+    preserved_numerics,
+    run_task,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .suite import Suite
@@ -397,8 +404,6 @@ def run_suite(
         ``interrupted``. The suite's ``threads`` and numeric flags hold for the run; the
         process's own settings are restored afterwards.
     """
-    from ..performance.measure import preserved_numerics
-
     with preserved_numerics():
         return _run_suite(suite, out, resume, executor, progress, plots, command)
 
@@ -524,8 +529,8 @@ def _run_suite(
 
 
 def _preload_finishing(suite: Suite) -> threading.Thread:
-    """Import what the plots and the outcome checks need (matplotlib, the suite's analysis
-    modules and their figures, :mod:`deqbench.outcomes`) in a background thread, while the
+    """Import what the plots and the post-run reports need (matplotlib, the suite's analysis
+    modules and their figures, the report modules) in a background thread, while the
     tasks run elsewhere (an executor with ``remote = True``): 1-2 s off the run's serial end.
     Never with the inline executor, whose cells' timings it would disturb. The caller joins the
     thread before drawing."""
@@ -535,8 +540,10 @@ def _preload_finishing(suite: Suite) -> threading.Thread:
             import matplotlib.backends.backend_agg  # noqa: F401
             import matplotlib.figure  # noqa: F401
 
-            from .. import outcomes  # noqa: F401
             from .plots import _import_analyses
+            from .reports import names
+
+            names()  # imports the report modules
 
             _import_analyses({name for name, _ in suite.analyses}, [])
         except Exception:  # noqa: BLE001 - the plots import again and report
@@ -644,10 +651,10 @@ def _finish(
     timings: list[dict[str, Any]] | None = None,
     pool: Any = None,
 ) -> None:
-    """Statuses, plots, outcome checks and the final ``run.json`` (signals do not stop it;
+    """Statuses, plots, post-run reports and the final ``run.json`` (signals do not stop it;
     one during the plots skips the rest of them). ``timeline``: the phases so far, completed
     here and stored in ``run.json``; ``timings``: the tasks' lines of ``timeline.csv``;
-    ``pool``: a :class:`~deqbench.run.plots.PlotPool` draws the figures while the outcome checks
+    ``pool``: a :class:`~deqbench.run.plots.PlotPool` draws the figures while the post-run reports
     run here (``outcomes_end`` then precedes ``plots_end``)."""
     phases = (timeline or {}).setdefault("phases", {})
     phases["finish_start"] = time.time()
@@ -663,20 +670,20 @@ def _finish(
             with sig.interruptible():
                 phases["plots_start"] = time.time()
 
-                def outcomes() -> None:
-                    _outcomes(run_dir)
+                def reports() -> None:  # its phase keeps the name run.json has used
+                    _reports(run_dir)
                     phases["outcomes_end"] = time.time()
 
                 if plots:  # a copy: a plugin's plot may modify it; the summary prints df
                     if pool is None:
                         summary.plots = _plots(run_dir, df.copy())
                     else:
-                        summary.plots = _plots(run_dir, df.copy(), pool, outcomes)
+                        summary.plots = _plots(run_dir, df.copy(), pool, reports)
                 phases["plots_end"] = time.time()
                 if "outcomes_end" not in phases:
-                    outcomes()
+                    reports()
         except KeyboardInterrupt as exc:
-            _log(run_dir, f"plots and outcome checks cut short by {exc}")
+            _log(run_dir, f"plots and post-run reports cut short by {exc}")
     if pool is not None and timeline is not None:  # how many plot functions it drew
         timeline["plot_pool"] = {"processes": pool.processes, "drawn": pool.drawn}
     if timings is not None:
@@ -705,15 +712,13 @@ def _finish(
         _say(f"error: cannot update {run_dir / 'run.json'}: {type(exc).__name__}: {exc}")
 
 
-def _outcomes(run_dir: Path) -> None:
-    """Write ``summary.csv`` (the verdicts of the paper claims the suite measures, see
-    :mod:`deqbench.outcomes`) when the suite measures any."""
-    try:
-        from ..outcomes import summarize
+def _reports(run_dir: Path) -> None:
+    """Call the registered post-run reports (:mod:`deqbench.run.reports`: the claim summary
+    ``summary.csv`` among them); their errors go to the log, never failing the run."""
+    from .reports import write_reports
 
-        summarize(run_dir)
-    except Exception as exc:  # the claim verdicts never fail a run
-        _log(run_dir, f"outcomes: {type(exc).__name__}: {exc}")
+    for e in write_reports(run_dir):
+        _log(run_dir, e)
 
 
 def _plots(run_dir: Path, df: Any, pool: Any = None, meanwhile: Any = None) -> list[Path]:

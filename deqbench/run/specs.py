@@ -187,18 +187,6 @@ def generic_fields() -> dict[str, set[str]]:
     return {s: set(m.model_fields) for s, m in specs().items()}
 
 
-def to_dataclass(section: str, d: dict[str, Any]) -> Any:
-    """A validated ``solver``/``backward`` dict -> SolverConfig/BackwardConfig (extras -> options)."""
-    from ..core.deq import BackwardConfig, SolverConfig
-
-    dc: Any = SolverConfig if section == "solver" else BackwardConfig
-    names = {f.name for f in dataclasses.fields(dc)} - {"options"}
-    return dc(
-        **{k: v for k, v in d.items() if k in names},
-        options={k: v for k, v in d.items() if k not in names},
-    )
-
-
 def solver_options(fn: Any) -> set[str] | None:
     """The options a solver declares (``fn.OPTIONS`` or its module's ``OPTIONS``), else None."""
     opts = getattr(fn, "OPTIONS", None)
@@ -594,7 +582,7 @@ WEIGHT_FILES = ("checkpoint", "directions")
 def weights_file_problem(path: str) -> str | None:
     """Why the file at ``path`` cannot be loaded with ``torch.load(weights_only=True)``, or
     None (the file is read once here, on the CPU)."""
-    from ..landscape.directions import load_tensors
+    from ..core.tensor_files import load_tensors
 
     try:
         load_tensors(path, "x")

@@ -207,12 +207,12 @@ class Cell:
         return self._split(self.data)
 
     def solver_config(self) -> Any:
-        from .specs import to_dataclass
+        from ..core.config import to_dataclass
 
         return to_dataclass("solver", self.solver)
 
     def backward_config(self) -> Any:
-        from .specs import to_dataclass
+        from ..core.config import to_dataclass
 
         return to_dataclass("backward", self.backward)
 

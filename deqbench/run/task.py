@@ -15,11 +15,13 @@ only a signal to this process (:class:`~deqbench.run.interrupts.Interrupted`) pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -173,7 +175,7 @@ _DATA_CACHE: dict[str, Any] = {}
 def _load_data(cell: Cell) -> tuple[Any, float | None]:
     """Datasets are loaded once per process (on CPU, default dtype) and shared by its tasks.
     Returns the data and the load time in seconds (None when it came from the cache)."""
-    from .data import load_data
+    from ..data.base import load_data
 
     name, params = cell.data_params()
     key = json.dumps([name, params], sort_keys=True, default=str)
@@ -257,6 +259,43 @@ def set_deterministic_algorithms(on: bool, *, warn_only: bool, compiles: bool = 
         torch.use_deterministic_algorithms(on, warn_only=warn_only)
     else:
         torch._C._set_deterministic_algorithms(on, warn_only=warn_only)
+
+
+@contextlib.contextmanager
+def preserved_numerics() -> Iterator[None]:
+    """Restore, after the block, the process-wide settings a run or a measurement may change:
+    TF32 (matmul, cuDNN), ``cudnn.benchmark`` / ``.deterministic``, deterministic algorithms,
+    torch threads and ``CUBLAS_WORKSPACE_CONFIG`` (so that one suite's flags do not carry over
+    into the next run of the process, e.g. the parts of a collection)."""
+    import torch
+
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_num_threads(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+    try:
+        yield
+    finally:
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+            torch.backends.cudnn.deterministic,
+        ) = saved[:4]
+        # restoring: where Inductor is not loaded nothing compiled ran, the global flag suffices
+        set_deterministic_algorithms(saved[4], warn_only=saved[5], compiles=False)
+        if torch.get_num_threads() != saved[6]:
+            torch.set_num_threads(saved[6])
+        if saved[7] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[7]
 
 
 def apply_numeric_flags(suite: Any, *, compiles: bool = True) -> None:

@@ -2,7 +2,7 @@
 
 Example:
     >>> import deqbench
-    >>> from deqbench.run.data import load_data
+    >>> from deqbench.data.base import load_data
     >>> from deqbench.run.train import TrainConfig, train
     >>> data = load_data("digits")                                     # doctest: +SKIP
     >>> model = deqbench.models.create("conv_deq_tiny")               # doctest: +SKIP
@@ -22,10 +22,10 @@ from torch import Tensor, nn
 
 from ..analyses.base import CellContext, EpochInfo, Row, StepInfo
 from ..core.deq import Runtime, deq_layers, last_stats, own_solver
+from ..core.evaluation import evaluate, loss_function
 from ..core.runtime import autocast, for_loss, model_runtime
 from ..core.verdict import solve_ledger, verify_solves
-from .data import DataBundle
-from .evaluation import evaluate, loss_function  # noqa: F401 - part of train's API
+from ..data.base import DataBundle
 from .solves import BF16_TOL, MISSED_SHARE, SolveTally, Tallies  # noqa: F401 - train's API
 
 OPTIMIZERS = ("adam", "adamw", "sgd")

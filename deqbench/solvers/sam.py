@@ -4,7 +4,7 @@
     S_k(z) = (1 - eta lambda_k) z - eta grad R(z)           (prior_step "grad"),
     S_k(z) = prox_{eta R}((1 - eta lambda_k) z)             (prior_step "prox"),
 
-with T the cell map and R the prior (:mod:`deqbench.core.regularizers`). As beta_k -> 0 the iterates
+with T the cell map and R the prior (:mod:`deqbench.solvers.regularizers`). As beta_k -> 0 the iterates
 approach argmin R over Fix(T) (Xie et al. 2023 Theorem 5: eta = 1 / (2 L), rho + 2c < 1, T
 nonexpansive, e.g. an OptEq layer with ||W|| <= 1). When Fix(T) is a single point SAM converges
 to it, more slowly than plain iteration; when it is not, plain iteration stops at a point that
@@ -42,7 +42,7 @@ from .base import (
 
 
 def _prior(spec: Any) -> Any:
-    from ..core.regularizers import get_regularizer
+    from .regularizers import get_regularizer
 
     return get_regularizer(spec)
 

@@ -23,7 +23,7 @@ UNITS = {"accuracy": "fraction"}
 
 
 def metric_rows(stats: Mapping[str, float], variant: str, step: int | None = None) -> list[Row]:
-    """Rows for the loss/accuracy/MSE entries of an :func:`deqbench.run.train.evaluate` dict."""
+    """Rows for the loss/accuracy/MSE entries of an :func:`deqbench.core.evaluation.evaluate` dict."""
     return [
         Row(k, stats[k], variant=variant, step=step, unit=UNITS.get(k, ""))
         for k in METRICS

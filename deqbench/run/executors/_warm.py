@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch  # noqa: F401
 
-from ...core.registry import analyses, inits, models, solvers
-from .. import data, task, train  # noqa: F401
+from ...core.registry import analyses, datasets, inits, models, solvers
+from .. import task, train  # noqa: F401
 
-for _r in (models, solvers, inits, analyses):
+for _r in (models, solvers, inits, analyses, datasets):
     _r.names()
 # torch imports torch._dynamo lazily when the first optimiser is built (seconds).
 torch.optim.Adam([torch.zeros(1, requires_grad=True)])

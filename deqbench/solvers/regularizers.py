@@ -1,4 +1,5 @@
-"""Feature regularisers R(z) of OptEq (Xie et al. 2023 sections 5.1, 5.2 and 7.2).
+"""Feature regularisers R(z) of OptEq (Xie et al. 2023 sections 5.1, 5.2 and 7.2), beside the SAM
+solver whose option ``prior`` names one; the OptEq models import them from here.
 
 A regulariser acts on a batch of states ``z`` (B, ...) and is used two ways:
 
@@ -28,7 +29,7 @@ backward).
 
 Example:
     >>> import torch
-    >>> from deqbench.core.regularizers import get_regularizer
+    >>> from deqbench.solvers.regularizers import get_regularizer
     >>> r = get_regularizer("l1", weight=0.5)
     >>> r.prox(torch.tensor([[1.0, -0.2]]), 1.0)
     tensor([[0.5000, -0.0000]])
@@ -42,7 +43,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .errors import ConfigError
+from ..core.errors import ConfigError
 
 __all__ = [
     "REGULARIZERS",

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ..core.errors import ConfigError
 from ..core.registry import inits
-from ..kglm.kernels import make_kernel, sqdist
+from .kernels import make_kernel, sqdist
 
 _NUM = re.compile(r"^\s*([+-]?\d*\.?\d*(?:e[+-]?\d+)?)\s*\*?\s*pi\s*$")
 
@@ -402,12 +402,6 @@ def kglm_random(
         model.V2.weight.requires_grad_(False)
     _zero_biases(model)
     model.kglm_info = {"init": "random"}
-
-
-def kglm_lambda(model: Any) -> float | None:
-    """lam set by the last kGLM init of ``model`` (None if not kGLM-initialised)."""
-    info = getattr(model, "kglm_info", None)
-    return None if info is None else info.get("lam")
 
 
 # the model deqbench.testing.check_init applies each of them to (they need a kGLM model)
