@@ -179,6 +179,7 @@ def test_gpu_layout_pins_one_worker_per_gpu(monkeypatch):
 
 
 @needs_dask
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_local_workers_do_not_get_dask_malloc_trim_threshold(monkeypatch):
     """Dask's nanny exports MALLOC_TRIM_THRESHOLD_=65536 to spawned workers, which made PyTorch
     cells several times slower there; the local cluster unsets it (spawned, not forked workers)."""
@@ -293,6 +294,7 @@ def test_worker_killed_mid_cell_is_retried_once_then_recorded(tmp_path, fast_wor
 
 
 @needs_dask
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_freed_worker_has_its_next_cell_before_a_result_is_handed_over(
     tmp_path, fast_workers, smoke_fc
 ):

@@ -199,6 +199,7 @@ def test_racing_takers_of_a_stale_lock_leave_one_writer(tmp_path):
     assert not (tmp_path / "run.lock").exists()
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_a_run_and_two_resumes_started_together_leave_one_writer_and_sigterm_exits_143(
     tmp_path,
 ):

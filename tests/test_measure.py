@@ -177,6 +177,7 @@ def test_gpu_peak_memory_counts_the_step_only():
     del keep
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_cpu_peak_rss_of_a_train_step_counts_its_gradients():
     """The step's own .grad (8 MiB here, everything else tiny) is in its peak, not in the
     baseline: gradients left by the warm-up step must not be freed inside the measured step."""

@@ -344,6 +344,7 @@ def test_deep_opteq_is_one_fixed_point_of_the_composition():
 # -- the unroll_compare analysis and its table -----------------------------------------------
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_unroll_compare_rows_and_table():
     import pandas as pd
 

@@ -73,6 +73,7 @@ SLOW = {"pcdeq"}
 @pytest.mark.parametrize(
     "stem", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in sorted(TINY)]
 )
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_paper_suite_runs_tiny_on_cpu(stem: str, tmp_path: Path) -> None:
     target = PAPER / f"{stem}.yaml"
     claims = [c.id for c in CLAIMS if c.suite and suite_file(c.suite, "paper") == target]

@@ -220,6 +220,7 @@ def _fresh_worker_row(row):
     assert "rss_fresh_worker" in row.note, row.note
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_throughput_cpu_peak_memory_in_a_fresh_worker(digits):
     a = deqbench.analyses.get("throughput")(
         {"batch_size": 8, "repeats": 1, "warmup": 0, "at": ["init"], "threads": 1}

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
 from matplotlib.figure import Figure
 
 from deqbench.run import plots
@@ -125,6 +126,7 @@ def test_registry_and_write_plots_survive_a_failing_plot(tmp_path):
     assert errors == ["plot 'test_broken' failed: RuntimeError: boom"]
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_library_plots_do_not_import_pyplot(tmp_path):
     ResultsWriter(tmp_path).append(_results().to_dict("records"))
     code = (
@@ -137,6 +139,7 @@ def test_library_plots_do_not_import_pyplot(tmp_path):
     assert out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_plot_pool_draws_the_same_figures_in_its_processes(tmp_path):
     """A PlotPool's processes draw the built-in figures byte for byte as the coordinator does;
     a plot registered only here (unknown to them) and a failing one are drawn here, in the

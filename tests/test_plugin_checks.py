@@ -256,6 +256,7 @@ def test_frozen_example_plugin_passes(site, tmp_path):
         sys.path.remove(str(EXAMPLE / "src"))
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_every_shipped_suite_passes_the_contract_checks():
     """Built-ins follow the contracts; the checks of all shipped suites stay cheap."""
     from deqbench.run.plugin_checks import check_all

@@ -10,11 +10,13 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 from typer.testing import CliRunner
 
 from deqbench.cli import app
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_new_plugin_passes_its_own_test(tmp_path):
     r = CliRunner().invoke(app, ["new-plugin", "deqbench-tinydeq", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import deqbench
@@ -13,6 +14,7 @@ from deqbench.deq import BackwardConfig, SolverConfig, configure
 from deqbench.run.train import TrainConfig, train
 
 
+@pytest.mark.slow  # several seconds on 2 cores: out of the fast lane
 def test_conv_deq_tiny_learns_digits_with_ift():
     torch.manual_seed(0)
     torch.set_num_threads(2)
