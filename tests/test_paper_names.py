@@ -36,3 +36,13 @@ def test_reproduce_help_lists_the_paper_names():
     out = CliRunner().invoke(app, ["reproduce", "--help"], env={"COLUMNS": "200"}).output
     for name in ("kglm", "pcdeq", "opteq", "thesis", "ntk"):
         assert name in out, name
+
+
+def test_claim_ids_by_the_papers_name():
+    from deqbench.reproduce.run import claim_id, select_claims
+
+    assert claim_id("pcdeq-lipschitz") == "002-lipschitz"
+    assert claim_id("THESIS-pr-fb") == "004-pr-fb"
+    assert claim_id("001-init-cost") == "001-init-cost"
+    assert [c.id for c in select_claims(ids=["kglm-init-cost"])] == ["001-init-cost"]
+    assert [c.id for c in select_claims(ids=["002-lipschitz"])] == ["002-lipschitz"]

@@ -50,7 +50,9 @@ def reproduce_command(
     claims: Annotated[
         str | None,
         typer.Option(
-            "--claims", help="Only these claim ids, comma-separated (e.g. 001-init-cost)."
+            "--claims",
+            help="Only these claim ids, comma-separated (e.g. kglm-init-cost, or by the "
+            "paper's number 001-init-cost).",
         ),
     ] = None,
     overrides: Annotated[

@@ -102,9 +102,23 @@ PAPER_NAMES: dict[str, str] = {
 }
 
 
+def claim_id(name: str) -> str:
+    """A claim id from its name: ``"pcdeq-lipschitz"`` (the paper's name, :data:`PAPER_NAMES`)
+    and ``"002-lipschitz"`` (its number) name the same claim.
+
+    Example:
+        >>> claim_id("pcdeq-lipschitz"), claim_id("002-lipschitz")
+        ('002-lipschitz', '002-lipschitz')
+    """
+    head, sep, rest = name.strip().partition("-")
+    number = PAPER_NAMES.get(head.lower())
+    return f"{number}-{rest}" if sep and number is not None else name.strip()
+
+
 def select_claims(papers: Sequence[str] = (), ids: Sequence[str] = ()) -> list[Claim]:
     """Claims of ``papers`` (a name of :data:`PAPER_NAMES` such as ``"pcdeq"``, or its number
-    ``"002"`` / ``"2"``; all when empty), restricted to ``ids``."""
+    ``"002"`` / ``"2"``; all when empty), restricted to ``ids`` (``pcdeq-lipschitz`` or
+    ``002-lipschitz``: :func:`claim_id`)."""
     from ..core.errors import ConfigError
 
     norm = []
@@ -115,6 +129,7 @@ def select_claims(papers: Sequence[str] = (), ids: Sequence[str] = ()) -> list[C
             raise ConfigError(f"unknown paper {p!r}; known: {names}")
         norm.append(q)
     known = {c.id for c in CLAIMS}
+    ids = [claim_id(i) for i in ids]
     bad = [i for i in ids if i not in known]
     if bad:
         raise ConfigError(f"unknown claim {', '.join(bad)}; known: {', '.join(sorted(known))}")
