@@ -311,6 +311,29 @@ def _few(claim_id: str, trends: Sequence[Trend], measured: str) -> Verdict | Non
     return None
 
 
+def pair_trend(
+    claim_id: str,
+    a: Sequence[float],
+    b: Sequence[float],
+    effect: Callable[[float, float], float],
+    describe: Callable[[Trend], str],
+    fail: str,
+    min_effect: float = 0.0,
+) -> Verdict:
+    """A claim on two per-seed lists paired by position: ``not run`` below :data:`MIN_SEEDS`
+    seeds, else the per-seed ``effect(a_i, b_i)`` judged by :func:`seed_trend`; ``describe``
+    writes the measured text from the trend, ``fail`` is the reason when it does not hold."""
+    bad = _seeds(claim_id, _paired(claim_id, {"a": a, "b": b}))
+    if bad:
+        return bad
+    t = seed_trend([effect(float(x), float(y)) for x, y in zip(a, b)], min_effect)
+    measured = describe(t)
+    bad = _few(claim_id, [t], measured)
+    if bad:
+        return bad
+    return _verdict(claim_id, _word(t.holds), "" if t.holds else fail, measured)
+
+
 # -- the per-paper modules -----------------------------------------------------------------------
 
 

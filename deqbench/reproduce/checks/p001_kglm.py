@@ -25,6 +25,7 @@ from . import (
     _seeds,
     _verdict,
     _word,
+    pair_trend,
     seed_trend,
 )
 
@@ -208,19 +209,12 @@ def check_klr_finetune(
     cid = "001-klr-finetune"
     if kernel is None or random is None:
         return _verdict(cid, NOT_RUN, KLR_FINETUNE_MISSING, "not measured")
-    bad = _seeds(cid, _paired(cid, {"kernel": kernel, "random": random}))
-    if bad:
-        return bad
-    t = seed_trend([_log_ratio(r, k) for k, r in zip(kernel, random)])
-    measured = (
-        f"final test MSE: kernel {_g(_med(kernel))} vs random {_g(_med(random))}, "
-        f"log(random/kernel) {t.text()}"
-    )
-    bad = _few(cid, [t], measured)
-    if bad:
-        return bad
-    reason = "" if t.holds else "kernel init not below random in every seed after training"
-    return _verdict(cid, _word(t.holds), reason, measured)
+    return pair_trend(
+        cid, kernel, random, lambda k, r: _log_ratio(r, k),
+        lambda t: f"final test MSE: kernel {_g(_med(kernel))} vs random {_g(_med(random))}, "
+        f"log(random/kernel) {t.text()}",
+        "kernel init not below random in every seed after training",
+    )  # fmt: skip
 
 
 #: paper 001 Table 1 (HSI denoising): channels -> epoch -> (kGLM, random) mean log test loss

@@ -23,6 +23,7 @@ from . import (
     _verdict,
     _word,
     gated,
+    pair_trend,
     seed_trend,
 )
 
@@ -259,18 +260,12 @@ def check_ift_threshold(*, ift: Mapping[float, Sequence[float]]) -> Verdict:
     if not (_has(ift, tight) and _has(ift, loose)):
         return _verdict(cid, NOT_RUN, "data: needs IFT at thd 1e-3 and 1e-2 (Table 8)", "")
     a, b = _get(ift, tight), _get(ift, loose)
-    bad = _seeds(cid, _paired(cid, {"tight": a, "loose": b}))
-    if bad:
-        return bad
-    t = seed_trend([float(x) - float(y) for x, y in zip(a, b)])
-    measured = (
-        f"IFT thd 1e-3: {100 * _med(a):.2f}%, thd 1e-2: {100 * _med(b):.2f}%; difference {t.text()}"
-    )
-    bad = _few(cid, [t], measured)
-    if bad:
-        return bad
-    reason = "" if t.holds else "IFT at thd 1e-3 not above thd 1e-2 in every seed"
-    return _verdict(cid, _word(t.holds), reason, measured)
+    return pair_trend(
+        cid, a, b, lambda x, y: x - y,
+        lambda t: f"IFT thd 1e-3: {100 * _med(a):.2f}%, thd 1e-2: {100 * _med(b):.2f}%; "
+        f"difference {t.text()}",
+        "IFT at thd 1e-3 not above thd 1e-2 in every seed",
+    )  # fmt: skip
 
 
 @_checker("003-unrolled-vs-ift-accuracy")

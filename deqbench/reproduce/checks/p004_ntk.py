@@ -27,6 +27,7 @@ from . import (
     _verdict,
     _word,
     gated,
+    pair_trend,
     seed_trend,
 )
 
@@ -189,19 +190,12 @@ def _trajectory_init(cid: str, iterations: Mapping[str, Sequence[float]]) -> Ver
     if "small" not in iterations or "standard" not in iterations:
         return _verdict(cid, NOT_RUN, "data: 'small' and 'standard' inits both needed", "")
     sm, st = iterations["small"], iterations["standard"]
-    bad = _seeds(cid, _paired(cid, {"small": sm, "standard": st}))
-    if bad:
-        return bad
-    t = seed_trend([_log_ratio(b, a) for a, b in zip(sm, st)])
-    measured = (
-        f"f-evals to tol at init: small {_g(_med(sm))} vs standard "
-        f"{_g(_med(st))} (log ratio {t.text()})"
-    )
-    bad = _few(cid, [t], measured)
-    if bad:
-        return bad
-    reason = "" if t.holds else "small init not faster to settle in every seed"
-    return _verdict(cid, _word(t.holds), reason, measured)
+    return pair_trend(
+        cid, sm, st, lambda a, b: _log_ratio(b, a),
+        lambda t: f"f-evals to tol at init: small {_g(_med(sm))} vs standard {_g(_med(st))} "
+        f"(log ratio {t.text()})",
+        "small init not faster to settle in every seed",
+    )  # fmt: skip
 
 
 @_checker("004-trajectory-init")
