@@ -225,6 +225,38 @@ def paste_reports() -> None:
         page = page[:a] + body + page[b:]
     REPORT_PAGE.write_text(page, encoding="utf-8")
     print(f"docs: {REPORT_PAGE.relative_to(ROOT)} carries the regenerated reports")
+    _headline_numbers(reports["reproduction"])
+
+
+def _headline_numbers(md: Path) -> None:
+    """The CPU report's counts and suite seconds, where the README and the reproduction page
+    quote them ("31 claims: 3 reproduced, ...", "N s of suite runs"): rewritten from the report
+    (tests/test_docs_run.py checks that they agree)."""
+    import re
+
+    text = md.read_text(encoding="utf-8")
+    counts = re.search(r"\d+ claims: \d+ reproduced, \d+ not reproduced, \d+ not run", text)
+    total = re.search(r"([\d.]+) s in total", text)
+    if counts is None or total is None:
+        return
+    seconds = f"{float(total.group(1)):g} s of suite runs"
+    for page in (ROOT / "README.md", REPORT_PAGE):
+        before = page.read_text(encoding="utf-8")
+        after = re.sub(r"\b[\d.]+ s of suite runs", seconds, before)
+        if page.name == "README.md":
+            after = "\n".join(
+                re.sub(
+                    r"\d+ claims: \d+ reproduced, \d+ not reproduced, \d+ not run",
+                    counts.group(0),
+                    line,
+                )
+                if "deqbench reproduce --scale cpu" in line
+                else line
+                for line in after.split("\n")
+            ) + ("" if not after.endswith("\n") else "")
+        if after != before:
+            page.write_text(after, encoding="utf-8")
+            print(f"docs: {page.relative_to(ROOT)}: the CPU report's numbers")
 
 
 if __name__ == "__main__":
