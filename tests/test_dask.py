@@ -148,6 +148,7 @@ def test_gpu_layout_pins_one_worker_per_gpu(monkeypatch):
 
     from deqbench.run import env
     from deqbench.run.executors import dask as dx
+    from deqbench.run.executors import dask_cell
 
     monkeypatch.setattr(env, "_nvml_device_count", lambda: None)  # torch's count, patched
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -166,7 +167,7 @@ def test_gpu_layout_pins_one_worker_per_gpu(monkeypatch):
     assert all("CUDA_VISIBLE_DEVICES" not in s["options"]["env"] for s in specs.values())
     # a pinned worker runs cuda:N on its own GPU; device auto is resolved on the worker
     seen = []
-    monkeypatch.setattr(dx, "run_task", lambda t: seen.append(t.device))
+    monkeypatch.setattr(dask_cell, "run_task", lambda t: seen.append(t.device))  # its home
     monkeypatch.setenv(dx.PINNED_ENV, "5")
     suite = type("S", (), {"device": "cuda:1", "threads": 1})()
     dx.run_cell(dx.Task(suite, None, 0, "cuda:1"))

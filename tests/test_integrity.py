@@ -31,7 +31,7 @@ from deqbench.core.errors import DataError
 from deqbench.core.registry import analyses
 from deqbench.errors import ConfigError
 from deqbench.run import results as res
-from deqbench.run import runner
+from deqbench.run import results_writer, runner
 from deqbench.run.lock import RunLock, RunLocked
 from deqbench.run.results import JOIN_KEYS, RUNNER, load_results
 from deqbench.run.runner import run_suite
@@ -545,7 +545,7 @@ def test_a_run_directory_that_cannot_be_written_whole_does_not_appear(tmp_path, 
             raise OSError(errno.ENOSPC, "No space left on device")
         return write(path, data)
 
-    monkeypatch.setattr(res, "write_atomic", full)
+    monkeypatch.setattr(results_writer, "write_atomic", full)  # new_run_dir writes with it
     with pytest.raises(ConfigError, match="cannot write the run directory: OSError"):
         run_suite(load_suite(p), progress=False, plots=False)
     assert list((tmp_path / "results" / "tiny").iterdir()) == []

@@ -193,10 +193,12 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "deqbench.core", "deqbench._lazy", "deqbench.errors", "deqbench.contracts",
             "deqbench.deq",
-            # the contracts the DEQ core calls, kept beside their kind: a solver's options and
-            # stats (with the fused bookkeeping kernels of its tracker), a backward mode's base
-            # class, the analysis contract, the dataset bundle
-            "deqbench.solvers.base", "deqbench.solvers.fused", "deqbench.backward.base",
+            # the contracts the DEQ core calls, kept beside their kind: a solver's declaration,
+            # options, stats, tracker (with its fused bookkeeping kernels) and CUDA-graph loop,
+            # a backward mode's base class, the analysis contract, the dataset bundle
+            "deqbench.solvers.base", "deqbench.solvers.options", "deqbench.solvers.stats",
+            "deqbench.solvers.tracker", "deqbench.solvers.graphs", "deqbench.solvers.fused",
+            "deqbench.backward.base",
             "deqbench.analyses.base", "deqbench.data.base",
         ],
     ),

@@ -42,26 +42,31 @@ Example:
     >>> from deqbench.run.plugin_checks import check_suite
     >>> check_suite(deqbench.load_suite("suites/smoke.yaml"))            # doctest: +SKIP
     []
+
+**Where it lives.** This module holds :class:`ContractChecks` and the suite-level entry points;
+the dataset checks are in :mod:`.dataset_checks`, the solvers' test problems in
+:mod:`.solver_problems` and the one-line fault reports in :mod:`.plugin_faults` (their names
+re-exported here).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-import os
-import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.contracts import CLAUSES, missing_members, structure_of
 from ..core.errors import ConfigError, DeqbenchError, PluginError
-from .interrupts import fault_line, is_interruption, marked_signals, plugin_fault
+from .dataset_checks import data_problems, dataset_shape
+from .dataset_checks import data_shape as data_shape  # re-exported
+from .interrupts import fault_line, is_interruption, marked_signals
+from .plugin_faults import _raised, _unless_interrupt
+from .solver_problems import _check_result, _contraction_cell, _problem, _structure_cell
 
 #: f-evaluations allowed in the forward pass of a model check
 FORWARD_STEPS = 5
-#: batch and width of the solver checks' test problems
-BATCH, WIDTH = 2, 6
 
 
 @dataclass(frozen=True)
@@ -107,246 +112,6 @@ def _describe(kind: str, name: str) -> tuple[str, str]:
     mod = getattr(obj, "__module__", "?")
     qual = getattr(obj, "__qualname__", getattr(obj, "__name__", type(obj).__name__))
     return entry.origin, f"{mod}:{qual}"
-
-
-def _unless_interrupt(exc: BaseException) -> None:
-    """Re-raise ``exc`` when it is a signal to this process (:mod:`deqbench.run.interrupts`);
-    anything else that plugin code raised (``sys.exit()`` too) is a broken contract."""
-    if is_interruption(exc):
-        raise exc
-
-
-def _raised(exc: BaseException) -> str:
-    """``raised Type: message (at file:line in fn)``, at the innermost frame outside torch."""
-    text = " ".join(str(exc).split())
-    where = ""
-    tb = traceback.extract_tb(exc.__traceback__)
-    if tb:
-        import torch
-
-        lib = os.path.dirname(torch.__file__)  # the caller's frame, not torch's internals
-        fr = next((f for f in reversed(tb) if not f.filename.startswith(lib)), tb[-1])
-        where = f" (at {os.path.basename(fr.filename)}:{fr.lineno} in {fr.name})"
-    return f"raised {type(exc).__name__}{': ' + text if text else ''}{where}"
-
-
-# -- datasets: their shapes, without loading the data where they declare them -----------------
-
-
-def dataset_shape(
-    name: str, params: dict[str, Any]
-) -> tuple[tuple[tuple[int, ...], int] | None, tuple[str, str] | None]:
-    """``((in_shape, num_outputs), None)`` of dataset ``name`` with ``params``: from the shape
-    its loader declares (``loader.shape(params)``), else by loading it; ``(None, (clause,
-    message))`` when the dataset breaks its contract (:class:`deqbench.contracts.DatasetLoader`);
-    ``(None, None)`` for an unknown name (the schema reports it)."""
-
-    from ..core.registry import datasets
-    from ..data.base import declared_shape
-
-    if name not in datasets:
-        return None, None
-    try:
-        fn = datasets.get(name)
-    except PluginError as exc:
-        return None, ("dataset.import", datasets.entry(name).error or str(exc))
-    except KeyboardInterrupt as exc:  # the import raised it: the registry passes it on
-        _unless_interrupt(exc)
-        return None, ("dataset.import", plugin_fault(exc))
-    if not callable(fn):
-        return None, ("dataset.import", f"names a {type(fn).__name__}, not a callable")
-    try:
-        shape = declared_shape(fn, params)
-    except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
-        _unless_interrupt(exc)
-        return None, ("dataset.declared", f"shape({params}) {_raised(exc)}")
-    if shape is not None:
-        return shape, None
-    return _loaded(name, fn, params, None)
-
-
-def _loaded(
-    name: str, fn: Any, params: dict[str, Any], declared: tuple[tuple[int, ...], int] | None
-) -> tuple[tuple[tuple[int, ...], int] | None, tuple[str, str] | None]:
-    """``((in_shape, num_outputs), None)`` of the bundle ``fn(**params)`` returns, or ``(None,
-    (clause, message))``: the loader fails [dataset.load], its bundle is malformed or its x are
-    not shaped ``(N, *in_shape)`` [dataset.load], or ``declared`` (the shape the loader
-    declares) is not the bundle's [dataset.declared]."""
-    import torch
-
-    from ..data.base import bundle_problem
-
-    call = f"{name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
-    try:
-        with torch.random.fork_rng(devices=[]):
-            d = fn(**params)
-    except ConfigError as exc:
-        return None, ("dataset.load", f"{call}: {exc}")
-    except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
-        _unless_interrupt(exc)
-        return None, ("dataset.load", f"{call} {_raised(exc)}")
-    problem = bundle_problem(d)
-    if problem is not None:
-        return None, ("dataset.load", f"{call} {problem}")
-    shape = (tuple(d.in_shape), int(d.num_outputs))
-    for split in ("train", "test"):
-        x, y = getattr(d, split)
-        if tuple(x.shape[1:]) != shape[0] or x.dim() == 0:
-            return None, (
-                "dataset.load",
-                f"{call}: its {split} x has shape {tuple(x.shape)}, not (N, *in_shape) for "
-                f"in_shape={shape[0]}",
-            )
-        if len(x) != len(y):
-            return None, (
-                "dataset.load",
-                f"{call}: its {split} split has {len(x)} inputs and {len(y)} targets",
-            )
-    if declared is not None and shape != declared:
-        return None, (
-            "dataset.declared",
-            f"shape(params) declares in_shape={declared[0]}, num_outputs={declared[1]} (what "
-            f"the models are built and checked with) but {call} loads in_shape={shape[0]}, "
-            f"num_outputs={shape[1]}",
-        )
-    return shape, None
-
-
-def data_problems(name: str, params: dict[str, Any]) -> tuple[str, str] | None:
-    """What keeps dataset ``name`` from loading with ``params``, as ``(clause, message)``, or
-    None; after :func:`dataset_shape` found its shape. A loader with a probe (``@dataset(name,
-    probe=...)``: every built-in) is probed, not loaded: a DataError or ConfigError it raises
-    is ``("", message)`` for a built-in (the message says the fix), [dataset.load] for a
-    plugin. Any other loader that declares its shape is called once (:func:`_loaded`, checked
-    against that shape); one that declares none was loaded by :func:`dataset_shape`."""
-    from ..core.errors import DataError
-    from ..core.registry import datasets
-    from ..data.base import declared_shape, loader_params
-
-    fn = datasets.get(name)  # imported already by dataset_shape
-    probe = getattr(fn, "probe", None)
-    if probe is None:
-        declared = declared_shape(fn, params)
-        return None if declared is None else _loaded(name, fn, params, declared)[1]
-    try:
-        probe(loader_params(fn, params))
-    except (DataError, ConfigError) as exc:
-        if datasets.origin(name) == "built-in":
-            return "", str(exc)
-        return "dataset.load", f"probe({params}): {exc}"
-    except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
-        _unless_interrupt(exc)
-        return "dataset.load", f"probe({params}) {_raised(exc)}"
-    return None
-
-
-def data_shape(name: str, params: dict[str, Any]) -> tuple[tuple[int, ...], int] | None:
-    """(in_shape, num_outputs) of dataset ``name`` with ``params`` (:func:`dataset_shape`); None
-    when it cannot be had."""
-    return dataset_shape(name, params)[0]
-
-
-# -- test problems for solvers ----------------------------------------------------------------
-
-
-def _contraction_cell() -> Any:
-    """z -> 0.5 tanh(W z) + u with ||W|| = 1: a 0.5-contraction."""
-    import torch
-    from torch import nn
-
-    class Contraction(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            g = torch.Generator().manual_seed(0)
-            w = torch.randn(WIDTH, WIDTH, generator=g, dtype=torch.float64)
-            self.W = nn.Parameter(w / torch.linalg.matrix_norm(w, ord=2))
-
-        def forward(self, z: Any, u: Any) -> Any:
-            return 0.5 * torch.tanh(z @ self.W.T) + u
-
-    return Contraction()
-
-
-def _structure_cell(structure: type) -> Any:
-    """The test cell of ``structure`` (width WIDTH) that a model family registered in
-    :data:`~deqbench.core.contracts.EXAMPLE_CELLS` (the monDEQ's for MonotoneCell), or None."""
-    from ..core.contracts import EXAMPLE_CELLS
-    from ..core.registry import models
-
-    if structure not in EXAMPLE_CELLS:
-        models.names()  # the built-in model modules register the test cells of their structures
-    make = EXAMPLE_CELLS.get(structure)
-    return make(WIDTH) if make is not None else None
-
-
-def _problem(cell: Any, adjoint: bool) -> tuple[Any, Any]:
-    """(f, z0): a CellMap (forward) or an AdjointMap at an approximate fixed point (adjoint)."""
-    import torch
-
-    from ..core.backward import AdjointMap
-    from ..core.deq import CellMap
-
-    g = torch.Generator().manual_seed(1)
-    u = torch.rand(BATCH, WIDTH, generator=g, dtype=torch.float64) + 0.5
-    if not adjoint:
-        return CellMap(cell, u), torch.zeros_like(u)
-    with torch.no_grad():
-        z = torch.zeros_like(u)
-        for _ in range(60):
-            z = cell(z, u)
-    # plain autograd, not torch.func.vjp: torch.func imports torch._dynamo (2-4 s) into the
-    # process that checks the suite (the coordinator of a run, which never needs it)
-    z_in = z.detach().requires_grad_(True)
-    with torch.enable_grad():
-        out = cell(z_in, u)
-    grad = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)
-
-    def adj(w: Any) -> Any:
-        (vjp,) = torch.autograd.grad(out, z_in, w, retain_graph=True)
-        return vjp + grad
-
-    return AdjointMap(adj, cell, z, u, grad), grad.clone()
-
-
-def _check_result(res: Any, z0: Any, max_iter: int) -> tuple[str, str] | None:
-    """(clause, message) of the first broken clause of a solver's return value, or None."""
-    import torch
-
-    from ..solvers.base import STATUSES, SolverStats
-
-    if not isinstance(res, tuple | list) or len(res) != 2:
-        what = type(res).__name__ + (f" of {len(res)}" if isinstance(res, tuple | list) else "")
-        return "solver.returns", f"returned a {what}, not (z, SolverStats)"
-    z, st = res
-    if not isinstance(z, torch.Tensor) or z.shape != z0.shape:
-        got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
-        return "solver.returns", f"z is {got}, not a tensor shaped like z0 {tuple(z0.shape)}"
-    if not isinstance(st, SolverStats):
-        return (
-            "solver.returns",
-            f"the second value is a {type(st).__name__}, not deqbench.solvers.base.SolverStats",
-        )
-    B = z0.shape[0]
-    if isinstance(st.nstep, bool) or not isinstance(st.nstep, int) or not 1 <= st.nstep <= max_iter:
-        return "solver.stats", f"nstep {st.nstep!r} is not an int in [1, max_iter={max_iter}]"
-    for k in ("abs_residual", "rel_residual"):
-        v = getattr(st, k)
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != (B,):
-            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            return "solver.stats", f"{k} is {got}, not a ({B},) tensor (one per sample)"
-    for k in ("abs_trace", "rel_trace"):
-        v = getattr(st, k)
-        ok = isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == B
-        if not ok:
-            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            return "solver.stats", f"{k} is {got}, not a (T, {B}) tensor (one row per iterate)"
-        if v.shape[0] > st.nstep:
-            return "solver.stats", f"{k} has {v.shape[0]} rows for nstep {st.nstep} (T <= nstep)"
-    if st.status not in STATUSES:
-        return "solver.stats", f"status {st.status!r} is not one of {', '.join(STATUSES)}"
-    if bool(st.converged) != (st.status == "converged"):
-        return "solver.stats", f"converged={st.converged!r} but status={st.status!r}"
-    return None
 
 
 class ContractChecks:

@@ -67,8 +67,9 @@ from typing import Any
 from ...core.errors import ConfigError, DeqbenchError
 from ..results import FLAGGED, RUNNER
 from ..schedule import CostModel, known_costs, lpt_order, static_cost
-from ..task import Listener, Task, TaskResult, run_task
-from ._worker import WARMUP_ENV, WORKER_TIMES
+from ..task import Listener, Task, TaskResult
+from ._worker import WARMUP_ENV
+from .dask_cell import PINNED_ENV, THREADS_ENV, _pinned_gpu, gpu_memory, run_cell
 
 __all__ = ["DaskExecutor", "run_cell", "failed_result", "gpu_ids", "INSTALL_HINT"]
 
@@ -76,10 +77,6 @@ INSTALL_HINT = "pip install 'deqbench[dask]'"
 #: Dask config key of the variables a nanny exports before it spawns a worker process.
 PRE_SPAWN_ENV = "distributed.nanny.pre-spawn-environ"
 
-#: Set in the environment of a local worker pinned to one GPU (its id on the host).
-PINNED_ENV = "DEQBENCH_DASK_GPU"
-#: torch threads of a local worker's cells when the suite does not set ``threads``.
-THREADS_ENV = "DEQBENCH_DASK_THREADS"
 #: GPU memory (bytes) counted per worker process beyond its cells' peak (CUDA context, handles)
 CONTEXT_BYTES = 1 << 30
 #: statuses whose wall time measures a whole cell (the grouping decision reads them)
@@ -88,9 +85,6 @@ TIMED = ("ok", FLAGGED)
 
 #: seconds of estimated remaining work per worker above which a second worker joins each GPU
 MIN_REMAINING_S = 20.0
-#: a pinned GPU worker measures its GPU's busy fraction over its first this many cells
-BUSY_TASKS = 2
-_TASKS_RUN = [0]  # cells this worker process ran
 
 
 def _require_distributed() -> Any:
@@ -128,49 +122,6 @@ def gpu_ids(device: str) -> list[str]:
     return ids
 
 
-def run_cell(task: Task) -> TaskResult:
-    """Worker side: run one (cell, seed). ``device: auto`` is resolved on the worker (the
-    coordinator may have no GPU); a worker pinned to one GPU runs ``cuda``/``cuda:N`` on it."""
-    device = task.device
-    if task.suite.device == "auto":
-        from ..env import resolve_device
-
-        device = resolve_device("auto")
-    elif device.startswith("cuda") and os.environ.get(PINNED_ENV):
-        device = "cuda"
-    if device != task.device:
-        task = dataclasses.replace(task, device=device)
-    threads = os.environ.get(THREADS_ENV)
-    if threads and not task.suite.threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
-    received = time.time()
-    k = _TASKS_RUN[0]
-    _TASKS_RUN[0] += 1
-    meter = None
-    if k < BUSY_TASKS and os.environ.get(PINNED_ENV) and device.startswith("cuda"):
-        from ..env import GpuBusy
-
-        meter = GpuBusy().start()
-    result = run_task(task)
-    timing = getattr(result, "timing", None)
-    if isinstance(timing, dict):  # where and when (deqbench.run.timeline)
-        timing["worker_received"] = received
-        timing["worker_task"] = k
-        if meter is not None:  # the grouping decision reads it (DaskExecutor.add_gpu_workers)
-            timing["gpu_busy"] = meter.stop()
-        timing.update(WORKER_TIMES)  # the worker's own start-up
-        try:
-            from distributed import get_worker
-
-            w = get_worker()
-            timing["worker"] = str(w.name if w.name is not None else w.address)
-        except (ImportError, ValueError):
-            pass
-    return result
-
-
 def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.0) -> TaskResult:
     """A TaskResult with only the runner's ``error`` status row (the task never returned)."""
     row = {
@@ -186,17 +137,6 @@ def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.
         "note": note,
     }
     return TaskResult(task.cell.id, task.seed, [row], "error", note, tb, wall)
-
-
-def gpu_memory() -> dict[str, int]:
-    """Worker side: this process's peak reserved GPU memory and its GPU's free/total bytes
-    (empty without CUDA). The coordinator asks for it before it adds workers to a GPU."""
-    import torch
-
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return {}
-    free, total = torch.cuda.mem_get_info()
-    return {"peak": int(torch.cuda.max_memory_reserved()), "free": int(free), "total": int(total)}
 
 
 def _last_worker(exc: BaseException) -> str:
@@ -239,10 +179,6 @@ def _watch_removed_workers(
     except Exception:
         return False
     return True
-
-
-def _pinned_gpu() -> str | None:
-    return os.environ.get(PINNED_ENV)
 
 
 class DaskExecutor:

@@ -1,0 +1,518 @@
+"""The residual bookkeeping every solver shares: :class:`Tracker` records each measured
+iterate, decides when to stop (converged, diverged, stagnated, under the stop rule) without
+stalling the GPU, and returns the iterate to return with its :class:`SolverStats`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from . import fused
+from .options import DEFAULT_STOP, GRAPH_STEPS_MAX, CommonOptions, option_error
+from .stats import EPS, SolverStats, batch_norm, check_output, make_stats
+
+
+class Tracker:
+    """Residual bookkeeping shared by the solvers.
+
+    Per step the solver calls :meth:`record` with the iterate x, f(x) and f(x) - x (or None),
+    then :meth:`stop`; at the end :meth:`finish` returns the chosen iterate and the stats.
+
+    ``f`` must return a new tensor each call (not a buffer it overwrites later): earlier
+    iterates are held by reference.
+
+    Device work per step: two norms and a few (B,)-sized kernels writing into one preallocated
+    (max_iter, 4, B) buffer: abs, rel, the running per-sample lowest residual (fmin) and
+    ``res - lowest`` (<= 0 everywhere iff every sample improved), then one reduction to four
+    scalars and one 16-byte asynchronous copy to pinned memory. The lowest iterate is tracked by
+    reference: a step where every sample improved (the usual case) costs no copy of the state;
+    otherwise one masked select is made once the host knows it is needed. The returned
+    residuals are gathered from the trace at the end.
+
+    Host reads (``check_every=None``, the default): on CPU every step (free); on CUDA the summary
+    of step k-1 is read while step k runs, plus an exact read of step k when the residual trend
+    predicts convergence there (within ``NEAR`` times tol), so stopping is exact in practice
+    without stalling the GPU every step. ``check_every=k`` instead reads exactly every k steps
+    and never in between (up to k-1 extra f-evaluations at the end).
+
+    Stop rules (``common.stop``, :data:`STOP_RULES`): under ``sample_max`` (the default) the
+    summary's third entry is the batch max of the running lowest residual, as described above.
+    Under ``batch_fro`` or ``batch_mean`` it is instead the batch value of the rule over the
+    returned iterates (the per-sample lowest, or the last), reduced on the device into the same
+    preallocated summary (``batch_fro`` under rel also keeps, per sample, ``||f(x)||`` and the
+    abs residual of the returned iterate in a (2, B) buffer); the host tests that entry
+    against tol, so stopping, the trend prediction and ``converged`` follow the rule with no
+    extra host read. The fused record kernels compute the ``sample_max`` summary only: under
+    another rule the torch code serves the step (the same iterates, a few more small kernels).
+    """
+
+    #: exact read when the predicted residual is within this factor of tol. On the recorded
+    #: residual traces of the benchmark cells (fc1024 and conv64, three solvers, rel 1e-4 and
+    #: 1e-6) 2 gives no step past convergence and 1-5 exact reads per solve where 10 gave 2-13
+    #: (each one a GPU bubble: the next chunk waits for the host)
+    NEAR = 2.0
+    MAX_PENDING = 2  # unresolved lowest-iterate candidates held before a forced masked select
+
+    def __init__(
+        self,
+        solver: str,
+        z0: Tensor,
+        *,
+        max_iter: int,
+        tol: float,
+        stop_mode: str,
+        common: CommonOptions,
+        stagnation: tuple[int, float, float] | None = None,
+        static: bool = False,
+    ) -> None:
+        if not z0.is_floating_point():
+            raise option_error(solver, f"z0 must be a floating-point tensor, got {z0.dtype}")
+        self.solver = solver
+        self.shape = z0.shape
+        self.B = int(z0.shape[0])
+        self.tol = float(tol)
+        self.stop_mode = stop_mode
+        self.sel = 1 if stop_mode == "rel" else 0
+        self.lowest = common.returns == "lowest"
+        self.check_every = common.check_every
+        self.protect = common.protect_thres
+        self.rule = getattr(common, "stop", DEFAULT_STOP)
+        self.batch_rule = self.rule != DEFAULT_STOP
+        #: batch_fro under rel: (abs, ||f(x)||) per sample of the returned iterate
+        self.keep_norm = self.rule == "batch_fro" and stop_mode == "rel"
+        self.fro: Tensor | None = None
+        self.stagnation = stagnation
+        dev = z0.device
+        self.cuda = dev.type == "cuda"
+        rdtype = z0.dtype  # real floating point (checked above)
+        n = int(max_iter)
+        self.events: list[Any] = [None] * n
+        # events are recorded on this stream (looked up once: it costs ~10 us per call)
+        self.stream = torch.cuda.current_stream(dev) if self.cuda else None
+        if not static:  # else enable_device_mode brings (cached) static buffers
+            # rows: abs, rel, running lowest (stop mode), res - lowest
+            self.trace = torch.empty(n, 4, self.B, dtype=rdtype, device=dev)
+            self.dstats = torch.empty(n, 4, dtype=rdtype, device=dev)  # unused entries never read
+            self.hstats = (
+                torch.empty(n, 4, dtype=rdtype, pin_memory=True) if self.cuda else self.dstats
+            )
+            if self.keep_norm:
+                self.fro = torch.empty(2, self.B, dtype=rdtype, device=dev)
+        self.n, self.rdtype = n, rdtype
+        self.bshape = (self.B,) + (1,) * (len(self.shape) - 1)
+        self.k = 0  # steps recorded
+        self.read = 0  # steps whose summary the host has consumed
+        self.best_z: Tensor | None = None
+        self.pending: deque[tuple[int, Tensor]] = deque()
+        self.cur_hist: list[float] = []  # host: batch max residual (stop mode) per step
+        self.best_hist: list[float] = []  # host: batch max of the per-sample lowest residual
+        self.abs0: float | None = None
+        self.status: str | None = None
+        self.exact_reads = 0
+        self.device_mode = False
+        self.last_allbetter = True  # host: whether every sample improved at the last read step
+        self.bounds: list[int] = []  # step counts after each host-visible chunk (events there)
+        self.conv_at: int | None = None  # f-evaluations up to the first iterate below tol
+        self._inf: Tensor | None = None  # fused eager record: see inf_row, eager_part
+        self._prepared: tuple[int, Tensor, Tensor, Tensor] | None = None  # _prepare_finish
+        self._part: Tensor | None = None
+
+    # -- per step ---------------------------------------------------------------------------
+    def record(
+        self,
+        z: Tensor,
+        fz: Tensor,
+        d: Tensor | None,
+        *,
+        slots: tuple[Tensor, Tensor, int, int] | None = None,
+    ) -> None:
+        """Record iterate ``z`` with ``fz = f(z)`` and ``d = fz - z`` (None: computed here).
+
+        ``slots``: (F, G, m, cd), ring buffers of shape (B, nc, m, cd) that get f(x) and
+        f(x) - x at slot ``k % m`` (k: steps recorded before this one; Anderson; ``d`` is then
+        ignored). On CUDA the trace row and the batch summary come from the fused kernels of
+        :mod:`deqbench.solvers.fused` (two launches, the ring writes included; ``d``, which must
+        equal f(x) - x, is recomputed in registers instead of read)."""
+        k = self.k
+        if k == 0:
+            check_output(self.solver, z, fz)
+        ring = () if slots is None else slots[:2]
+        if not self.batch_rule and z.shape == fz.shape and fused.usable(z, fz, self.trace, *ring):
+            fused.record_eager(self, z, fz, k, slots=slots, eps=EPS)
+            if self.lowest and k > 0:
+                self.pending.append((k, z))
+            else:
+                self.best_z = z
+            self._host_copy(k, self.dstats[k])
+            return
+        if slots is not None:
+            F, G, m, cd = slots
+            slot = k % m
+            F[:, :, slot].copy_(fz.reshape(self.B, -1, cd))
+            d = torch.sub(F[:, :, slot], z.reshape(self.B, -1, cd), out=G[:, :, slot])
+        tr = self.trace[k]
+        batch_norm(fz - z if d is None else d, out=tr[0])
+        if self.keep_norm:
+            nrm = batch_norm(fz)
+            torch.div(tr[0], nrm + EPS, out=tr[1])
+        else:
+            nrm = None
+            torch.div(tr[0], batch_norm(fz).add_(EPS), out=tr[1])
+        st = self.dstats[k]
+        better = None  # every sample's returned iterate is this one
+        if not self.lowest:
+            self.best_z = z
+            torch.amax(tr[:2], dim=1, out=st[:2])
+        elif k == 0:
+            self.best_z = z
+            tr[2].copy_(tr[self.sel])
+            torch.amax(tr[:3], dim=1, out=st[:3])
+        else:
+            res = tr[self.sel]
+            if self.keep_norm:
+                better = res <= self.trace[k - 1, 2]  # as fmin's choice below (NaN never)
+            torch.fmin(res, self.trace[k - 1, 2], out=tr[2])  # NaN never becomes the lowest
+            torch.sub(res, tr[2], out=tr[3])
+            torch.amax(tr, dim=1, out=st)
+            self.pending.append((k, z))
+        if self.batch_rule:
+            self._rule_summary(tr, st, nrm, better)
+        self._host_copy(k, st)
+
+    def _rule_summary(
+        self, row: Tensor, st: Tensor, nrm: Tensor | None, better: Tensor | None
+    ) -> None:
+        """Under a batch stop rule, ``st[2]`` = the rule's batch value over the returned
+        iterates (row 2, the running lowest, or the stop-mode row for ``returns="last"``; the
+        kept (abs, ||f(x)||) of the returned iterates for ``batch_fro`` under rel), on the
+        device. ``better``: where this step's iterate is the returned one (None: everywhere)."""
+        ret = row[2] if self.lowest else row[self.sel]
+        if self.rule == "batch_mean":
+            torch.mean(ret, 0, out=st[2])
+        elif not self.keep_norm:  # batch_fro under abs: ||abs||_2 of the returned iterates
+            torch.linalg.vector_norm(ret, out=st[2])
+        else:
+            fro, a = cast(Tensor, self.fro), row[0]
+            assert nrm is not None
+            if better is None:
+                fro[0].copy_(a)
+                fro[1].copy_(nrm)
+            else:
+                torch.where(better, a, fro[0], out=fro[0])
+                torch.where(better, nrm, fro[1], out=fro[1])
+            nn = torch.linalg.vector_norm(fro, dim=1)
+            torch.div(nn[0], nn[1] + EPS, out=st[2])
+
+    def _host_copy(self, k: int, st: Tensor) -> None:
+        """Step k's summary to pinned host memory (asynchronously on CUDA) and its event."""
+        if self.cuda:
+            self.hstats[k].copy_(st, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self.events[k] = ev
+        self.k = k + 1
+        self.bounds.append(self.k)
+
+    def check_fused(self, rules: tuple[str, ...]) -> None:
+        """Refuse (SolverOptionError, one line) a fused record path that honours only
+        ``rules`` when this tracker's stop rule is another (:func:`fused.check_stop_rule`)."""
+        if self.rule not in rules:
+            raise option_error(
+                self.solver,
+                f"stop rule {self.rule!r} is not supported by the fused record kernels "
+                f"(solvers.fused: {', '.join(rules)} only)",
+            )
+
+    @property
+    def inf_row(self) -> Tensor:
+        """(B,) of +inf: the running lowest before the first step (fused eager record)."""
+        if self._inf is None:
+            self._inf = torch.full((self.B,), math.inf, dtype=self.rdtype, device=self.trace.device)
+        return self._inf
+
+    def eager_part(self, S: int) -> Tensor:
+        """Scratch for the fused eager record's partial sums of a state split in S programs."""
+        if self._part is None or self._part.numel() < self.B * S * 2:
+            self._part = torch.empty(self.B * S * 2, dtype=self.rdtype, device=self.trace.device)
+        return self._part
+
+    # -- device mode (CUDA graphs) ----------------------------------------------------------
+    def enable_device_mode(
+        self, z0: Tensor, bufs: dict[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """Keep the lowest iterate in a static buffer and every per-step value in static device
+        tensors, so :meth:`device_record` can be captured in a CUDA graph.
+
+        ``bufs`` (from an earlier solve of the same shapes, for a cached graph) is reset and
+        reused; the buffers are returned. A tracker made with ``static=True`` allocates no
+        buffers of its own and must call this before its first step.
+        """
+        dev, rdtype, n = z0.device, self.rdtype, self.n
+        if bufs is None:
+            dstats = torch.empty(n, 4, dtype=rdtype, device=dev)
+            bufs = {
+                "trace": torch.empty(n, 4, self.B, dtype=rdtype, device=dev),
+                "dstats": dstats,
+                "hstats": torch.empty(n, 4, dtype=rdtype, pin_memory=True) if self.cuda else dstats,
+                "row": torch.empty(4, self.B, dtype=rdtype, device=dev),
+                "st": torch.zeros(GRAPH_STEPS_MAX, 4, dtype=rdtype, device=dev),
+                "low": torch.empty(self.B, dtype=rdtype, device=dev),
+                "k": torch.empty(1, dtype=torch.long, device=dev),
+                "nf": torch.empty(self.B, dtype=rdtype, device=dev),
+                "best": torch.empty_like(z0, memory_format=torch.contiguous_format),
+                # the fused kernels' partial sums and per-sample decisions (split states)
+                "part": torch.empty(
+                    self.B * fused.splits(z0[0].numel()) * 2, dtype=rdtype, device=dev
+                ),
+                "flag": torch.empty(self.B, dtype=torch.int32, device=dev),
+            }
+        if self.keep_norm and "fro" not in bufs:
+            bufs["fro"] = torch.empty(2, self.B, dtype=rdtype, device=dev)
+        bufs["low"].fill_(math.inf)
+        bufs["k"].zero_()
+        bufs["best"].copy_(z0)
+        self.device_mode = True
+        self.trace, self.dstats, self.hstats = bufs["trace"], bufs["dstats"], bufs["hstats"]
+        self.dev_row, self.dev_st, self.dev_low = bufs["row"], bufs["st"], bufs["low"]
+        self.dev_k, self.dev_nf, self.best_z = bufs["k"], bufs["nf"], bufs["best"]
+        self.dev_part, self.dev_flag = bufs["part"], bufs["flag"]
+        self.fro = bufs.get("fro")
+        self.dev_j = 0  # row of dev_st the next device_record writes (the step in its chunk)
+        return bufs
+
+    def device_record(
+        self,
+        z: Tensor,
+        fz: Tensor,
+        d: Tensor | None,
+        *,
+        copy_to: Tensor | None = None,
+        slots: tuple[Tensor, Tensor, int, int] | None = None,
+    ) -> None:
+        """:meth:`record` with static buffers only (capturable); call :meth:`commit` after.
+
+        ``copy_to``: afterwards write f(x) there (may be x itself: the fixed-point update);
+        ``slots``: (F, G, m, cd), ring buffers of shape (B, nc, m, cd) that get f(x) and
+        f(x) - x at slot ``k % m`` (k: steps recorded before this one; Anderson). On CUDA the
+        fused kernels of :mod:`deqbench.solvers.fused` do all of it in two launches (``d``,
+        which must equal f(x) - x, is then recomputed in registers instead of read).
+        """
+        if fused.tracker_usable(self, z, fz, slots):
+            fused.record(self, z, fz, copy_to=copy_to, slots=slots, eps=EPS)
+            return
+        if slots is not None:
+            F, G, m, cd = slots
+            slot = self.dev_k.remainder(m)
+            fzv = fz.reshape(self.B, -1, 1, cd)
+            F.index_copy_(2, slot, fzv)
+            d = fzv - z.reshape(self.B, -1, 1, cd)
+            G.index_copy_(2, slot, d)
+        row, best, st = self.dev_row, self.best_z, self.dev_st[self.dev_j]
+        assert best is not None
+        batch_norm(fz - z if d is None else d, out=row[0])
+        batch_norm(fz, out=self.dev_nf)
+        if self.keep_norm:  # dev_nf stays ||f(x)||
+            torch.div(row[0], self.dev_nf + EPS, out=row[1])
+        else:
+            torch.div(row[0], self.dev_nf.add_(EPS), out=row[1])
+        better = None
+        if self.lowest:
+            res = row[self.sel]
+            better = res <= self.dev_low
+            torch.where(better.view(self.bshape), z, best, out=best)
+            torch.fmin(res, self.dev_low, out=row[2])
+            self.dev_low.copy_(row[2])
+            torch.sub(res, row[2], out=row[3])
+            torch.amax(row, dim=1, out=st)
+        else:
+            best.copy_(z)
+            torch.amax(row[:2], dim=1, out=st[:2])
+        if self.batch_rule:  # at the first step better is all True (the lowest starts at inf)
+            self._rule_summary(row, st, self.dev_nf, better)
+        self.trace.index_copy_(0, self.dev_k, row.unsqueeze(0))
+        self.dev_k.add_(1)
+        if copy_to is not None:
+            copy_to.copy_(fz)
+
+    def commit(self, steps: int = 1) -> None:
+        """Host side of ``steps`` steps made by :meth:`device_record` (eagerly or by one graph
+        replay): one asynchronous copy of their summaries and one event."""
+        k = self.k
+        if self.cuda:
+            self.hstats[k : k + steps].copy_(self.dev_st[:steps], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self.events[k + steps - 1] = ev
+        else:
+            self.dstats[k : k + steps].copy_(self.dev_st[:steps])
+        self.k = k + steps
+        self.bounds.append(self.k)
+
+    def stop(self) -> bool:
+        """Whether to stop after the step just recorded (converged, diverged or stagnated)."""
+        k = self.k
+        prev = self.bounds[-2] if len(self.bounds) > 1 else 0  # the chunk before the last
+        if self.check_every is not None:
+            if k // self.check_every > prev // self.check_every:
+                self._consume(k)
+            else:
+                while len(self.pending) > self.MAX_PENDING:
+                    self._resolve(self.pending[0][0], False)
+        elif not self.cuda:
+            self._consume(k)
+        else:
+            # the chunk before the last (none after the first chunk, which is not waited for:
+            # with nothing read yet there is no trend to predict from) while the last one keeps
+            # the GPU busy, and the last one too where the trend predicts convergence in it
+            self._consume(prev)
+            if self.status is None and self.best_hist and self._near(k - self.read):
+                self.exact_reads += 1
+                if self.device_mode:  # likely the last step: finish's copies queue behind it
+                    self._prepare_finish()
+                self._consume(k)
+        return self.status is not None
+
+    def _near(self, ahead: int = 1) -> bool:
+        """Whether the residual trend predicts convergence within the ``ahead`` steps the host
+        has not read yet (a replayed graph makes several)."""
+        h = self.best_hist
+        ratio = h[-1] / h[-2] if len(h) > 1 and h[-2] > 0 else 1.0
+        return h[-1] * min(ratio, 1.0) ** max(1, ahead) < self.NEAR * self.tol
+
+    def _resolve(self, j: int, allbetter: bool) -> None:
+        """Make the pending iterate of step j (the oldest) the returned one where it is lowest.
+
+        A sample takes it when its residual is <= the running lowest before step j (ties take
+        the newer iterate, NaN never), i.e. when it equals the running lowest after step j.
+        """
+        _, z = self.pending.popleft()
+        if allbetter:
+            self.best_z = z
+        else:
+            tr = self.trace[j]
+            take = (tr[self.sel] == tr[2]).view(self.bshape)
+            assert self.best_z is not None  # step 0 set it
+            self.best_z = torch.where(take, z, self.best_z)
+
+    def _consume(self, upto: int) -> None:
+        if upto <= self.read:
+            return
+        if self.cuda:
+            self.events[upto - 1].synchronize()
+        rows = self.hstats[self.read : upto].tolist()
+        for j, row in zip(range(self.read, upto), rows):
+            cur_abs = row[0]
+            cur = row[self.sel]
+            if self.lowest and j > 0:
+                best, allbetter = row[2], row[3] <= 0
+            else:  # under a batch stop rule row 2 holds its value in either mode
+                best, allbetter = (row[2] if self.lowest or self.batch_rule else cur), True
+            self.cur_hist.append(cur)
+            self.best_hist.append(best)
+            self.last_allbetter = allbetter
+            if self.pending and self.pending[0][0] == j:
+                self._resolve(j, allbetter)
+            if self.status is not None:
+                continue
+            if j == 0:
+                self.abs0 = cur_abs
+            if not (math.isfinite(cur_abs) and math.isfinite(cur)):
+                self.status = "diverged"
+            elif self.abs0 and cur_abs > self.protect * self.abs0:
+                self.status = "diverged"
+            elif best < self.tol:
+                self.status = "converged"
+                self.conv_at = j + 1
+            elif self.stagnation is not None and self._stagnated(best):
+                self.status = "stagnated"
+        self.read = upto
+
+    def _stagnated(self, best: float) -> bool:
+        window, ratio, factor = self.stagnation  # type: ignore[misc]
+        h = self.cur_hist
+        if len(h) <= window or best >= factor * self.tol:
+            return False
+        recent = h[-window:]
+        lo = min(recent)
+        return lo > 0 and max(recent) / lo < ratio
+
+    # -- end --------------------------------------------------------------------------------
+    def _prepare_finish(self) -> None:
+        """Queue what :meth:`finish` copies out of the static buffers (the trace, the lowest
+        iterate, the all-improved ``lowest_steps``) behind the steps recorded so far, before
+        the host waits for them: if no step follows, finish uses these and launches nothing
+        after the GPU went idle."""
+        k = self.k
+        best = cast(Tensor, self.best_z)
+        steps = torch.full((self.B,), k - 1, dtype=torch.long, device=best.device)
+        self._prepared = (k, self.trace[:k].clone(), best.clone(), steps)
+
+    def finish(self, nstep: int, extra: dict[str, Any] | None = None) -> tuple[Tensor, SolverStats]:
+        """Read what is left (one sync), pick the returned iterates and build the stats.
+
+        Everything the host needs (converged, lowest step) comes from the step summaries it
+        already read, so no further synchronisation is needed in the usual case.
+        """
+        k = self.k
+        trace = self.trace[:k]
+        z = self.best_z
+        last_steps = None
+        if self._prepared is not None and self._prepared[0] == k:
+            _, trace, z, last_steps = self._prepared
+        elif self.device_mode:  # static buffers, reused by the next solve of a cached graph;
+            # copied before the host waits for the last step (the copies queue behind it)
+            trace, z = trace.clone(), cast(Tensor, z).clone()
+        self._consume(self.k)
+        while self.pending:
+            self._resolve(self.pending[0][0], False)
+        if not self.device_mode:  # reading may have resolved pending iterates
+            z = self.best_z
+        assert z is not None, "finish() before record()"
+        dev = trace.device
+        if self.lowest and not self.last_allbetter:
+            # the step each sample's returned iterate comes from: the last that matched the
+            # running lowest (exactly the masks used above)
+            steps = torch.arange(k, device=dev).unsqueeze(1)
+            lowest_steps = torch.where(trace[:, self.sel] == trace[:, 2], steps, 0).amax(0)
+            best = trace[:, :2].gather(0, lowest_steps.view(1, 1, self.B).expand(1, 2, self.B))[0]
+            lowest_step = int(lowest_steps.max())
+        else:  # every sample's returned iterate is the last one
+            lowest_steps = (
+                last_steps
+                if last_steps is not None
+                else torch.full((self.B,), k - 1, dtype=torch.long, device=dev)
+            )
+            best = trace[k - 1, :2]
+            lowest_step = k - 1
+        top = self.best_hist[-1]  # the returned residuals under the stop rule (stop mode)
+        info = {"returned": "x", "lowest_steps": lowest_steps, "host_reads_exact": self.exact_reads}
+        if self.conv_at is not None and self.conv_at < k:
+            info["nstep_to_tol"] = self.conv_at  # steps past it came from checking per chunk
+        info.update(extra or {})
+        stats = make_stats(
+            self.solver,
+            nstep,
+            trace[:, 0],
+            trace[:, 1],
+            best[0],
+            best[1],
+            self.tol,
+            self.stop_mode,
+            diverged=self.status == "diverged",
+            lowest_step=lowest_step,
+            stagnated=self.status == "stagnated",
+            extra=info,
+            converged=math.isfinite(top) and top < self.tol,
+            stop=self.rule,
+            fz_norm=None if self.fro is None else self.fro[1].clone(),
+        )
+        if self.device_mode and self.cuda:
+            stats.path = "graph"
+        if z.shape != self.shape:
+            z = z.reshape(self.shape)
+        return z, stats
