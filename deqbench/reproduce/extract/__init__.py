@@ -76,12 +76,30 @@ def _missing(what: str) -> Extracted:
 # -- reading a run -------------------------------------------------------------------------------
 
 
+#: the last run read by :func:`load`: ((results.csv, its size and mtime), its DataFrame); a report
+#: judges up to a dozen claims on one run, each reading it (extractor, steps, epochs)
+_LOADED: list[tuple[tuple[str, int, int], Any]] = []
+
+
 def load(run_dir: str | Path) -> Any:
-    """The run's results DataFrame (``variant`` "" where empty)."""
+    """The run's results DataFrame (``variant`` "" where empty). The last run read is kept, so
+    the claims sharing a run parse its ``results.csv`` once (read again when the file changes);
+    each caller gets its own shallow copy."""
     from ...run.results import load_results
 
+    path = Path(run_dir) / "results.csv"
+    try:
+        st = path.stat()
+        key: tuple[str, int, int] | None = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:
+        key = None
+    if key is not None and _LOADED and _LOADED[0][0] == key:
+        return _LOADED[0][1].copy(deep=False)
     df = load_results(run_dir, check_keys=False)
-    return df.assign(variant=df["variant"].fillna("").astype(str))
+    df = df.assign(variant=df["variant"].fillna("").astype(str))
+    if key is not None:
+        _LOADED[:] = [(key, df)]
+    return df.copy(deep=False)
 
 
 def suite_raw(run_dir: str | Path) -> dict[str, Any]:
