@@ -43,3 +43,21 @@ def test_docs_carry_each_committed_paper_report():
         begin = f"<!-- reproduction-paper-{paper}:begin -->\n"
         end = f"\n<!-- reproduction-paper-{paper}:end -->"
         assert docs[docs.index(begin) + len(begin) : docs.index(end)].strip() == body, paper
+
+
+def test_a_part_of_a_grid_and_its_sharing_are_named(tmp_path):
+    """A run of a part of a suite's grid (``select``) is named as such in the report's suite
+    table, and so is how its tasks shared the machine."""
+    from deqbench.reproduce.run import _cells_run, _sharing
+    from deqbench.reproduce.verdicts import selected
+
+    (tmp_path / "suite.yaml").write_text("name: x\nselect: [pcdeq_l-*]\n")
+    assert selected(tmp_path) == ["pcdeq_l-*"]
+    assert _cells_run(tmp_path, {"cells": ["a", "b"]}) == "2 cells (select pcdeq_l-*)"
+    (tmp_path / "suite.yaml").write_text("name: x\n")
+    assert selected(tmp_path) == [] and _cells_run(tmp_path, {"cells": ["a"]}) == "1 cells"
+    gpu = {"kind": "dask", "workers_joined": 16, "gpus": ["0"] * 16}
+    assert _sharing({"executor": gpu}) == "dask: 16 workers on 1 GPU"
+    cpu = {"kind": "dask", "workers": 15, "gpus": [], "torch_threads": 1}
+    assert _sharing({"executor": cpu}) == "dask: 15 workers x 1 thread(s) (CPU)"
+    assert _sharing({}) == "inline"

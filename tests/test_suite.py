@@ -318,3 +318,19 @@ def test_suite_from_dict_and_analysis_params_kept():
     # an unset init comes from the model's declaration
     assert s.cells[0].data == {"name": "digits"}
     assert s.cells[0].init == deqbench.models.defaults("fc_deq_tiny")["init"]
+
+
+def test_select_keeps_the_matching_cells_and_round_trips(tmp_path, tiny_suite):
+    """``select`` (here through ``--set``) keeps only the cells whose id matches a pattern, says
+    so in the notes, and a pattern matching nothing is an error naming the cells there are."""
+    s = load_suite(tiny_suite, overrides=["select=*unrolled*"])
+    assert [c.id for c in s.cells] == ["fc_deq_tiny-unrolled5"]
+    assert any("1 of 2 cells" in n for n in s.notes)
+    assert s.hash != load_suite(tiny_suite).hash  # a part of the grid is another run
+    again = tmp_path / "again.yaml"
+    again.write_text(s.to_yaml())
+    assert [c.id for c in load_suite(again).cells] == ["fc_deq_tiny-unrolled5"]
+    both = load_suite(tiny_suite, overrides=["select=[fc_deq_tiny-fixed_point-ift, *5]"])
+    assert len(both.cells) == 2
+    msg = _error(tiny_suite, overrides=["select=nothing-*"])
+    assert "'nothing-*' matches no cell" in msg and "fc_deq_tiny-fixed_point-ift" in msg

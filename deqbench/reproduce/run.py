@@ -51,6 +51,7 @@ from .verdicts import (
     report_row,
     run_epochs,
     run_steps,
+    selected,
     solver_text,
     steps_text,
     suite_file,
@@ -431,20 +432,22 @@ def _md(text: str) -> str:
     return out.replace("[", "\\[").replace("]", "\\]")
 
 
-def _provenance(sr: SuiteRun) -> tuple[str, str, float]:
-    """(device, commit, seconds) of a suite's run from its ``run.json``: the device name (the
-    card on CUDA), the commit with ``+dirty`` for uncommitted changes, and the run's wall time
-    from start to finish (so a reused or resumed run reports its own time, not this call's)."""
+def _provenance(sr: SuiteRun) -> tuple[str, str, float, str, str]:
+    """(device, commit, seconds, cells, executor) of a suite's run from its ``run.json``: the
+    device name (the card on CUDA), the commit with ``+dirty`` for uncommitted changes, the
+    run's wall time from start to finish (so a reused or resumed run reports its own time, not
+    this call's), how many cells ran (with the suite's ``select`` patterns when it ran a part of
+    its grid) and how the tasks shared the machine (workers, GPUs, threads)."""
     import datetime as dt
     import json
 
     secs = sr.seconds
     if sr.run_dir is None:
-        return "", "", secs
+        return "", "", secs, "", ""
     try:
         meta = json.loads((sr.run_dir / "run.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return "", "", secs
+        return "", "", secs, "", ""
     device = str(meta.get("device_name") or meta.get("device") or "")
     git = meta.get("git") if isinstance(meta.get("git"), dict) else {}
     commit = str(git.get("commit") or "")[:12] + ("+dirty" if git.get("dirty") else "")
@@ -453,7 +456,31 @@ def _provenance(sr: SuiteRun) -> tuple[str, str, float]:
         secs = (t1 - t0).total_seconds()
     except (KeyError, ValueError, TypeError):
         pass
-    return device, commit, secs
+    return device, commit, secs, _cells_run(sr.run_dir, meta), _sharing(meta)
+
+
+def _cells_run(run_dir: Path, meta: dict[str, Any]) -> str:
+    """``5 cells (select pcdeq_l-*)``: the cells of the run, and the ``select`` patterns of its
+    suite.yaml when the run was a part of the suite's grid."""
+    cells = meta.get("cells")
+    text = f"{len(cells)} cells" if isinstance(cells, list) else ""
+    sel = selected(run_dir)
+    return text + (f" (select {', '.join(sel)})" if sel else "")
+
+
+def _sharing(meta: dict[str, Any]) -> str:
+    """How the run's tasks shared the machine: ``inline`` or ``dask: 16 workers on 1 GPU`` /
+    ``dask: 15 workers x 1 thread (CPU)``."""
+    ex = meta.get("executor")
+    if not isinstance(ex, dict):
+        return "inline"
+    n = ex.get("workers_joined") or ex.get("workers")
+    gpus = ex.get("gpus") or []
+    if gpus:
+        where = f"on {len(set(map(str, gpus)))} GPU" + ("s" if len(set(map(str, gpus))) > 1 else "")
+    else:
+        where = f"x {ex.get('torch_threads', '?')} thread(s) (CPU)"
+    return f"{ex.get('kind', '?')}: {n} workers {where}"
 
 
 def write_report(
@@ -504,14 +531,14 @@ def write_report(
     if runs:
         lines += [
             "",
-            "| suite | seconds | device | commit | run directory | error |",
-            "|---|---|---|---|---|---|",
+            "| suite | seconds | device | cells | shared by | commit | run directory | error |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for f, sr in runs.items():
             rd = _rel(sr.run_dir, out) if sr.run_dir else ""
-            device, commit, secs = _provenance(sr)
+            device, commit, secs, cells, sharing = _provenance(sr)
             lines.append(
-                f"| {f.stem} | {secs:.1f} | {_md(device)} | {_md(commit)} | {_md(rd)} | "
-                f"{_md(sr.error)} |"
+                f"| {f.stem} | {secs:.1f} | {_md(device)} | {_md(cells)} | {_md(sharing)} | "
+                f"{_md(commit)} | {_md(rd)} | {_md(sr.error)} |"
             )
     (out / "reproduction.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

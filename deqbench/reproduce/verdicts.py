@@ -280,7 +280,25 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
     if sr.error and v.verdict == NOT_RUN:
         v = Verdict(v.claim_id, v.verdict, f"{v.reason}; run: {sr.error}", v.measured,
                     v.paper_value, v.direction)  # fmt: skip
-    return budget_gate(claim, v, run_steps(sr.run_dir), run_epochs(sr.run_dir)), data
+    v = budget_gate(claim, v, run_steps(sr.run_dir), run_epochs(sr.run_dir))
+    if sel := selected(sr.run_dir):
+        part = f"judged on a part of the suite's grid (select {', '.join(sel)})"
+        v = Verdict(v.claim_id, v.verdict, f"{v.reason}; {part}" if v.reason else part,
+                    v.measured, v.paper_value, v.direction)  # fmt: skip
+    return v, data
+
+
+def selected(run_dir: Path) -> list[str]:
+    """The ``select`` patterns of a run's suite.yaml (the run measured only the matching cells
+    of its suite's grid), or [] for a whole-grid run or an unreadable copy."""
+    from ..run.yamlio import read_yaml
+
+    try:
+        raw, _ = read_yaml(run_dir / "suite.yaml")
+    except Exception:  # noqa: BLE001 - no copy: nothing known about a part
+        return []
+    sel = raw.get("select") if isinstance(raw, dict) else None
+    return [str(p) for p in sel] if isinstance(sel, list) else []
 
 
 def budget_gate(claim: Claim, v: Verdict, steps: int | None, epochs: int | None = None) -> Verdict:

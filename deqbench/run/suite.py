@@ -141,6 +141,18 @@ class SuiteFile(_Strict):
     analyses: list[Any] = Field(default_factory=list)
     output: str = "results"
     paper: PaperBlock | None = None  # the paper the suite reproduces (deqbench.run.paper)
+    #: keep only the matrix cells whose id matches one of these shell patterns (``pcdeq_l-*``):
+    #: a part of a grid, e.g. ``--set select=pcdeq_l-*``; recorded in the run's suite.yaml
+    select: list[str] | None = None
+
+    @field_validator("select", mode="before")
+    @classmethod
+    def _one_pattern(cls, v: Any) -> Any:
+        # a string is comma-separated patterns; brackets are allowed (``[a*, *b]``: YAML reads
+        # ``*b`` as an alias, so --set hands such a list over as text)
+        if isinstance(v, str):
+            return [p.strip() for p in v.strip().strip("[]").split(",") if p.strip()]
+        return v
 
     @field_validator("name")
     @classmethod
@@ -603,6 +615,9 @@ def _from_raw(
         sections = check_cell(d, loc, errors, top.dtype, caps=top.caps)
         if sections is not None:
             cells.append(Cell(d.id, **sections))
+    n_all = len(cells)
+    if top.select is not None and not errors:
+        cells = _selected(cells, top.select, loc, errors)
     from .env import check_device
 
     dev_err = check_device(top.device)
@@ -630,15 +645,36 @@ def _from_raw(
     }
     if not top.caps:
         resolved["caps"] = False
+    if top.select is not None:
+        resolved["select"] = list(top.select)
     paper = top.paper.model_dump() if top.paper is not None else None
     if paper is not None:
         resolved["paper"] = copy.deepcopy(paper)
     if resolved["matrix"] is None:
         del resolved["matrix"]
     notes = overridden_defaults(overrides, drafts, OVERRIDE_ALIASES)
+    if top.select is not None:
+        notes.append(f"select {', '.join(top.select)}: {len(cells)} of {n_all} cells run")
     return Suite(top.name, cells, analyses, list(top.seeds), top.device, top.dtype, top.threads,
                  top.description, top.output, loc.source, resolved, top.tf32,
                  top.cudnn_benchmark, top.deterministic, notes, paper)  # fmt: skip
+
+
+def _selected(
+    cells: list[Cell], patterns: list[str], loc: Locator, errors: list[str]
+) -> list[Cell]:
+    """The cells whose id matches one of ``patterns`` (shell patterns, :func:`fnmatch.fnmatchcase`),
+    in suite order; a pattern that matches no cell is an error naming the ids there are."""
+    import fnmatch
+
+    if not patterns:
+        errors.append(loc.error(("select",), "is empty: give at least one cell id pattern"))
+        return cells
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(c.id, pat) for c in cells):
+            ids = ", ".join(c.id for c in cells[:20]) + (", ..." if len(cells) > 20 else "")
+            errors.append(loc.error(("select",), f"{pat!r} matches no cell; the cells: {ids}"))
+    return [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
 
 
 def _line_of(err: str) -> tuple[int, int]:
