@@ -458,7 +458,7 @@ def test_klr_finetune_reads_a_trained_kernel_run(tmp_path):
 def _pcdeq_solve_rows() -> list[dict]:
     rows = []
     cells = (("pcdeq_sc-activation=softsign", 1, 1.5, 0), ("pcdeq_sc-activation=relu6", 1, 0.5, 0),
-             ("pcdeq_sc-activation=tanh-nonneg=false", 0, 1.3, 63))  # fmt: skip
+             ("pcdeq_sc-activation=tanh-nonneg=false", 0, 1.3, 938))  # fmt: skip
     for cell, nonneg, sig, fail in cells:
         for s in SEEDS:
             kw = {"model": "pcdeq_sc"}
@@ -473,7 +473,7 @@ def _pcdeq_solve_rows() -> list[dict]:
                                 **kw))  # fmt: skip
                 if e:
                     for m, v in (("forward_nstep", 8.0), ("backward_nstep", 5.0 + e),
-                                 ("forward_not_converged", fail), ("steps", 63)):  # fmt: skip
+                                 ("forward_not_converged", fail), ("steps", 938)):  # fmt: skip
                         rows.append(row(cell, s, "family_stats", m, v, step=e, **kw))
             rows.append(done(cell, s, **kw))
     return rows
@@ -497,6 +497,27 @@ def test_pcdeq_solves_at_sigma_above_one(tmp_path):
     assert bw == {"backward_iterations": {"SC:softsign": [[6.0, 7.0, 8.0]] * 3,
                                           "SC:relu6": [[6.0, 7.0, 8.0]] * 3}}  # fmt: skip
     assert check("002-backward-iterations", bw).verdict == "reproduced"  # +2 of 6: within 50%
+
+
+def test_pcdeq_iterations_are_read_on_the_papers_epochs(tmp_path):
+    """On a stand-in with 63-step epochs, the iteration curves of 002 are read per 938-step
+    window (the paper's MNIST epoch): a rise inside the paper's first epoch is not growth."""
+    rows = []
+    for s in SEEDS:
+        kw = {"model": "pcdeq_l"}
+        rows.append(row("pcdeq_l-activation=tanh", s, "family_stats", "nonneg_constraint", 1,
+                        step=0, **kw))  # fmt: skip
+        for e in range(1, 46):  # 45 epochs of 63 steps: three paper epochs (945 steps each)
+            its = 4.0 if e <= 3 else 10.0  # a rise early in the paper's first epoch only
+            for m, v in (("forward_nstep", its), ("steps", 63)):
+                rows.append(row("pcdeq_l-activation=tanh", s, "family_stats", m, v, step=e, **kw))
+        rows.append(done("pcdeq_l-activation=tanh", s, **kw))
+    run = write_run(tmp_path, rows, {"data": {"name": "mnist5k"}})
+    curves = extract("002-iterations", run).kwargs["forward_iterations"]["L:tanh"]
+    assert curves[0] == [pytest.approx((3 * 4 + 12 * 10) / 15), 10.0, 10.0]
+    assert check("002-iterations", {"forward_iterations": {"L:tanh": curves}}).verdict == (
+        "reproduced"
+    )  # per run epoch, 4 -> 10 would be a 150% rise
 
 
 def test_table2_reads_only_an_svhn_run(tmp_path):

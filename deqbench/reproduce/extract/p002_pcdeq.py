@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from . import (
@@ -26,6 +27,8 @@ from . import (
 )
 
 __all__ = [
+    "PAPER_EPOCH_STEPS",
+    "paper_epochs",
     "mnist_accuracy",
     "svhn_accuracy",
     "cifar10_accuracy",
@@ -107,24 +110,60 @@ def cifar10_accuracy(df: Any, run_dir: Path, scale: str) -> Extracted:
     return _on("cifar10", "Table 3")(df, run_dir, scale)  # type: ignore[no-any-return]
 
 
+#: paper 002 App. C: batch 64 over MNIST's 60,000 training images, 938 optimizer steps an epoch;
+#: Figs. 3 and 8 draw one point per such epoch (40 in all)
+PAPER_EPOCH_STEPS = 938
+
+
+def paper_epochs(values: Sequence[float], steps: Sequence[float]) -> list[float]:
+    """A per-epoch curve of a run read on the paper's epochs: the run's epochs (``steps[i]``
+    optimizer steps each) grouped into consecutive windows of :data:`PAPER_EPOCH_STEPS` steps,
+    each the step-weighted mean of the epochs ending in it; a last window with fewer than half
+    the paper's steps is dropped. On MNIST at batch 64 an epoch is one window (the curve is
+    unchanged); on a smaller stand-in (mnist5k: 63 steps an epoch) about 15 epochs make one,
+    so that "the first epoch" is the paper's first 938 steps, not our first 63.
+
+    Example:
+        >>> paper_epochs([4.0] * 15 + [6.0] * 15, [63] * 30)  # 945 steps a window
+        [4.0, 6.0]
+        >>> paper_epochs([5.0, 7.0], [938, 938])
+        [5.0, 7.0]
+    """
+    sums: dict[int, float] = {}
+    count: dict[int, float] = {}
+    done = 0.0
+    for v, n in zip(values, steps):
+        if not n > 0:
+            continue
+        w = int(done // PAPER_EPOCH_STEPS)
+        sums[w] = sums.get(w, 0.0) + float(v) * n
+        count[w] = count.get(w, 0.0) + n
+        done += n
+    return [sums[w] / count[w] for w in sorted(sums) if count[w] >= PAPER_EPOCH_STEPS / 2]
+
+
 def _pcdeq_iterations(
     df: Any, nonneg: bool, metric: str = "forward_nstep"
 ) -> dict[str, list[list[float]]]:
-    """``"ARCH:activation"`` -> per seed, per-epoch mean iterations (``metric``, the mean over
-    layers; epochs >= 1)."""
+    """``"ARCH:activation"`` -> per seed, mean iterations (``metric``, the mean over layers)
+    per paper epoch (:func:`paper_epochs`; per run epoch where the run logged no step counts)."""
     seeds = seeds_of(df)
     out = {}
     for c, arch, act, _ in (x for x in _pcdeq_cells(df) if x[3] == nonneg):
-        d = _rows(df[df["cell_id"] == c], "family_stats", metric, "")
-        out[f"{arch}:{act}"] = _curves(d, seeds, min_step=1)
+        cell = df[df["cell_id"] == c]
+        vals = _curves(_rows(cell, "family_stats", metric, ""), seeds, min_step=1)
+        steps = _curves(_rows(cell, "family_stats", "steps", ""), seeds, min_step=1)
+        out[f"{arch}:{act}"] = [
+            paper_epochs(v, n) if len(n) == len(v) and n else v for v, n in zip(vals, steps)
+        ]
     return out
 
 
 @_extractor("002-iterations")
 def iterations(df: Any, run_dir: Path, scale: str) -> Extracted:
-    """Per ``"ARCH:activation"`` (``"SC:tanh"``), per seed, the per-epoch mean forward
-    iterations (``family_stats`` ``forward_nstep``, variant "" = mean over layers, epochs >= 1)
-    of the constrained pcDEQ cells."""
+    """Per ``"ARCH:activation"`` (``"SC:tanh"``), per seed, the mean forward iterations per
+    paper epoch (``family_stats`` ``forward_nstep``, variant "" = mean over layers, epochs >= 1,
+    :func:`paper_epochs`) of the constrained pcDEQ cells."""
     it = _pcdeq_iterations(df, nonneg=True)
     if not it:
         return _missing("no family_stats forward_nstep of a constrained pcDEQ cell")
