@@ -53,15 +53,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..analyses.base import Analysis, CellContext, Row
 from ..core.registry import analyses
 from ..run import plots
-
-SERIES = "hessian_density"
-RITZ = "hessian_ritz"
-GATES = ("grad_check", "hvp_vs_fd", "symmetry")
-#: the DEQ solves checked (gate d): forward, IFT adjoint, tangent of the double backward
-SOLVE_KINDS = ("forward", "backward", "tangent")
-SOLVE_NAMES = {"forward": "forward", "backward": "adjoint", "tangent": "second-order tangent"}
-#: solver tolerance of the float64 reference copy (1e-10 .. 1e-13)
-REF_TOL = 1e-12
+from .measure import (  # noqa: F401  (re-exported: the analysis's names in one place)
+    GATES,
+    REF_TOL,
+    RITZ,
+    SERIES,
+    SOLVE_KINDS,
+    SOLVE_NAMES,
+    Measurement,
+    _rel,
+)
 
 
 @contextlib.contextmanager
@@ -102,10 +103,6 @@ def select(X: Any, y: Any, n: int, seed: int) -> tuple[Any, Any]:
     g = torch.Generator().manual_seed(int(seed))
     idx = torch.randperm(X.shape[0], generator=g)[: min(n, X.shape[0])].to(X.device)
     return X[idx], y[idx]
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-300)
 
 
 @analyses.register("hessian")
@@ -317,8 +314,6 @@ class Hessian(Analysis):
         tol: float,
         ref: tuple[Any, Any] | None = None,
     ) -> list[Row]:
-        from .measure import Measurement
-
         return Measurement(self.params, ctx, hs, model, loss_fn, batches, names, tol, ref).run()
 
     @classmethod

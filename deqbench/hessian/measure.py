@@ -11,7 +11,19 @@ from typing import Any
 
 from ..analyses.base import CellContext, Row
 from ..run.results import FLAGGED
-from .analysis import GATES, REF_TOL, RITZ, SERIES, SOLVE_KINDS, SOLVE_NAMES, _rel
+
+SERIES = "hessian_density"
+RITZ = "hessian_ritz"
+GATES = ("grad_check", "hvp_vs_fd", "symmetry")
+#: the DEQ solves checked (gate d): forward, IFT adjoint, tangent of the double backward
+SOLVE_KINDS = ("forward", "backward", "tangent")
+SOLVE_NAMES = {"forward": "forward", "backward": "adjoint", "tangent": "second-order tangent"}
+#: solver tolerance of the float64 reference copy (1e-10 .. 1e-13)
+REF_TOL = 1e-12
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-300)
 
 
 class Measurement:
