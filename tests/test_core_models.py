@@ -118,3 +118,45 @@ def test_conv_fft_norm_equals_dense_circular_operator():
         cols.append(torch.nn.functional.conv2d(xin, w).reshape(-1))
     M = torch.stack(cols, 1)
     assert abs(conv_norm_fft(w, n) - float(torch.linalg.matrix_norm(M, ord=2))) < 1e-10
+
+
+def test_variant_is_its_base_with_other_defaults():
+    import inspect
+    import pickle
+
+    from deqbench.models import declare_defaults
+    from deqbench.models._common import variant
+    from deqbench.models.opteq import opteq_deep_conv_tiny
+
+    @declare_defaults(solver="anderson")
+    def base(in_shape=(4,), num_outputs: int = 10, width: int = 8, act: str = "tanh"):
+        """Base."""
+        return (in_shape, num_outputs, width, act)
+
+    @variant(base, width=2, in_shape=(3,))
+    def small():
+        """Small base."""
+
+    sig = inspect.signature(small)
+    assert {k: p.default for k, p in sig.parameters.items()} == {
+        "in_shape": (3,),
+        "num_outputs": 10,
+        "width": 2,
+        "act": "tanh",
+    }
+    assert (
+        sig.parameters["width"].annotation == inspect.signature(base).parameters["width"].annotation
+    )
+    assert small() == ((3,), 10, 2, "tanh")
+    assert small((5,), act="relu") == ((5,), 10, 2, "relu")
+    assert small(width=7) == ((3,), 10, 7, "tanh")
+    assert (small.__name__, small.__doc__) == ("small", "Small base.")
+    assert small.deqbench_defaults == base.deqbench_defaults  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="no parameter depth"):
+        variant(base, depth=2)
+    with pytest.raises(TypeError):
+        small(widht=3)
+    # a registered variant: the name it is registered under, importable and picklable
+    made = deqbench.models.get("opteq_deep_conv_tiny")
+    assert made is opteq_deep_conv_tiny and pickle.loads(pickle.dumps(made)) is made
+    assert inspect.signature(made).parameters["hidden"].default == (4, 8)

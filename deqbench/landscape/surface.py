@@ -91,18 +91,16 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from ..core.deq import deq_layers, is_deq
 from ..core.errors import ConfigError
-from .directions import (  # re-exported: the landscape API in one place
+from .directions import (  # noqa: F401  (re-exported: the landscape API in one place)
     FORMAT,
     NORMS,
     Directions,
@@ -114,10 +112,19 @@ from .directions import (  # re-exported: the landscape API in one place
     resolve_directions,
     save_directions,
 )
+from .grid import (  # noqa: F401  (re-exported: the landscape API in one place)
+    _STATUS_RANK,
+    _Grid,
+    _loss_fn,
+    _point_params,
+    _PointAcc,
+    _row,
+    _spec_weights,
+)
 from .warm_start import (
     WARM_STARTS as WARM_STARTS,  # re-exported: the warm-start modes the analysis checks
 )
-from .warm_start import (
+from .warm_start import (  # noqa: F401  (re-exported: the landscape API in one place)
     Combo,
     Index,
     _nearest_zero,
@@ -187,112 +194,6 @@ def parse_range(text: str | Sequence[float]) -> tuple[float, float]:
     return lo, hi
 
 
-def _loss_fn(task: str) -> Callable[[Tensor, Tensor], Tensor]:
-    return nn.functional.cross_entropy if task == "classification" else nn.functional.mse_loss
-
-
-def _point_params(base, dirs, coords) -> dict[str, Tensor]:
-    out = {}
-    for n, w in base.items():
-        p = w
-        for d, c in zip(dirs, coords):
-            if c != 0.0:
-                p = p + c * d[n]
-        out[n] = p
-    return out
-
-
-def _spec_weights(model: nn.Module) -> list[str]:
-    """Names of 2-D cell weights of the DEQ layers (their spectral norm is logged per point)."""
-    from ..core.contracts import cell_weights  # without the parameters a cell declares as injection
-
-    ids = {
-        id(p) for layer in deq_layers(model) for _, p in cell_weights(layer.cell) if p.dim() == 2
-    }
-    return [n for n, p in model.named_parameters() if id(p) in ids]
-
-
-_STATUS_RANK = {"ok": 0, "converged": 0, "stagnated": 1, "max_iter": 2, "diverged": 3, "nan": 4}
-
-
-class _PointAcc:
-    def __init__(self, device) -> None:
-        self.loss = torch.zeros((), dtype=torch.float64, device=device)
-        self.correct = torch.zeros((), dtype=torch.float64, device=device)
-        self.n = 0
-        self.nsteps: list[float] = []
-        self.rel: list[float] = []
-        self.abs: list[float] = []
-        self.converged = True
-        self.frac: list[tuple[float, int]] = []  # (converged fraction, batch size)
-        self.status = "ok"
-        self.tol = math.nan  # the largest tolerance asked of the solves (for notes)
-        self.solver = ""
-
-    @property
-    def measured(self) -> bool:
-        """Whether a DEQ layer reported a forward solve (convergence is known)."""
-        return bool(self.nsteps)
-
-    def add_deq(self, layers: Sequence[Any]) -> None:
-        stats = [
-            layer.last_forward_stats for layer in layers if layer.last_forward_stats is not None
-        ]
-        if not stats:
-            return
-        self.nsteps.append(float(sum(s.nstep for s in stats)))
-        self.rel.append(max(s.rel_max for s in stats))
-        self.abs.append(max(s.abs_max for s in stats))
-        self.frac.append((min(s.converged_frac for s in stats), int(stats[0].residual.numel())))
-        self.tol = max(
-            [t for t in (self.tol, *(float(s.tol) for s in stats)) if t == t] or [math.nan]
-        )
-        self.solver = ",".join(sorted({s.solver for s in stats if s.solver}))
-        for s in stats:
-            self.converged = self.converged and bool(s.converged)
-            st = s.status if s.status in _STATUS_RANK else "max_iter"
-            if _STATUS_RANK[st] > _STATUS_RANK[self.status]:
-                self.status = st
-
-
-def _row(
-    a, b, acc: _PointAcc, task: str, dim: int, spec: float, init: str = "model"
-) -> dict[str, Any]:
-    n = max(acc.n, 1)
-    loss = float(acc.loss) / n
-    measured = acc.measured
-    if measured:
-        status = (
-            "converged" if acc.converged else (acc.status if acc.status != "ok" else "max_iter")
-        )
-    else:
-        status = "ok"
-    if not math.isfinite(loss) and status in ("ok", "converged"):
-        status = "nan"
-    usable = math.isfinite(loss) and (acc.converged or not measured)
-    row: dict[str, Any] = {"alpha": a}
-    if dim >= 2:
-        row["beta"] = b
-    row["loss"] = loss if usable else math.nan
-    row["loss_raw"] = loss
-    if task == "classification":
-        row["accuracy"] = float(acc.correct) / n
-    else:
-        row["mse"] = loss
-    # True / False when a solve was measured; None (empty in the CSV) when convergence is unknown
-    row["converged"] = bool(usable) if measured else None
-    row["status"] = status
-    row["init"] = init
-    row["f_nstep"] = sum(acc.nsteps) / len(acc.nsteps) if acc.nsteps else math.nan
-    row["f_residual"] = max(acc.rel) if acc.rel else math.nan
-    row["f_abs_residual"] = max(acc.abs) if acc.abs else math.nan
-    nb = sum(b for _, b in acc.frac)
-    row["f_converged_frac"] = sum(f * b for f, b in acc.frac) / nb if nb else math.nan
-    row["f_tol"] = acc.tol
-    row["w_spec_norm"] = spec
-    return row
-
-
 def converged_mask(df: Any) -> Any:
     """Boolean Series: True where a point's solve was measured and did not converge.
 
@@ -307,6 +208,41 @@ def converged_mask(df: Any) -> Any:
 def convergence_measured(df: Any) -> bool:
     """Whether any point of the grid reported a solve (``converged`` not empty)."""
     return "converged" in df and bool(df["converged"].notna().any())
+
+
+def _points_per_batch(model: nn.Module, device: torch.device, asked: int | None) -> int:
+    """Grid points per vmapped forward of an explicit model (``asked``; None: the default)."""
+    if asked is None:
+        # vmap batching pays on CUDA for small dense models; with convolutions (batched weights
+        # become grouped convs) it was 3x slower than one point per forward on an H100, and on
+        # the CPU it never helped.
+        has_conv = any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
+        asked = 8 if device.type == "cuda" and not has_conv else 1
+    return max(1, int(asked))
+
+
+@contextlib.contextmanager
+def _evaluating(
+    model: nn.Module, layers: Sequence[Any], max_iter: int | None, tol: float | None
+) -> Iterator[None]:
+    """The model in eval mode without gradients, its DEQ layers with the forward budget
+    ``max_iter`` / ``tol`` where given; its mode and the layers' settings restored after."""
+    was_training = model.training
+    model.eval()
+    saved_cfg = [layer.solver_cfg for layer in layers]
+    if max_iter is not None or tol is not None:
+        budget: dict[str, Any] = {
+            k: v for k, v in (("max_iter", max_iter), ("tol", tol)) if v is not None
+        }
+        for layer in layers:
+            layer.solver_cfg = dataclasses.replace(layer.solver_cfg, **budget)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+        for layer, cfg in zip(layers, saved_cfg):
+            layer.solver_cfg = cfg
 
 
 def evaluate_grid(
@@ -383,217 +319,25 @@ def evaluate_grid(
     betas_ = [0.0] if dim == 1 else list(betas or [0.0])
     coords = [(float(a), float(b)) for b in betas_ for a in alphas]
     total = len(coords)
-    deq = is_deq(model)
-    n = X.shape[0]
-    bs = n if not batch_size else min(int(batch_size), n)
-    loss_fn = _loss_fn(task)
-    device = X.device
-    if points_per_batch is None:
-        # vmap batching pays on CUDA for small dense models; with convolutions (batched weights
-        # become grouped convs) it was 3x slower than one point per forward on an H100, and on
-        # the CPU it never helped.
-        has_conv = any(isinstance(mod, nn.modules.conv._ConvNd) for mod in model.modules())
-        points_per_batch = 8 if device.type == "cuda" and not has_conv else 1
-    ppb = 1 if deq else max(1, int(points_per_batch))
-    layers = list(deq_layers(model))
-    centre = (0.0, 0.0)
-    mode = warm_start_mode(warm_start) if deq else "off"
-    if mode == "centre" and centre not in coords:
-        mode = "off"
-    warm = _WarmStart(layers) if mode != "off" else None
-    spec_names = _spec_weights(model) if spec_norm and deq else []
-    base = _weights(model)
-    dirs = list(directions)
-
-    def spec_of(params: dict[str, Tensor]) -> float:
-        if not spec_names:
-            return math.nan
-        return max(float(torch.linalg.matrix_norm(params[nm].double(), ord=2)) for nm in spec_names)
-
-    def solve_point(params: dict[str, Tensor]) -> _PointAcc:
-        acc = _PointAcc(device)
-        for i in range(0, n, bs):
-            xb, yb = X[i : i + bs], y[i : i + bs]
-            for layer in layers:  # stats of this forward only
-                layer.last_forward_stats = None
-            if warm is not None:
-                warm.begin(i)
-            out = functional_call(model, params, (xb,))
-            m = xb.shape[0]
-            acc.loss += loss_fn(out, yb).double() * m
-            if task == "classification":
-                acc.correct += (out.argmax(1) == yb).sum().double()
-            acc.n += m
-            if deq:
-                acc.add_deq(layers)
-        return acc
-
-    def one_point(
-        a: float,
-        b: float,
-        point: Any = None,
-        combos: Sequence[Combo] = (),
-        record: bool = False,
-        src_coords: tuple[float, float] | None = None,
-    ) -> dict[str, Any]:
-        params = _point_params(base, dirs, (a, b)[:dim])
-        if warm is not None:
-            warm.start_point(point, combos, record)
-        acc = solve_point(params)
-        frac, pred = warm.warm_frac() if warm is not None else (0.0, 0.0)
-        first = math.nan
-        if warm is not None and frac > 0 and warm_retry and acc.measured and not acc.converged:
-            # the warm start missed the tolerance: the point is solved again as the model
-            # starts it (its row is that solve's; f_nstep counts both)
-            first = sum(acc.nsteps) / len(acc.nsteps)
-            warm.start_point(point, (), record)
-            acc = solve_point(params)
-            frac, pred = 0.0, 0.0
-        init = "model" if frac == 0.0 else (mode if frac == 1.0 else "partial")
-        row = _row(a, b, acc, task, dim, spec_of(params), init)
-        if deq:
-            retried = first == first
-            if retried:
-                row["f_nstep"] += first
-            row["warm_frac"] = frac
-            row["predicted_frac"] = pred
-            row["warm_retried"] = retried
-            row["init_alpha"] = src_coords[0] if src_coords and frac else math.nan
-            if dim >= 2:
-                row["init_beta"] = src_coords[1] if src_coords and frac else math.nan
-        return row
-
-    def chunk_vmap(chunk: list[tuple[float, float]]) -> list[dict[str, Any]]:
-        cs = torch.tensor(chunk, dtype=torch.float64)
-        stacked = {}
-        for nm, w in base.items():
-            p = w.unsqueeze(0).expand(len(chunk), *w.shape)
-            for k, d in enumerate(dirs):
-                c = cs[:, k].to(device=w.device, dtype=w.dtype).view(-1, *([1] * w.dim()))
-                p = p + c * d[nm]
-            stacked[nm] = p
-
-        def f(p, xb, yb):
-            out = functional_call(model, p, (xb,))
-            loss = loss_fn(out, yb)
-            if task == "classification":
-                return loss, (out.argmax(1) == yb).sum()
-            return loss, loss.new_zeros(())
-
-        vf = torch.func.vmap(f, in_dims=(0, None, None))
-        loss_sum = torch.zeros(len(chunk), dtype=torch.float64, device=device)
-        corr = torch.zeros(len(chunk), dtype=torch.float64, device=device)
-        for i in range(0, n, bs):
-            xb, yb = X[i : i + bs], y[i : i + bs]
-            lo, co = vf(stacked, xb, yb)
-            loss_sum += lo.double() * xb.shape[0]
-            corr += co.double()
-        rows = []
-        ls, cr = loss_sum.cpu().tolist(), corr.cpu().tolist()
-        for j, (a, b) in enumerate(chunk):
-            acc = _PointAcc(device)
-            acc.loss, acc.correct, acc.n = (
-                torch.tensor(ls[j], dtype=torch.float64),
-                torch.tensor(cr[j], dtype=torch.float64),
-                n,
-            )
-            rows.append(_row(a, b, acc, task, dim, math.nan))
-        return rows
-
-    def warm_sweep(rows: list[dict[str, Any]], progress: Any) -> None:
-        """Every point, in the warm-start order; stored fixed points are dropped as soon as no
-        later point can start from them."""
-        assert warm is not None
-        al, be = [float(a) for a in alphas], [float(b) for b in betas_]
-        if mode in ("neighbour", "nearest"):
-            start = (_nearest_zero(al), _nearest_zero(be))
-            order = [
-                (pt, warm_candidates(pt, start, src, extrapolate=mode == "neighbour"))
-                for pt, src in visit_order(len(al), len(be), start)
-            ]
-        else:  # centre: every other point from the centre, in grid order
-            c = (al.index(0.0), be.index(0.0))
-            order = [(c, [])]
-            order += [
-                ((i, j), [((c, 1.0),)])
-                for j in range(len(be))
-                for i in range(len(al))
-                if (i, j) != c
-            ]
-        last_use: dict[Index, int] = {}
-        for v, (_, combos) in enumerate(order):
-            for combo in combos:
-                for sp, _ in combo:
-                    last_use[sp] = v
-        expire: dict[int, list[Index]] = {}
-        for sp, v in last_use.items():
-            expire.setdefault(v, []).append(sp)
-        for v, ((i, j), combos) in enumerate(order):
-            near = next((c[0][0] for c in combos if len(c) == 1), None)
-            sc = (al[near[0]], be[near[1]]) if near is not None else None
-            rows.append(one_point(al[i], be[j], (i, j), combos, (i, j) in last_use, sc))
-            for sp in expire.get(v, ()):
-                warm.drop(sp)
-            if progress is not None:
-                progress(v + 1, len(order))
-
-    was_training = model.training
-    model.eval()
-    rows: list[dict[str, Any]] = []
-    vmap_used, vmap_note = False, ""
-    saved_cfg = [layer.solver_cfg for layer in layers]
-    if max_iter is not None or tol is not None:
-        budget: dict[str, Any] = {
-            k: v for k, v in (("max_iter", max_iter), ("tol", tol)) if v is not None
-        }
-        for layer in layers:
-            layer.solver_cfg = dataclasses.replace(layer.solver_cfg, **budget)
+    grid = _Grid(
+        model,
+        directions,
+        X,
+        y,
+        alphas=alphas,
+        betas=betas_,
+        task=task,
+        batch_size=batch_size,
+        spec_norm=spec_norm,
+        warm_start=warm_start,
+        warm_retry=warm_retry,
+    )
+    ppb = 1 if grid.deq else _points_per_batch(model, grid.device, points_per_batch)
     t0 = time.perf_counter()
-    try:
-        with torch.no_grad(), warm or contextlib.nullcontext():
-            # The centre is evaluated first on its own through the plain path (from the model's
-            # own initial state), so it is exactly the unperturbed model's loss whatever the
-            # batching of the other points, and its fixed points seed the warm starts.
-            done = 0
-            if warm is not None:
-                warm_sweep(rows, progress)
-                done = total
-            elif centre in coords:
-                rows.append(one_point(*centre))
-                done = 1
-                if progress is not None:
-                    progress(done, total)
-            rest = [c for c in coords if c != centre] if warm is None else []
-            i = 0
-            if ppb > 1:
-                try:
-                    first = rest[:ppb]
-                    rows.extend(chunk_vmap(first))
-                    vmap_used = True
-                    i = len(first)
-                    done += len(first)
-                    if progress is not None:
-                        progress(done, total)
-                except Exception as exc:  # noqa: BLE001 - any functorch failure -> plain path
-                    vmap_note = f"vmap unavailable ({type(exc).__name__}: {str(exc)[:120]}); one point per forward"
-            while i < len(rest):
-                if vmap_used:
-                    chunk = rest[i : i + ppb]
-                    rows.extend(chunk_vmap(chunk))
-                    i += len(chunk)
-                    done += len(chunk)
-                else:
-                    rows.append(one_point(*rest[i]))
-                    i += 1
-                    done += 1
-                if progress is not None:
-                    progress(done, total)
-    finally:
-        model.train(was_training)
-        for layer, cfg in zip(layers, saved_cfg):
-            layer.solver_cfg = cfg
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    with _evaluating(model, grid.layers, max_iter, tol), grid.warm or contextlib.nullcontext():
+        rows, vmap_used, vmap_note = grid.sweep(coords, ppb, progress)
+    if grid.device.type == "cuda":
+        torch.cuda.synchronize(grid.device)
     seconds = time.perf_counter() - t0
     df = pd.DataFrame(rows)
     keys = ["beta", "alpha"] if dim >= 2 else ["alpha"]
@@ -605,9 +349,9 @@ def evaluate_grid(
             "vmap": vmap_used,
             "points_per_batch": ppb if vmap_used else 1,
             "note": vmap_note,
-            "warm_start": mode,
-            "examples": n,
-            "batch_size": bs,
+            "warm_start": grid.mode,
+            "examples": grid.n,
+            "batch_size": grid.bs,
         }
     )
     return df

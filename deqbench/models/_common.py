@@ -1,4 +1,4 @@
-"""Shared pieces of the model families: activations, shape helpers, factory conventions.
+"""Shared pieces of the model families: activations, shape helpers, factory conventions, variants.
 
 Factory convention: every registered model factory accepts ``in_shape`` (the shape of one
 input sample, e.g. ``(1, 8, 8)`` or ``(64,)``) and ``num_outputs`` (classes or regression
@@ -9,7 +9,11 @@ outputs); the runner fills both from the dataset. DEQ factories also accept ``so
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,3 +60,50 @@ def as_image_shape(in_shape) -> tuple[int, int, int]:
     from ..core.errors import ConfigError
 
     raise ConfigError(f"convolutional model needs image inputs (C, H, W); got shape {shape}")
+
+
+def variant(base: Callable[..., Any], /, **overrides: Any) -> Callable[[Callable[[], Any]], Any]:
+    """Decorator making a registered model variant out of ``base`` with other defaults (a variant
+    is its base's creator with a few settings changed). The decorated function holds only the
+    variant's docstring; the variant has ``base``'s signature with ``overrides`` as its defaults
+    (what the suite schema, ``deqbench ls -v``, ``validate`` and the docs read), its annotations,
+    and the defaults ``base`` declares (:func:`deqbench.models.declare_defaults`; a
+    ``declare_defaults`` above ``@variant`` replaces them). Register it with a literal name, as the
+    source index reads it (:mod:`deqbench.core.index`)::
+
+        @models.register("opteq_tiny")
+        @variant(opteq, width=16)
+        def opteq_tiny():
+            '''Tiny opteq for tests (width 16).'''
+    """
+    sig = inspect.signature(base)
+    unknown = sorted(set(overrides) - set(sig.parameters))
+    if unknown:
+        raise TypeError(f"variant of {base.__name__}: it has no parameter {', '.join(unknown)}")
+    params = [
+        p.replace(default=overrides[p.name]) if p.name in overrides else p
+        for p in sig.parameters.values()
+    ]
+    signature = sig.replace(parameters=params)
+
+    def deco(stub: Callable[[], Any]) -> Any:
+        if inspect.signature(stub).parameters:
+            raise TypeError(f"variant {stub.__name__}: takes its parameters from {base.__name__}")
+
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return base(*bound.args, **bound.kwargs)
+
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(factory, attr, getattr(stub, attr))
+        factory.__signature__ = signature  # type: ignore[attr-defined]
+        factory.__annotations__ = dict(base.__annotations__)
+        factory.__wrapped__ = base  # type: ignore[attr-defined]  # its annotations resolve there
+        from . import DEFAULTS_ATTR
+
+        if hasattr(base, DEFAULTS_ATTR):
+            setattr(factory, DEFAULTS_ATTR, copy.deepcopy(getattr(base, DEFAULTS_ATTR)))
+        return factory
+
+    return deco

@@ -27,7 +27,7 @@ from ..core.errors import ConfigError
 from ..core.registry import models
 from . import declare_defaults
 from ._common import activation as get_activation
-from ._common import as_image_shape, numel
+from ._common import as_image_shape, numel, variant
 
 #: exponential family -> (activation sigma = A', sup |A''|)
 FAMILIES: dict[str, tuple[str, float]] = {
@@ -258,17 +258,9 @@ def kglm_deq(
 
 
 @models.register("kglm_deq_tiny")
-@declare_defaults(**DEFAULTS)
-def kglm_deq_tiny(
-    in_shape=(16,),
-    num_outputs: int | None = None,
-    family: str | None = None,
-    activation: str | None = None,
-    rho: str | None = None,
-    bias: bool = True,
-) -> KGLMDEQ:
+@variant(kglm_deq, in_shape=(16,))
+def kglm_deq_tiny():
     """Tiny kglm_deq for tests (its width is the input size; default 16 inputs)."""
-    return kglm_deq(in_shape, num_outputs, family, activation, rho, bias)
 
 
 @models.register("kglm_conv_deq")
@@ -288,14 +280,6 @@ def kglm_conv_deq(
 
 
 @models.register("kglm_conv_deq_tiny")
-@declare_defaults(**DEFAULTS)
-def kglm_conv_deq_tiny(
-    in_shape=(2, 8, 8),
-    num_outputs: int | None = None,
-    kernel: int = 3,
-    activation: str = "relu",
-    padding_mode: Any = "zeros",
-    output_activation: str | None = "relu",
-) -> KGLMConvDEQ:
+@variant(kglm_conv_deq, in_shape=(2, 8, 8), kernel=3)
+def kglm_conv_deq_tiny():
     """Tiny kglm_conv_deq for tests (3x3 kernels; default 2 x 8 x 8 inputs)."""
-    return KGLMConvDEQ(in_shape, kernel, activation, padding_mode, output_activation)

@@ -49,7 +49,7 @@ from ..core.deq import DEQLayer, DEQModel
 from ..core.errors import ConfigError
 from ..core.registry import models
 from . import declare_defaults
-from ._common import as_image_shape, numel
+from ._common import as_image_shape, numel, variant
 from .opteq_units import (  # noqa: F401  (re-exported: the unit layers' public names)
     ANTIDERIVATIVES,
     EXACT_MAX_ELEMENTS,
@@ -327,36 +327,9 @@ def opteq(
 
 
 @models.register("opteq_tiny")
-@declare_defaults(**DEFAULTS)
-def opteq_tiny(
-    in_shape=(64,),
-    num_outputs: int = 10,
-    width: int = 16,
-    hidden: int | None = None,
-    alpha: float = 1.0,
-    gamma: float | None = 0.9,
-    activation: str = "relu",
-    regularizer: Any = None,
-    reg_step: float = 0.1,
-    reg_mode: str = "auto",
-    norm_method: str = "auto",
-    init_norm: float | None = None,
-) -> OptEqModel:
+@variant(opteq, width=16)
+def opteq_tiny():
     """Tiny opteq for tests (width 16)."""
-    return opteq(
-        in_shape,
-        num_outputs,
-        width,
-        hidden,
-        alpha,
-        gamma,
-        activation,
-        regularizer,
-        reg_step,
-        reg_mode,
-        norm_method,
-        init_norm,
-    )
 
 
 @models.register("opteq_deep")
@@ -395,38 +368,9 @@ def opteq_deep(
 
 
 @models.register("opteq_deep_tiny")
-@declare_defaults(**DEFAULTS)
-def opteq_deep_tiny(
-    in_shape=(64,),
-    num_outputs: int = 10,
-    width: int = 16,
-    depth: int = 2,
-    hidden: int | list[int] | None = None,
-    alpha: float = 0.8,
-    gamma: float | None = 0.9,
-    activation: str = "relu",
-    regularizer: Any = None,
-    reg_step: float = 0.1,
-    reg_mode: str = "auto",
-    norm_method: str = "auto",
-    init_norm: float | None = None,
-) -> OptEqModel:
+@variant(opteq_deep, width=16, depth=2)
+def opteq_deep_tiny():
     """Tiny opteq_deep for tests (width 16, 2 units)."""
-    return opteq_deep(
-        in_shape,
-        num_outputs,
-        width,
-        depth,
-        hidden,
-        alpha,
-        gamma,
-        activation,
-        regularizer,
-        reg_step,
-        reg_mode,
-        norm_method,
-        init_norm,
-    )
 
 
 @models.register("opteq_conv")
@@ -469,40 +413,9 @@ def opteq_conv(
 
 
 @models.register("opteq_conv_tiny")
-@declare_defaults(**DEFAULTS)
-def opteq_conv_tiny(
-    in_shape=(1, 8, 8),
-    num_outputs: int = 10,
-    width: int = 8,
-    hidden: int | None = None,
-    alpha: float = 0.8,
-    gamma: float | None = 0.9,
-    activation: str = "relu",
-    regularizer: Any = None,
-    reg_step: float = 0.1,
-    reg_mode: str = "auto",
-    extractor: int | None = None,
-    pool: int = 4,
-    norm_method: str = "power",
-    init_norm: float | None = None,
-) -> OptEqModel:
+@variant(opteq_conv, width=8, extractor=None)
+def opteq_conv_tiny():
     """Tiny opteq_conv for tests (8 channels, no extractor)."""
-    return opteq_conv(
-        in_shape,
-        num_outputs,
-        width,
-        hidden,
-        alpha,
-        gamma,
-        activation,
-        regularizer,
-        reg_step,
-        reg_mode,
-        extractor,
-        pool,
-        norm_method,
-        init_norm,
-    )
 
 
 @models.register("opteq_deep_conv")
@@ -547,42 +460,9 @@ def opteq_deep_conv(
 
 
 @models.register("opteq_deep_conv_tiny")
-@declare_defaults(**DEFAULTS)
-def opteq_deep_conv_tiny(
-    in_shape=(1, 8, 8),
-    num_outputs: int = 10,
-    width: int = 8,
-    hidden: int | Sequence[int] | None = (4, 8),
-    depth: int = 2,
-    alpha: float = 0.8,
-    gamma: float | None = 0.9,
-    activation: str = "relu",
-    regularizer: Any = None,
-    reg_step: float = 0.1,
-    reg_mode: str = "auto",
-    extractor: int | None = None,
-    pool: int = 4,
-    norm_method: str = "power",
-    init_norm: float | None = None,
-) -> OptEqModel:
+@variant(opteq_deep_conv, in_shape=(1, 8, 8), width=8, hidden=(4, 8), depth=2, extractor=None)
+def opteq_deep_conv_tiny():
     """Tiny opteq_deep_conv for tests (8 state channels, units of 4 and 8 channels)."""
-    return opteq_deep_conv(
-        in_shape,
-        num_outputs,
-        width,
-        hidden,
-        depth,
-        alpha,
-        gamma,
-        activation,
-        regularizer,
-        reg_step,
-        reg_mode,
-        extractor,
-        pool,
-        norm_method,
-        init_norm,
-    )
 
 
 for _fn in (opteq, opteq_deep, opteq_conv, opteq_deep_conv):

@@ -51,7 +51,7 @@ from ..core.registry import models
 from ..spectral.norms import conv_norm_fft, dense_norm
 from . import declare_defaults
 from ._common import activation as get_activation
-from ._common import as_image_shape, numel
+from ._common import as_image_shape, numel, variant
 
 VARIANT_ACTIVATIONS = {1: ("relu6", "tanh", "softsign"), 2: ("sigmoid",)}
 
@@ -330,17 +330,9 @@ def pcdeq_l(
 
 
 @models.register("pcdeq_l_tiny")
-@declare_defaults(**DEFAULTS)
-def pcdeq_l_tiny(
-    in_shape=(64,),
-    num_outputs: int = 10,
-    width: int = 16,
-    variant: int | None = None,
-    activation: str | None = None,
-    nonneg: bool = True,
-) -> PCDEQLinear:
+@variant(pcdeq_l, in_shape=(64,), width=16)
+def pcdeq_l_tiny():
     """Tiny pcdeq_l for tests (width 16)."""
-    return _linear(in_shape, num_outputs, width, variant, activation, nonneg)
 
 
 @models.register("pcdeq_sc")
@@ -360,19 +352,9 @@ def pcdeq_sc(
 
 
 @models.register("pcdeq_sc_tiny")
-@declare_defaults(**DEFAULTS)
-def pcdeq_sc_tiny(
-    in_shape=(1, 8, 8),
-    num_outputs: int = 10,
-    channels: int = 8,
-    variant: int | None = None,
-    activation: str | None = None,
-    nonneg: bool = True,
-    pool: int | None = None,
-    resize: int | None = None,
-) -> PCDEQConv:
+@variant(pcdeq_sc, in_shape=(1, 8, 8), channels=8)
+def pcdeq_sc_tiny():
     """Tiny pcdeq_sc for tests (8 channels)."""
-    return _conv(in_shape, num_outputs, channels, variant, activation, nonneg, pool, resize)
 
 
 @models.register("pcdeq_mc")
@@ -392,16 +374,6 @@ def pcdeq_mc(
 
 
 @models.register("pcdeq_mc_tiny")
-@declare_defaults(**DEFAULTS)
-def pcdeq_mc_tiny(
-    in_shape=(1, 8, 8),
-    num_outputs: int = 10,
-    channels=(4, 6, 8),
-    variant: int | None = None,
-    activation: str | None = None,
-    nonneg: bool = True,
-    pool: int | None = None,
-    resize: int | None = None,
-) -> PCDEQConv:
+@variant(pcdeq_mc, in_shape=(1, 8, 8), channels=(4, 6, 8))
+def pcdeq_mc_tiny():
     """Tiny pcdeq_mc for tests (channels 4, 6, 8)."""
-    return _conv(in_shape, num_outputs, channels, variant, activation, nonneg, pool, resize)

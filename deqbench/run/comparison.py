@@ -164,6 +164,33 @@ def compare(
     return summary, joined
 
 
+def _join_rows(a: Any, b: Any, rtol: float, atol: float) -> Any:
+    """The row-level outer join of two runs' ``ok`` and ``flagged`` rows on :data:`JOIN_KEYS`
+    (``joined`` of :func:`compare_cells`)."""
+    import numpy as np
+
+    cols = [*JOIN_KEYS, "value", "status", "unit"]
+    kept = ["ok", FLAGGED]
+    ja = a[a["status"].isin(kept)][cols].copy()
+    jb = b[b["status"].isin(kept)][cols].copy()
+    for d in (ja, jb):
+        d["step"] = d["step"].astype("Int64").astype(str)
+    joined = ja.merge(jb, on=JOIN_KEYS, how="outer", suffixes=("_a", "_b"), indicator="side")
+    joined["side"] = (
+        joined["side"].astype(str).map({"both": "both", "left_only": "a", "right_only": "b"})
+    )
+    joined["unit"] = joined["unit_a"].where(joined["unit_a"].notna(), joined["unit_b"]).fillna("")
+    joined = joined.drop(columns=["unit_a", "unit_b"])
+    va, vb = joined["value_a"].to_numpy(float), joined["value_b"].to_numpy(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where((va == 0) & (vb == 0), 1.0, vb / va)
+    joined["ratio"] = ratio
+    timed = joined["unit"].map(is_timing).astype(bool).to_numpy()
+    both = (joined["side"] == "both").to_numpy()
+    joined["differs"] = both & ~timed & values_differ(va, vb, rtol, atol)
+    return joined
+
+
 def compare_cells(
     a: Any,
     b: Any,
@@ -207,26 +234,7 @@ def compare_cells(
     import numpy as np
     import pandas as pd
 
-    cols = [*JOIN_KEYS, "value", "status", "unit"]
-    kept = ["ok", FLAGGED]
-    ja = a[a["status"].isin(kept)][cols].copy()
-    jb = b[b["status"].isin(kept)][cols].copy()
-    for d in (ja, jb):
-        d["step"] = d["step"].astype("Int64").astype(str)
-    joined = ja.merge(jb, on=JOIN_KEYS, how="outer", suffixes=("_a", "_b"), indicator="side")
-    joined["side"] = (
-        joined["side"].astype(str).map({"both": "both", "left_only": "a", "right_only": "b"})
-    )
-    joined["unit"] = joined["unit_a"].where(joined["unit_a"].notna(), joined["unit_b"]).fillna("")
-    joined = joined.drop(columns=["unit_a", "unit_b"])
-    va, vb = joined["value_a"].to_numpy(float), joined["value_b"].to_numpy(float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where((va == 0) & (vb == 0), 1.0, vb / va)
-    joined["ratio"] = ratio
-    timed = joined["unit"].map(is_timing).astype(bool).to_numpy()
-    both = (joined["side"] == "both").to_numpy()
-    joined["differs"] = both & ~timed & values_differ(va, vb, rtol, atol)
-
+    joined = _join_rows(a, b, rtol, atol)
     changes: list[dict[str, Any]] = _status_changes(a, b)
     same_status = _tasks_with_same_status(a, b)
     rows = []

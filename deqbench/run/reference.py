@@ -145,6 +145,22 @@ def _statuses(df: Any) -> dict[tuple[str, int], tuple[str, str]]:
     }
 
 
+def _suite_mismatches(reference_run_dir: str | Path, fresh_run_dir: str | Path) -> list[str]:
+    """Another suite name, or other resolved settings than :data:`RUNTIME_KEYS` (one line)."""
+    out: list[str] = []
+    (mr, sr), (mf, sf) = _run_meta(reference_run_dir), _run_meta(fresh_run_dir)
+    name_r = mr.get("suite") or (sr or {}).get("name")
+    name_f = mf.get("suite") or (sf or {}).get("name")
+    if name_r and name_f and name_r != name_f:
+        out.append(f"suite: {name_r!r} in the reference, {name_f!r} in the fresh run")
+    elif sr is not None and sf is not None:
+        keys = [k for k in suite_differences(sr, sf) if k.split(".")[0].split(" ")[0]
+                not in RUNTIME_KEYS]  # fmt: skip
+        if keys:
+            out.append("suite settings differ (reference vs fresh): " + ", ".join(keys))
+    return out
+
+
 def check_against_reference(
     reference_run_dir: str | Path,
     fresh_run_dir: str | Path,
@@ -193,18 +209,7 @@ def check_against_reference(
         "rtol_loss": rtol_loss,
     }
     ref, new = load_results(reference_run_dir), load_results(fresh_run_dir)
-    out: list[str] = []
-
-    (mr, sr), (mf, sf) = _run_meta(reference_run_dir), _run_meta(fresh_run_dir)
-    name_r = mr.get("suite") or (sr or {}).get("name")
-    name_f = mf.get("suite") or (sf or {}).get("name")
-    if name_r and name_f and name_r != name_f:
-        out.append(f"suite: {name_r!r} in the reference, {name_f!r} in the fresh run")
-    elif sr is not None and sf is not None:
-        keys = [k for k in suite_differences(sr, sf) if k.split(".")[0].split(" ")[0]
-                not in RUNTIME_KEYS]  # fmt: skip
-        if keys:
-            out.append("suite settings differ (reference vs fresh): " + ", ".join(keys))
+    out = _suite_mismatches(reference_run_dir, fresh_run_dir)
 
     tr, tf = finished_tasks(ref), finished_tasks(new)
     out += [f"missing task (in the reference only): {t}" for t in _tasks_text(sorted(tr - tf))]

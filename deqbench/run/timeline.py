@@ -95,6 +95,56 @@ def _tasks(run_dir: Path, since: float) -> list[dict[str, Any]]:
     return out
 
 
+def _worker_accounting(
+    ts: list[dict[str, Any]],
+    walls: dict[str, list[float]],
+    t_ready: float,
+    last: float,
+    t_launch: float,
+) -> dict[str, Any]:
+    """One worker's accounting in :func:`breakdown` (``ts``: its tasks, by start; ``walls``:
+    the wall times of every cell's seeds)."""
+    busy = sum(t["end"] - t["start"] for t in ts)
+    work = sum(t["wall_time"] for t in ts)
+    gaps = sum(max(0.0, b["start"] - a["end"]) for a, b in zip(ts, ts[1:]))
+    first = ts[0]
+    others = list(walls[first["cell_id"]])
+    others.remove(first["wall_time"])
+    excess = first["wall_time"] - statistics.median(others) if others else None
+    warm = None
+    if first.get("warmup_end") is not None and first.get("warmup_start") is not None:
+        warm = first["warmup_end"] - first["warmup_start"]
+    dispatch = [
+        (t["received"] - t["submitted"]) - (t["end"] - t["start"])
+        for t in ts
+        if t.get("submitted") is not None
+    ]
+    return {
+        "tasks": len(ts),
+        "late start": first["start"] - t_ready,
+        "cell work": work,
+        "task overhead": busy - work,
+        "gaps": gaps,
+        "idle at the end": last - ts[-1]["end"],
+        "first-task excess": excess,
+        "first task wall": first["wall_time"],
+        # the first task's time on the worker outside its cell's wall_time (data loading, a
+        # warm-up the worker did not do at start) vs the median of the later tasks'
+        "first-task overhead": (first["end"] - first["start"]) - first["wall_time"],
+        "later overhead median": statistics.median(
+            [(t["end"] - t["start"]) - t["wall_time"] for t in ts[1:]]
+        )
+        if len(ts) > 1
+        else None,
+        "warm-up": warm,
+        "process start": (first.get("process_start") or 0) - t_launch
+        if first.get("process_start")
+        else None,
+        "ready": (first["warmup_end"] - t_launch) if first.get("warmup_end") else None,
+        "dispatch latency median": statistics.median(dispatch) if dispatch else None,
+    }
+
+
 def breakdown(
     run_dir: str | Path, launched: float | None = None, exited: float | None = None
 ) -> dict[str, Any]:
@@ -165,45 +215,7 @@ def breakdown(
         walls[t["cell_id"]].append(t["wall_time"])
     workers: dict[str, dict[str, Any]] = {}
     for name, ts in sorted(by_worker.items()):
-        busy = sum(t["end"] - t["start"] for t in ts)
-        work = sum(t["wall_time"] for t in ts)
-        gaps = sum(max(0.0, b["start"] - a["end"]) for a, b in zip(ts, ts[1:]))
-        first = ts[0]
-        others = list(walls[first["cell_id"]])
-        others.remove(first["wall_time"])
-        excess = first["wall_time"] - statistics.median(others) if others else None
-        warm = None
-        if first.get("warmup_end") is not None and first.get("warmup_start") is not None:
-            warm = first["warmup_end"] - first["warmup_start"]
-        dispatch = [
-            (t["received"] - t["submitted"]) - (t["end"] - t["start"])
-            for t in ts
-            if t.get("submitted") is not None
-        ]
-        workers[name] = {
-            "tasks": len(ts),
-            "late start": first["start"] - t_ready,
-            "cell work": work,
-            "task overhead": busy - work,
-            "gaps": gaps,
-            "idle at the end": last - ts[-1]["end"],
-            "first-task excess": excess,
-            "first task wall": first["wall_time"],
-            # the first task's time on the worker outside its cell's wall_time (data loading, a
-            # warm-up the worker did not do at start) vs the median of the later tasks'
-            "first-task overhead": (first["end"] - first["start"]) - first["wall_time"],
-            "later overhead median": statistics.median(
-                [(t["end"] - t["start"]) - t["wall_time"] for t in ts[1:]]
-            )
-            if len(ts) > 1
-            else None,
-            "warm-up": warm,
-            "process start": (first.get("process_start") or 0) - t_launch
-            if first.get("process_start")
-            else None,
-            "ready": (first["warmup_end"] - t_launch) if first.get("warmup_end") else None,
-            "dispatch latency median": statistics.median(dispatch) if dispatch else None,
-        }
+        workers[name] = _worker_accounting(ts, walls, t_ready, last, t_launch)
     keys = ["late start", "cell work", "task overhead", "gaps", "idle at the end"]
     totals = {k: sum(w[k] for w in workers.values()) for k in keys}
     ex = [w["first-task excess"] for w in workers.values() if w["first-task excess"] is not None]

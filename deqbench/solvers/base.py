@@ -201,6 +201,23 @@ def supports_graph(solver: Any) -> bool:
     return bool(getattr(solver, "supports_cuda_graph", False))
 
 
+def _contract_signature(max_iter: int, tol: float) -> inspect.Signature:
+    """The signature of a declared solver (:func:`solver`): the solver contract's, with the
+    implementation's default ``max_iter`` and ``tol``."""
+    P = inspect.Parameter
+    return inspect.Signature(
+        [
+            P("f", P.POSITIONAL_OR_KEYWORD, annotation="Callable[[Tensor], Tensor]"),
+            P("z0", P.POSITIONAL_OR_KEYWORD, annotation="Tensor"),
+            P("max_iter", P.KEYWORD_ONLY, default=max_iter, annotation="int"),
+            P("tol", P.KEYWORD_ONLY, default=tol, annotation="float"),
+            P("stop_mode", P.KEYWORD_ONLY, default="rel", annotation="str"),
+            P("options", P.VAR_KEYWORD, annotation="Any"),
+        ],
+        return_annotation="tuple[Tensor, SolverStats]",
+    )
+
+
 def solver(
     options: type[SolverOptions],
     *,
@@ -298,18 +315,7 @@ def solver(
                 return impl(f, z0, opts, max_iter=max_iter, tol=tol, stop_mode=stop_mode)
 
         functools.update_wrapper(solve, impl)
-        P = inspect.Parameter
-        solve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [
-                P("f", P.POSITIONAL_OR_KEYWORD, annotation="Callable[[Tensor], Tensor]"),
-                P("z0", P.POSITIONAL_OR_KEYWORD, annotation="Tensor"),
-                P("max_iter", P.KEYWORD_ONLY, default=max_iter_default, annotation="int"),
-                P("tol", P.KEYWORD_ONLY, default=tol_default, annotation="float"),
-                P("stop_mode", P.KEYWORD_ONLY, default="rel", annotation="str"),
-                P("options", P.VAR_KEYWORD, annotation="Any"),
-            ],
-            return_annotation="tuple[Tensor, SolverStats]",
-        )
+        solve.__signature__ = _contract_signature(max_iter_default, tol_default)  # type: ignore[attr-defined]
         s: Any = solve
         s.Options = options
         s.OPTIONS = frozenset(options.model_fields)

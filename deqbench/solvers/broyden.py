@@ -134,6 +134,10 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 @solvers.register("broyden")
+# One piece (over 120 lines): the eager loop is the reference the captured path
+# (_static_steps) must match up to rounding; its state (the pair buffer A with the work rows W
+# as a view into it from the first update, C, q, s, gnorm2, npairs, the restart flag) is
+# rebound and aliased step to step, and splitting it would pass all of it through every helper.
 # captured up to LARGE_NUMEL elements: on conv64 (8.4M) the captured step (two fused kernels
 # reading only the pairs in use) beats the eager one, overhead 1.85 vs 2.26 on an H200
 @solver(BroydenOptions, cuda_graph=True, graph_numel=LARGE_NUMEL)
@@ -346,6 +350,11 @@ def broyden(
     return tracker.finish(nstep, info)
 
 
+# One piece (over 120 lines): ``body`` is the region captured in a CUDA graph and replayed
+# (graph_loop), and the setup before it binds the static buffers (views into ``st``) that the
+# captured kernels read and write; they must be the same tensors at capture and at every replay,
+# so the buffers, their views and the step are kept in one scope. GPU-only paths: not exercised
+# on a CPU test machine.
 def _static_steps(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,

@@ -17,6 +17,11 @@ from .options import DEFAULT_STOP, GRAPH_STEPS_MAX, CommonOptions, option_error
 from .stats import EPS, SolverStats, batch_norm, check_output, make_stats
 
 
+# One class (over 400 lines): the eager record/stop path and the device mode of the CUDA-graph
+# path (enable_device_mode, device_record, commit) share one set of per-solve buffers (the trace,
+# the lowest iterate, the pinned host copies) and one stop/finish logic that reads both; split
+# into mixins, each half would still read and write the other's attributes. Its device mode runs
+# on CUDA only (tests marked gpu).
 class Tracker:
     """Residual bookkeeping shared by the solvers.
 
