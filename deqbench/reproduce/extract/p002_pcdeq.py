@@ -7,8 +7,8 @@ checker in :mod:`deqbench.reproduce.checks.p002_pcdeq`; the shared readers and t
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from . import (
