@@ -142,8 +142,12 @@ def inprocess_peak_rss(step: Callable[[], Any], *, warmup: int = 1, why: str = "
     try:
         peak, base, note = _measure_rss(step, warmup)
     except Exception as exc:  # noqa: BLE001 - reported in the note
-        return Memory(math.nan, method="rss_in_process", note=f"{route}: {type(exc).__name__}: {exc}")
-    return Memory(float(peak), float(base), "rss_in_process", "; ".join(x for x in (route, note) if x))
+        return Memory(
+            math.nan, method="rss_in_process", note=f"{route}: {type(exc).__name__}: {exc}"
+        )
+    return Memory(
+        float(peak), float(base), "rss_in_process", "; ".join(x for x in (route, note) if x)
+    )
 
 
 def _rss_worker_main() -> None:
