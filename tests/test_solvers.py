@@ -67,6 +67,8 @@ def test_the_solvers_held_to_a_tight_tol_are_chosen_by_their_declared_tags():
     assert "sam" not in ROOT_FINDERS and "anderson" in ROOT_FINDERS
     with pytest.raises(ValueError, match="rate"):
         SolverTags(rate="quadratic")
+
+
 #: solvers whose module lays each sample's vector out in chunks (base.chunking) on CUDA
 CHUNKED = [n for n in BUILTINS if hasattr(importlib.import_module(get(n).__module__), "chunking")]
 

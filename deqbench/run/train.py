@@ -255,6 +255,7 @@ def train(
     if tallies is not None:
         result.tallies = tallies
     result.tallies.amp, result.tallies.device = runtime.amp, Xtr.device.type
+    data_range = float((data.meta or {}).get("data_range", 1.0))  # PSNR/SSIM of image targets
 
     def hook(phase: str, cb: Any, method: str, info: Any) -> None:
         """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
@@ -264,7 +265,7 @@ def train(
     def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
         phase = "init" if epoch == 0 else "eval"
         with result.tallies.counting(phase):  # evaluate verifies its solves
-            test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime)
+            test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime, data_range)
         rec = {
             "epoch": float(epoch),
             **{f"train_{k}": v for k, v in train_stats.items()},
@@ -277,7 +278,7 @@ def train(
 
     if cfg.eval_before:
         with result.tallies.counting("init"):
-            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime)
+            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime, data_range)
         epoch_end(0, ev)
 
     step = 0
