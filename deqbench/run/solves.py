@@ -176,7 +176,8 @@ class SolveTally:
         rate = f" as k^-{self.power:.2g}" if self.power == self.power else ""
         if need == need and self.max_iter and need > RAISE_LIMIT * self.max_iter:
             steps_needed = "more than 1e9" if not need < 1e9 else f"about {_round_up(need)}"
-            return (f"Falling at its rate{rate}, the residual needs {steps_needed} steps: "
+            pace = rate.strip() or "at its rate"
+            return (f"Falling {pace}, the residual needs {steps_needed} steps to reach tol: "
                     f"{'loosen the tolerance' if own else f'{alt} or loosen {key}.tol'}")  # fmt: skip
         target = f" to about {_round_up(need)}" if need == need else ""
         where = " in the model's parameters" if own else ""
