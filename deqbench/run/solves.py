@@ -268,10 +268,8 @@ class Tallies:
         ev, tr = self.by_key.get(("forward", "eval")), self.by_key.get(("forward", "train"))
         if ev is not None and ev.flagged and self.batchnorm and (tr is None or not tr.flagged):
             out.append(
-                "training solves converged but evaluation solves did not: eval mode normalises "
-                "with BatchNorm running statistics, which after few steps still weigh their "
-                "initial values; set train.precise_bn: true (recomputed over the training set) "
-                "or train longer"
+                "evaluation solves missed, training solves did not: BatchNorm's running "
+                "statistics still weigh their initial values. Set train.precise_bn: true"
             )
         return out
 
