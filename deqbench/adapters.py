@@ -18,8 +18,10 @@ like ``z``): the per-sample ``abs = ||F(z) - z||`` and ``rel = abs / ||F(z)||``
 iterations of the loop (below) give ``nstep`` and the traces (row ``t``: the residual of the
 ``t``-th iterate the loop evaluated the map at). ``abs_residual``/``rel_residual``, hence
 ``converged`` (every sample finite and below ``tol`` in ``stop_mode``) and ``status``
-(``converged``; ``diverged`` when not finite; ``stagnated`` when the loop stopped before
-``max_iter`` without converging; else ``max_iter``) are those of the iterate the loop
+(``converged``; ``diverged`` when a residual of the loop is not finite or its batch max abs
+residual rose above :data:`DIVERGE_FACTOR` times the first iterate's, as a built-in solver's
+blow-up; ``stagnated`` when the loop stopped before ``max_iter`` without converging: on its own
+test; else ``max_iter``) are those of the iterate the loop
 *returned*, ``z_ret``, which is:
 
 * with ``loop=`` (the network's method or submodule that runs the loop): its return value
@@ -94,6 +96,10 @@ from .core.errors import ConfigError
 from .solvers.base import SolverStats, make_stats, residuals
 
 __all__ = ["LoopRecord", "MethodCell", "OwnLoop", "cell_from_method", "track_loop"]
+
+#: an own loop whose batch max abs residual rises above this factor times the first iterate's
+#: (or is not finite) has diverged (a built-in solver stops there: ``protect_thres``)
+DIVERGE_FACTOR = 100.0
 
 
 # -- resolving what the user names --------------------------------------------------------------
@@ -334,12 +340,21 @@ class LoopRecord:
             rr,
             self.tol,
             self.stop_mode,
-            diverged=False,
+            diverged=_blew_up(abs_tr, ra),
             lowest_step=lowest,
             stagnated=self.max_iter is not None and nstep < int(self.max_iter),
             extra=extra,
         )
         self._kept.clear()
+
+
+def _blew_up(abs_tr: Tensor, returned: Tensor) -> bool:
+    """Whether a loop diverged: a residual not finite, or the batch max abs residual of an
+    iterate (or of the returned one) above :data:`DIVERGE_FACTOR` times the first's."""
+    peaks = torch.cat([abs_tr.reshape(abs_tr.shape[0], -1).amax(dim=1), returned.max().reshape(1)])
+    if not bool(torch.isfinite(peaks).all()) or not bool(torch.isfinite(abs_tr).all()):
+        return True
+    return bool((peaks > DIVERGE_FACTOR * peaks[0]).any()) and float(peaks[0]) > 0
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -522,8 +522,11 @@ def example_context(
 
 
 def check_dataset(name: str, **params: Any) -> None:
-    """Load dataset ``name`` with ``params`` and check the bundle and the shape ``validate``
-    derives without loading; raise :class:`ConformanceError` if a clause breaks."""
+    """Load dataset ``name`` with ``params`` (the loader's own keyword parameters, e.g.
+    ``check_dataset("blobs", dim=16)``) and check the bundle and the shape ``validate`` derives
+    without loading; raise :class:`ConformanceError` if a clause breaks. Classification labels
+    must be 1-d long tensors in range; regression targets finite floating point, of
+    ``num_outputs`` values per sample (flat, or image-shaped ``(N, C, H, W)``)."""
     import torch
 
     from .core.errors import PluginError
@@ -561,11 +564,18 @@ def check_dataset(name: str, **params: Any) -> None:
                     f"{who}: [dataset.bundle] {split} labels span [{int(y.min())}, "
                     f"{int(y.max())}], outside [0, num_outputs={d.num_outputs})"
                 )
-        elif y[0].numel() != d.num_outputs:
-            lines.append(
-                f"{who}: [dataset.bundle] {split} targets have {y[0].numel()} values, "
-                f"num_outputs says {d.num_outputs}"
-            )
+        else:
+            if not y.is_floating_point() or not bool(torch.isfinite(y).all()):
+                what = y.dtype if not y.is_floating_point() else "not finite"
+                lines.append(
+                    f"{who}: [dataset.bundle] {split} regression targets are {what}: they must "
+                    "be finite floating point (the squared loss, PSNR and SSIM read them)"
+                )
+            if y.dim() < 1 or len(y) == 0 or y[0].numel() != d.num_outputs:
+                lines.append(
+                    f"{who}: [dataset.bundle] {split} targets have "
+                    f"{y[0].numel() if len(y) else 0} values, num_outputs says {d.num_outputs}"
+                )
     try:
         derived = declared_shape(datasets.get(name), params)
     except Exception as exc:  # noqa: BLE001 - reported as the clause it breaks

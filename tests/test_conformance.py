@@ -274,6 +274,44 @@ def test_check_dataset_catches_labels_out_of_range():
         del DATASETS["t_bad"]
 
 
+@pytest.mark.parametrize(
+    "targets, why",
+    [
+        (lambda x: (x.sum(1, keepdim=True) > 0).long(), "train regression targets are torch.int64"),
+        (lambda x: torch.where(x[:, :1] > 0.5, float("nan"), x[:, :1]), "not finite"),
+    ],
+)
+def test_check_dataset_checks_regression_targets(targets, why):
+    from deqbench.data.base import DATASETS, DataBundle
+
+    def bad(n: int = 8):
+        x = torch.rand(n, 3)
+        y = targets(x)
+        return DataBundle("t_badreg", (x, y), (x, y), (3,), 1, "regression")
+
+    DATASETS["t_badreg"] = bad
+    try:
+        with pytest.raises(ConformanceError, match=rf"\[dataset.bundle\] .*{why}"):
+            check_dataset("t_badreg")
+    finally:
+        del DATASETS["t_badreg"]
+
+
+def test_check_dataset_accepts_image_shaped_regression_targets():
+    from deqbench.data.base import DATASETS, DataBundle
+
+    def images(n: int = 8):
+        y = torch.rand(n, 1, 6, 6)
+        x = y + 0.1 * torch.randn(n, 1, 6, 6)
+        return DataBundle("t_images", (x, y), (x, y), (1, 6, 6), 36, "regression")
+
+    DATASETS["t_images"] = images
+    try:
+        check_dataset("t_images")
+    finally:
+        del DATASETS["t_images"]
+
+
 def test_clauses_are_distinct_from_validates():
     from deqbench.contracts import CLAUSES
 

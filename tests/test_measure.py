@@ -192,3 +192,68 @@ def test_cpu_peak_rss_of_a_train_step_counts_its_gradients():
     mem = cpu_peak_rss(step, warmup=1, threads=1, timeout=300)
     assert mem.method == "rss_fresh_worker", mem.note
     assert 7.5 <= mem.peak_mib < 20, mem  # before the fix: ~0 (grads in the baseline)
+
+
+class _LambdaNet(torch.nn.Module):
+    """A model holding a lambda (cannot be pickled), allocating 32 MiB in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.act = lambda t: torch.tanh(t)
+
+    def forward(self, x):
+        big = torch.ones(8 * 2**20, dtype=x.dtype, device=x.device)
+        return self.act(self.lin(x)) + 0 * big.sum()
+
+
+def test_throughput_measures_the_peak_memory_of_a_model_that_cannot_be_pickled():
+    from deqbench.performance.throughput import measure_throughput, throughput_rows
+
+    torch.manual_seed(0)
+    model = _LambdaNet()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    res = measure_throughput(model, x, y, task="regression", repeats=1, warmup=1,
+                             train={"optimizer": "sgd"})  # fmt: skip
+    for kind in ("eval", "train"):
+        mem = res[f"{kind}_memory"]
+        assert mem.method == "rss_in_process", mem
+        assert math.isfinite(mem.peak_bytes) and mem.peak_mib >= 30, mem
+        assert "cannot be pickled" in mem.note and "in this process" in mem.note
+    rows = {r.metric: r for r in throughput_rows(res, 4)}
+    row = rows["eval_peak_memory"]
+    assert row.status == "ok" and math.isfinite(row.value)
+    assert "rss_in_process" in row.note and "cannot be pickled" in row.note
+
+
+class _PerBatchBuffer(torch.nn.Module):
+    """Keeps per-batch state in a buffer shaped by the batch (as some solvers do), plus a
+    running statistic of a fixed shape and a buffer it registers on its first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("state", torch.zeros(5, 3))
+        self.register_buffer("running", torch.zeros(3))
+
+    def forward(self, x):
+        self.state = x.detach().clone()  # a new shape for a new batch size
+        self.running.add_(1.0)
+        if not hasattr(self, "lazy"):
+            self.register_buffer("lazy", torch.ones(1))
+        return self.lin(x)
+
+
+def test_preserved_restores_buffers_that_change_shape_per_batch():
+    from deqbench.performance._perf import preserved
+
+    model = _PerBatchBuffer()
+    state = model.state.clone()
+    with preserved(model):
+        model(torch.randn(2, 3))
+        assert model.state.shape == (2, 3)
+    assert model.state.shape == (5, 3) and torch.equal(model.state, state)
+    assert torch.equal(model.running, torch.zeros(3))
+    assert "lazy" not in dict(model.named_buffers())
+    assert sorted(n for n, _ in model.named_buffers()) == ["running", "state"]
+    model(torch.randn(7, 3))  # the model still runs, at another batch size

@@ -3,8 +3,8 @@
 
 The solvers under test come from the registry, not from a list kept here: every built-in
 solver is tested, a new one included, filtered only by what it declares (``needs_structure``,
-``supports_cuda_graph``, the chunked layout of its module) or, where nothing is declared, by an
-EXCLUDE set that gives the reason for each name."""
+``supports_cuda_graph``, its tags such as ``rate="sublinear"``, the chunked layout of its
+module)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 import deqbench
 from deqbench.contracts import structure_of
 from deqbench.core.registry import BUILTIN
+from deqbench.core.tags import SolverTags, solver_tags
 from deqbench.errors import ConfigError
 from deqbench.solvers.base import residuals, supports_graph
 
@@ -32,11 +33,42 @@ BUILTINS = [n for n in deqbench.solvers.names() if deqbench.solvers.origin(n) ==
 #: those that take any map; a solver with ``needs_structure`` only runs on a map whose ``cell``
 #: has that structure (a ConfigError for the plain callables here: test_mondeq.py tests them)
 GENERIC = [n for n in BUILTINS if structure_of(get(n)) is None]
-#: generic solvers that are not root finders: they do not reach a tight tol on a contraction
-NOT_ROOT_FINDERS = {
-    "sam": "selects argmin R over Fix(T): its distance to Fix(T) decays only like beta_k -> 0",
-}
-ROOT_FINDERS = [n for n in GENERIC if n not in NOT_ROOT_FINDERS]
+
+
+def root_finders(names):
+    """Those of ``names`` held to a tight tol on a contraction: all but the solvers that declare
+    a sublinear rate (e.g. sam: its distance to Fix(T) decays only like beta_k -> 0)."""
+    return [n for n in names if solver_tags(get(n)).rate != "sublinear"]
+
+
+ROOT_FINDERS = root_finders(GENERIC)
+
+
+def test_the_solvers_held_to_a_tight_tol_are_chosen_by_their_declared_tags():
+    """A solver declares its rate on itself (no list here to edit): a sublinear one, declared
+    with @solver(tags=...) or as a plain function's attribute, is held to progress only."""
+    from test_hints import halpern  # @solver(..., tags={"rate": "sublinear"})
+
+    def plain(f, z0, *, max_iter=50, tol=1e-4, stop_mode="rel"):
+        return z0, None
+
+    plain.tags = SolverTags(rate="sublinear")
+    assert solver_tags(halpern).rate == "sublinear" and solver_tags(get("sam")).rate == "sublinear"
+    assert solver_tags(get("anderson")) == SolverTags()  # nothing declared: the defaults
+    deqbench.solvers.add("t_halpern_tagged", halpern)
+    deqbench.solvers.add("t_plain_tagged", plain)
+    try:
+        names = ["anderson", "sam", "t_halpern_tagged", "t_plain_tagged"]
+        assert root_finders(names) == ["anderson"]
+        assert solver_tags("t_plain_tagged").rate == "sublinear"  # by registered name
+    finally:
+        deqbench.solvers.remove("t_halpern_tagged")
+        deqbench.solvers.remove("t_plain_tagged")
+    assert "sam" not in ROOT_FINDERS and "anderson" in ROOT_FINDERS
+    with pytest.raises(ValueError, match="rate"):
+        SolverTags(rate="quadratic")
+
+
 #: solvers whose module lays each sample's vector out in chunks (base.chunking) on CUDA
 CHUNKED = [n for n in BUILTINS if hasattr(importlib.import_module(get(n).__module__), "chunking")]
 

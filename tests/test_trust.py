@@ -149,7 +149,8 @@ def test_unconverged_forward_is_flagged_and_exits_1(tmp_path):
     runner = df[df.analysis == "runner"].iloc[0]
     assert runner.status == "flagged"
     assert "forward solve missed rel tol 1e-06 in 2 of 2 training batches" in runner.note
-    assert "raise solver.max_iter (the solver used all 2 steps" in runner.note
+    assert "Raise solver.max_iter (all 2 steps used" in runner.note
+    assert runner.note.count("Raise solver.max_iter") == 1  # one fix per kind of solve
     row = df[(df.analysis == "convergence") & (df.metric == "forward_unconverged_batches")
              & (df.variant == "train")]  # fmt: skip
     assert row.status.item() == "flagged" and row.value.item() == 1.0
@@ -167,7 +168,7 @@ def test_unconverged_adjoint_is_flagged(tmp_path):
     assert r.exit_code == 1, r.output
     runner = df[df.analysis == "runner"].iloc[0]
     assert runner.status == "flagged" and "adjoint solve missed rel tol 1e-08" in runner.note
-    assert "raise backward.max_iter" in runner.note
+    assert "Raise backward.max_iter" in runner.note
     fwd = df[(df.analysis == "convergence") & (df.metric == "forward_unconverged_batches")
              & (df.variant == "train")]  # fmt: skip
     assert fwd.status.item() == "ok"

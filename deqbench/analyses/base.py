@@ -153,7 +153,8 @@ class CellContext:
         X, y = self.data.test if split == "test" else self.data.train
         if max_samples is not None:
             X, y = X[:max_samples], y[:max_samples]
-        return evaluate(self.model, X, y, self.data.task, runtime=self.runtime)
+        rng = float((self.data.meta or {}).get("data_range", 1.0))
+        return evaluate(self.model, X, y, self.data.task, runtime=self.runtime, data_range=rng)
 
     @property
     def runtime(self) -> Any:

@@ -122,6 +122,15 @@ class ModelFactory(Protocol):
       [model.declared].
     * ``wraps = True``: it is also a :class:`Wrapper`.
 
+    What deqbench assumes of the model, and no more: ``model(x)`` on a batch ``(B, *in_shape)``
+    returns ``(B, num_outputs)`` or, for a regression whose targets are image-shaped, a tensor
+    shaped like the targets (``(B, C, H, W)``, ``C H W = num_outputs``: the squared loss, PSNR
+    and SSIM compare them); the model survives ``copy.deepcopy`` (analyses measure copies:
+    ``throughput``'s train step, gradient references). It need not pickle (a model holding
+    lambdas is measured in process where a fresh worker would need a pickle, the row's note
+    saying so), and its buffers may change shape between batches (a measurement restores them
+    as they were, re-registered when their shape changed).
+
     Checked by ``deqbench validate``: the factory is called with ``in_shape``/``num_outputs`` and
     the suite's params [model.factory], the model runs a forward pass on a batch of 2 on CPU
     [model.forward], its cells keep z's shape [model.cell] and their f-evaluations change no
@@ -180,7 +189,8 @@ class EquilibriumModel(Protocol):
       (``self.deq = DEQLayer(MyCell(width))``). Models with several equilibrium layers hold
       several DEQLayers and override ``forward``; every DEQLayer gets the suite's solver.
     * ``inject(x) -> u``: the input injection, outside the solve (computed once per batch).
-    * ``readout(z) -> y``: from the equilibrium to the outputs (``(B, num_outputs)``).
+    * ``readout(z) -> y``: from the equilibrium to the outputs (``(B, num_outputs)``, or the
+      targets' image shape ``(B, C, H, W)`` for an image regression).
     * ``z0(u) -> z``: the initial iterate (default zeros like ``u``).
     * ``spectral_quantities()`` (optional, :class:`SpectralQuantities`).
 
@@ -395,6 +405,12 @@ class Solver(Protocol):
       :class:`AdjointMap` [solver.structure].
     * ``unroll(f, z0, k, **options) -> (z, abs_trace, rel_trace)``: a differentiable k-step
       iteration that the ``unrolled`` backward mode uses instead of plain iteration.
+    * ``tags`` (``@solver(Options, tags={"rate": "sublinear"})``): a
+      :class:`deqbench.core.tags.SolverTags` (or a dict of its fields): ``rate`` is
+      "superlinear", "linear" (default) or "sublinear" (the residual falls as a power of the
+      step, e.g. Halpern's 1/k). The diagnosis of a solve that missed its tolerance reads its
+      trace at that rate, and the project's registry-driven tests hold a sublinear solver to
+      progress, not to a tight tolerance.
 
     Checked by ``deqbench validate`` on a small contraction (forward and adjoint maps): the
     return value and stats above, and that it makes progress [solver.progress].
@@ -540,8 +556,11 @@ class DatasetLoader(Protocol):
 
     * ``train``, ``test``: pairs ``(x, y)`` of tensors; ``x`` floating point, shaped
       ``(N, *in_shape)``; ``y`` long class labels in ``[0, num_outputs)`` (the default
-      ``task="classification"``) or float targets of ``num_outputs`` values each
-      (``task="regression"``, trained with squared loss);
+      ``task="classification"``) or finite floating-point targets of ``num_outputs`` values
+      each (``task="regression"``, trained with squared loss), flat ``(N, num_outputs)`` or
+      image-shaped ``(N, C, H, W)`` with ``C H W = num_outputs`` (a denoiser, an inverse
+      problem: the model returns that shape, and evaluations add PSNR and SSIM, the pixel
+      range ``meta["data_range"]``, default 1);
     * ``in_shape`` (one sample's shape, e.g. ``(1, 8, 8)`` or ``(64,)``) and ``num_outputs``:
       what the runner hands the model factory (:class:`ModelFactory`);
     * ``name``; ``meta``: a dict written with the results.
@@ -563,7 +582,8 @@ class DatasetLoader(Protocol):
     entry point imports [dataset.import]; the declared shape [dataset.declared]; then the probe,
     or else the loader is called once per distinct params and its bundle checked: x shaped
     ``(N, *in_shape)`` [dataset.load], (in_shape, num_outputs) the declared shape
-    [dataset.declared]. Labels in range are checked by ``deqbench.testing.check_dataset``.
+    [dataset.declared]. Labels in range, and regression targets finite floating point of
+    ``num_outputs`` values, are checked by ``deqbench.testing.check_dataset``.
 
     Example:
         >>> import torch

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .deq import Runtime, last_stats
+from .image_metrics import image_sums, is_image
 from .runtime import autocast, for_loss, model_runtime
 from .verdict import solve_ledger, verify_solves
 
@@ -29,9 +30,11 @@ def evaluate(
     task: str,
     batch_size: int = 512,
     runtime: Runtime | None = None,
+    data_range: float = 1.0,
 ) -> dict[str, float]:
-    """Loss, accuracy (classification) or MSE (regression), and mean DEQ forward stats, under
-    ``no_grad`` in eval mode. ``runtime`` (default: the model's DEQ layers'): the forward runs
+    """Loss, accuracy (classification) or MSE (regression; with image-shaped targets also the
+    mean PSNR and SSIM of ``data_range``, :mod:`deqbench.core.image_metrics`), and mean DEQ
+    forward stats, under ``no_grad`` in eval mode. ``runtime`` (default: the model's DEQ layers'): the forward runs
     under its autocast, the loss in float32. Every batch solve is verified (its residual
     recomputed with one more f-evaluation); ``forward_converged`` is the share of them the
     runner accepted, absent where nothing was solved (an unrolled K-step forward)."""
@@ -41,6 +44,7 @@ def evaluate(
     model.eval()
     loss_fn = loss_function(task)
     tot_loss, tot_correct, n = 0.0, 0.0, 0
+    quality: dict[str, float] = {}  # image-shaped regression targets: psnr, ssim sums
     nsteps: list[float] = []
     resid: list[float] = []
     with solve_ledger() as ledger, verify_solves():
@@ -53,6 +57,9 @@ def evaluate(
             tot_loss += float(loss) * b
             if task == "classification":
                 tot_correct += float((out.argmax(1) == yb).sum())
+            elif is_image(yb):
+                for k, v in image_sums(for_loss(out, runtime), yb, data_range).items():
+                    quality[k] = quality.get(k, 0.0) + v
             n += b
             st = last_stats(model)
             if st:
@@ -64,6 +71,7 @@ def evaluate(
         res["accuracy"] = tot_correct / max(n, 1)
     else:
         res["mse"] = res["loss"]
+        res.update({k: v / max(n, 1) for k, v in quality.items()})
     if nsteps:
         res["forward_nstep"] = sum(nsteps) / len(nsteps)
         res["forward_rel_residual"] = max(resid)

@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .tags import solver_tags
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
@@ -63,8 +65,13 @@ class SolveRecord:
     max_iter: int | None = None
     verified: bool = False  # residual recomputed by one f-evaluation
     claim: str = ""  # why the solver's claim was not accepted
-    plateau: bool = False  # unconverged, and the last quarter of the steps gained < 2x
+    plateau: bool = False  # unconverged, and the last quarter fell far slower than its rate
     stop: str = "sample_max"  # the stop rule the solve was judged under
+    #: unconverged: the f-evaluations in all that the trace's rate needs to reach tol (inf: it
+    #: stopped falling; NaN: too short a trace to tell)
+    to_tol: float = math.nan
+    rate: str = "linear"  # the rate the solver declares (deqbench.core.tags), or "linear"
+    power: float = math.nan  # read as sublinear: the residual falls as k^-power
 
 
 @dataclass
@@ -201,6 +208,11 @@ def record(
     else:  # the value check_claim read, if it read one
         res = stats.extra.get("stop_residual", math.nan)
         res = stop_residual(stats) if res != res else res
+    trend = Trend()
+    rate = "linear"
+    if not stats.converged:
+        rate = solver_tags(str(stats.extra.get("registered") or stats.solver)).rate
+        trend = solve_trend(stats, rate)
     ledger.records.append(
         SolveRecord(
             kind=kind,
@@ -215,29 +227,85 @@ def record(
             max_iter=max_iter,
             verified=verified,
             claim=str(stats.extra.get("claim", "")),
-            plateau=not stats.converged and plateaued(stats),
+            plateau=trend.plateau,
             stop=str(getattr(stats, "stop", "sample_max")),
+            to_tol=trend.to_tol,
+            rate=rate,
+            power=trend.power,
         )
     )
 
 
-def plateaued(stats: SolverStats) -> bool:
-    """Whether the residual under the stop rule (stop mode; the batch max by default) gained
-    less than 2x over the last quarter of a solve's recorded steps (at least 8): more steps
-    will not reach the tolerance (a precision floor, a cycle). Read only for solves that missed
-    (one host read)."""
+#: a solve whose last quarter gained (in log residual) less than this share of what its rate over
+#: the steps before predicts has stalled: more steps will not reach the tolerance
+STALL_SHARE = 0.25
+#: a last quarter that gained less than this (log residual, about 1%) made no progress
+MIN_GAIN = 0.01
+
+
+@dataclass
+class Trend:
+    """Where an unconverged solve's residual was heading (:func:`solve_trend`)."""
+
+    plateau: bool = False  # the residual stopped falling at its rate: more steps will not help
+    to_tol: float = math.nan  # f-evaluations in all its current rate needs to reach tol
+    power: float = math.nan  # sublinear: the residual falls as k^-power (NaN: geometric)
+
+
+def _rule_trace(stats: SolverStats) -> Tensor | None:
+    """The trace reduced over the batch by the stop rule (stop mode), float64, or None."""
     tr = stats.rel_trace if stats.stop_mode == "rel" else stats.abs_trace
-    if tr.dim() == 0 or tr.numel() == 0 or tr.shape[0] < 8:
-        return False
+    if tr.dim() == 0 or tr.numel() == 0:
+        return None
     stop = getattr(stats, "stop", "sample_max")
     if stop == "sample_max":
-        t = tr.reshape(tr.shape[0], -1).amax(dim=1).double()
-    else:
-        from ..solvers.base import rule_value
+        return tr.reshape(tr.shape[0], -1).amax(dim=1).double()
+    from ..solvers.base import rule_value
 
-        ab, rl = stats.abs_trace, stats.rel_trace
-        t = rule_value(ab.reshape(ab.shape[0], -1), rl.reshape(rl.shape[0], -1), stop,
-                       stats.stop_mode).double()  # fmt: skip
-    k = (3 * t.shape[0]) // 4
-    early, late = float(t[:k].min()), float(t[k:].min())
-    return math.isfinite(early) and math.isfinite(late) and late > 0.5 * early
+    ab, rl = stats.abs_trace, stats.rel_trace
+    return rule_value(ab.reshape(ab.shape[0], -1), rl.reshape(rl.shape[0], -1), stop,
+                      stats.stop_mode).double()  # fmt: skip
+
+
+def solve_trend(stats: SolverStats, rate: str = "linear") -> Trend:
+    """Read the rate of an unconverged solve from its trace (at least 8 steps; one host read).
+
+    With ``m_k`` the lowest residual up to step ``k`` (stop rule, stop mode), ``K`` steps and
+    ``b = 3K/4``, the gain of the last quarter, ``g = ln(m_b / m_K)``, is compared with what the
+    steps before it predict, read two ways: geometric (a constant factor per step:
+    ``ln(m_1 / m_b) (K - b) / (b - 1)``) and as a power of the step (``m_k ~ k^-p``, e.g. a
+    Halpern iteration's ``1/k``: ``p ln(K / b)`` with ``p = ln(m_1 / m_b) / ln b``). A last
+    quarter that gained under :data:`STALL_SHARE` of both predictions, or under
+    :data:`MIN_GAIN`, is a plateau (a precision floor, a cycle, no contraction): more steps
+    will not help. Otherwise ``to_tol`` extrapolates the last quarter's own rate to the
+    tolerance: ``K + ln(m_K / tol) / (g / (K - b))`` steps where the geometric reading holds and
+    the solver does not declare ``rate="sublinear"`` (:class:`deqbench.core.tags.SolverTags`),
+    else ``K (m_K / tol)^(1/p)`` with ``p = g / ln(K / b)``."""
+    import torch
+
+    t = _rule_trace(stats)
+    if t is None or t.shape[0] < 8:
+        return Trend()
+    m = torch.cummin(t, dim=0).values
+    n = int(m.shape[0])
+    b = (3 * n) // 4
+    m1, mb, mk = float(m[0]), float(m[b - 1]), float(m[n - 1])
+    if not (math.isfinite(m1) and math.isfinite(mk) and mk > 0):
+        return Trend()
+    ref, late = math.log(m1 / mb), math.log(mb / mk)
+    geometric = late >= max(MIN_GAIN, STALL_SHARE * ref * (n - b) / max(b - 1, 1))
+    powerlike = late >= max(MIN_GAIN, STALL_SHARE * ref * math.log(n / b) / math.log(b))
+    if not (geometric or powerlike):
+        return Trend(True, math.inf)
+    gap = math.log(mk / stats.tol) if stats.tol > 0 else math.inf
+    if geometric and rate != "sublinear":
+        return Trend(False, n + max(gap, 0.0) / (late / (n - b)))
+    p = late / math.log(n / b)
+    power = max(gap, 0.0) / p
+    return Trend(False, n * math.exp(power) if power < 50 else math.inf, p)
+
+
+def plateaued(stats: SolverStats, rate: str = "linear") -> bool:
+    """Whether an unconverged solve's residual stopped falling at its rate
+    (:func:`solve_trend`): more steps will not reach the tolerance."""
+    return solve_trend(stats, rate).plateau

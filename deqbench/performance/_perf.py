@@ -91,21 +91,48 @@ def pick_batch(ctx: CellContext, n: int, split: str = "train") -> tuple[Tensor, 
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[nn.Module]:
     """Restore the model's buffers (BatchNorm running stats), train/eval mode and DEQ configs
-    after the block: measuring must not change the model under analysis."""
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    after the block: measuring must not change the model under analysis.
+
+    A buffer is restored whatever the block did to it: copied back in place when it kept its
+    shape, dtype and device, else the saved tensor is registered again (a solver that keeps
+    per-batch state in buffers shaped by the batch); a buffer registered inside the block is
+    removed."""
+    saved = {
+        (m, n): b.detach().clone()
+        for m in model.modules()
+        for n, b in m._buffers.items()
+        if b is not None
+    }
     modes = {m: m.training for m in model.modules()}
     configs = [(layer, layer.solver_cfg, layer.backward_cfg) for layer in deq_layers(model)]
     try:
         yield model
     finally:
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                if k in buffers:
-                    v.copy_(buffers[k])
+        _restore_buffers(model, saved)
         for m, t in modes.items():
             m.training = t
         for layer, s, b in configs:
             layer.solver_cfg, layer.backward_cfg = s, b
+
+
+def _restore_buffers(model: nn.Module, saved: dict[tuple[nn.Module, str], Tensor]) -> None:
+    with torch.no_grad():
+        for (m, n), old in saved.items():
+            cur = m._buffers.get(n)
+            same = (
+                cur is not None
+                and cur.shape == old.shape
+                and cur.dtype == old.dtype
+                and cur.device == old.device
+            )
+            if same:
+                cur.copy_(old)  # type: ignore[union-attr]
+            else:  # reshaped, retyped, moved or dropped: the saved tensor is the buffer again
+                m._buffers[n] = old
+        for m in model.modules():
+            for n in [n for n, b in m._buffers.items() if b is not None and (m, n) not in saved]:
+                del m._buffers[n]
+                m._non_persistent_buffers_set.discard(n)
 
 
 @contextlib.contextmanager

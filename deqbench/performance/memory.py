@@ -6,8 +6,10 @@
   worker unpickles the step, warms up (the first re-entrant ``autograd.grad`` of an IFT
   backward costs a one-time 35-50 MiB), reads ``VmRSS``, writes ``5`` to
   ``/proc/self/clear_refs`` (resets the high-water mark), runs the step once and reads
-  ``VmHWM`` (:func:`cpu_peak_rss`). The step must be a picklable callable: an instance of a
-  module-level class holding the model and the batch.
+  ``VmHWM`` (:func:`cpu_peak_rss`). A step that cannot be pickled (a model holding a lambda or a
+  local class) is measured in this process instead (:func:`inprocess_peak_rss`, method
+  ``rss_in_process``, the note says why): free heap memory is first returned to the system
+  (``malloc_trim``) so the step's allocations raise the high-water mark.
 * :func:`saved_tensor_bytes`: the bytes autograd saves during a forward, device-independent
   (O(1) in the iterations for IFT, O(K) for unrolled K).
 
@@ -42,8 +44,8 @@ MIB = 2.0**20
 class Memory:
     """Peak extra memory of one step above the baseline before it.
 
-    ``method``: "cuda_max_memory_allocated", "rss_fresh_worker" or "unavailable" (then
-    ``peak_bytes`` is NaN and ``note`` says why).
+    ``method``: "cuda_max_memory_allocated", "rss_fresh_worker", "rss_in_process" (a step that
+    cannot be pickled) or "unavailable" (then ``peak_bytes`` is NaN and ``note`` says why).
     """
 
     peak_bytes: float
@@ -89,6 +91,65 @@ def _status_kib(key: str) -> int:
     raise OSError(f"{key} not in /proc/self/status")
 
 
+def _reset_hwm() -> str:
+    """Reset this process's ``VmHWM`` to its ``VmRSS`` ('' or why it could not be reset)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError as exc:
+        return f"clear_refs not writable ({exc.strerror}): the high-water mark includes warm-up"
+    return ""
+
+
+def _trim_heap() -> None:
+    """Return glibc's free heap memory to the system (no-op elsewhere), so that memory freed
+    before a measurement is not reused unseen by the high-water mark."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _measure_rss(step: Callable[[], Any], warmup: int) -> tuple[int, int, str]:
+    """(peak, baseline, note) of one call of ``step()`` after ``warmup`` calls, in this
+    process: ``VmHWM - VmRSS`` around it, the high-water mark reset just before."""
+    for _ in range(max(0, int(warmup))):
+        step()
+    gc.collect()
+    _trim_heap()
+    before = _status_kib("VmRSS")
+    note = _reset_hwm()
+    res = step()
+    hwm = _status_kib("VmHWM")
+    del res
+    return hwm - before, before, note
+
+
+def inprocess_peak_rss(step: Callable[[], Any], *, warmup: int = 1, why: str = "") -> Memory:
+    """Peak extra RSS of one call of ``step()`` measured in this process (Linux): the route for
+    a step that cannot be pickled into a fresh worker. After the warm-up, free heap memory is
+    returned to the system (``malloc_trim``), ``VmRSS`` read, the high-water mark reset through
+    ``/proc/self/clear_refs`` and ``VmHWM`` read after the step. Memory the process keeps in
+    its allocator's free lists may still be reused unseen: the value is a lower bound of the
+    fresh worker's. ``why``: the reason this route was taken (in the note)."""
+    route = "measured in this process" + (f" ({why})" if why else "")
+    if not os.path.exists("/proc/self/status"):
+        return Memory(math.nan, note=f"no /proc (peak RSS needs Linux); {route}")
+    try:
+        peak, base, note = _measure_rss(step, warmup)
+    except Exception as exc:  # noqa: BLE001 - reported in the note
+        return Memory(
+            math.nan, method="rss_in_process", note=f"{route}: {type(exc).__name__}: {exc}"
+        )
+    return Memory(
+        float(peak), float(base), "rss_in_process", "; ".join(x for x in (route, note) if x)
+    )
+
+
 def _rss_worker_main() -> None:
     """Body of the fresh worker process of :func:`cpu_peak_rss` (``python -c``): reads
     ``{"warmup", "threads"}`` as a JSON first line and the pickled step from stdin, prints one
@@ -103,20 +164,8 @@ def _rss_worker_main() -> None:
         torch.set_num_threads(int(header["threads"]))
         step = torch.load(io.BytesIO(blob), weights_only=False)
         del blob
-        for _ in range(max(0, int(header["warmup"]))):
-            step()
-        gc.collect()
-        before = _status_kib("VmRSS")
-        note = ""
-        try:
-            with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-                fh.write("5")
-        except OSError as exc:
-            note = f"clear_refs not writable ({exc.strerror}): the high-water mark includes warm-up"
-        res = step()
-        hwm = _status_kib("VmHWM")
-        del res
-        out = {"status": "ok", "peak": hwm - before, "baseline": before, "note": note}
+        peak, before, note = _measure_rss(step, int(header["warmup"]))
+        out = {"status": "ok", "peak": peak, "baseline": before, "note": note}
     except BaseException as exc:  # report anything to the parent
         out["note"] = f"{type(exc).__name__}: {exc}"
     sys.stdout.write("\n" + json.dumps(out) + "\n")
@@ -132,8 +181,9 @@ def cpu_peak_rss(
     model and the batch; the worker has its own copy) and sent to a new ``python -c`` process
     (not multiprocessing: nothing of the caller's ``__main__`` is re-imported). The worker warms
     up, reads ``VmRSS``, resets the high-water mark through ``/proc/self/clear_refs``, calls
-    ``step()`` once and reports ``VmHWM - VmRSS`` (NaN, the note saying why, when ``step``
-    cannot be pickled, e.g. a model holding a lambda). glibc's mmap threshold is fixed at
+    ``step()`` once and reports ``VmHWM - VmRSS``. A ``step`` that cannot be pickled (e.g. a
+    model holding a lambda) is measured in this process (:func:`inprocess_peak_rss`; the note
+    says so and why). glibc's mmap threshold is fixed at
     64 KiB in the worker, so freed tensors leave the RSS instead of being recycled unseen.
     ``threads`` defaults to this process's torch thread count.
     """
@@ -147,12 +197,9 @@ def cpu_peak_rss(
     try:
         torch.save(step, buf)
     except Exception as exc:  # noqa: BLE001 - e.g. a model holding a lambda or a local class
-        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-        return Memory(
-            math.nan,
-            method="rss_fresh_worker",
-            note=f"the model cannot be pickled for the fresh worker ({why}); CPU peak RSS "
-            "not measured (memory_cpu: false skips it)",
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:120]
+        return inprocess_peak_rss(
+            step, warmup=warmup, why=f"the step cannot be pickled for a fresh worker: {why}"
         )
     header = json.dumps({"warmup": int(warmup), "threads": int(threads or torch.get_num_threads())})
     code = "from deqbench.performance.memory import _rss_worker_main; _rss_worker_main()"

@@ -14,7 +14,8 @@ Rows (analysis ``throughput``; ``step`` 0 = before training, = epochs after trai
   optimiser step (zero_grad, forward, loss, backward, step with the cell's optimiser) on a copy
   of the model, so the model under analysis is not changed;
 * ``eval_peak_memory`` / ``train_peak_memory`` (MiB) in their own pass: GPU
-  ``max_memory_allocated`` above the baseline; CPU peak RSS of a fresh worker process;
+  ``max_memory_allocated`` above the baseline; CPU peak RSS of a fresh worker process (of this
+  process, the note says why, for a model that cannot be pickled);
 * ``param_count``, ``batch_size``, ``threads`` (and on GPU the TF32 / cudnn.benchmark flags).
 
 Timing: CUDA events on GPU, ``perf_counter`` on CPU with the thread count recorded; ``warmup``

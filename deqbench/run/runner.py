@@ -241,7 +241,7 @@ class _Progress:
     def finished(self, r: TaskResult) -> None:
         self.done += 1
         line = f"[{self.done}/{self.total}] {r.cell_id} seed={r.seed}: {r.status} ({r.wall_time:.2f} s)"
-        if r.note:
+        if r.note and r.status != res.FLAGGED:  # a flag's note is printed once, with the summary
             line += f" {r.note}"
         if self.bar is not None:
             self.bar.advance(self.cells)

@@ -13,8 +13,12 @@ checked against its tolerance and, where recomputed, verified) to a :class:`Solv
   test pass with gradients, spectral norms at z*).
 
 A tally of a flagging phase whose solves missed tolerance in more than :data:`MISSED_SHARE`
-of them flags the cell, with a note that says what missed, by how much, in which stop mode (and
-under which stop rule where it is not the default ``sample_max``), and a fix that can work (raise ``max_iter`` only where the solver reached it).
+of them flags the cell, with a note of at most two short sentences: what missed (how many, by
+how much, in which stop mode, under which stop rule where it is not the default
+``sample_max``), then the one fix that fits the cause, the device and the solver: the rule the
+solves stopped on (their cap, the solver's or the model's own test, a blow-up), read with the
+rate of their traces (:func:`deqbench.core.verdict.solve_trend`): raise ``max_iter`` only where
+the solver reached it and its residual still fell; TF32 advice only on CUDA.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from ..core.verdict import SolveRecord, paused_ledger, rule_text, solve_ledger
 MISSED_SHARE = 0.01
 #: the tightest tolerance advised under bf16 autocast (its relative residual floor is ~4e-3)
 BF16_TOL = 1e-2
+#: a fix that would need more than this many times max_iter is "a faster solver", not "more steps"
+RAISE_LIMIT = 20
 #: phases whose missed solves flag the cell (``init`` is reported only)
 FLAGGING = ("train", "eval", "probe")
 #: what each phase's solves are, for notes
@@ -70,6 +76,10 @@ class SolveTally:
     claims: list[str] = field(default_factory=list)
     verified: int = 0  # solves whose residual was recomputed
     plateau: int = 0  # missed solves at the cap whose residual had stopped falling
+    diverged: int = 0  # missed solves that blew up (non-finite, or far above their start)
+    device: str = ""  # the device type the solves ran on ("cuda": TF32 advice applies)
+    to_tol: list[float] = field(default_factory=list)  # at the cap, still falling: steps needed
+    power: float = float("nan")  # the largest k^-p exponent read from a sublinear trace
 
     def add_record(self, rec: SolveRecord) -> None:
         self.batches += 1
@@ -86,9 +96,15 @@ class SolveTally:
             self.worst = rec.residual
         if rec.claim:
             self.claims.append(rec.claim)
+        elif rec.status == "diverged":
+            self.diverged += 1
         elif rec.max_iter is not None and rec.nstep >= rec.max_iter or rec.status == "max_iter":
             self.at_cap += 1
             self.plateau += rec.plateau
+            if not rec.plateau and rec.to_tol == rec.to_tol:
+                self.to_tol.append(rec.to_tol)
+            if rec.power == rec.power and not self.power >= rec.power:
+                self.power = rec.power
         else:
             self.own_stop[rec.status] += 1
 
@@ -104,58 +120,92 @@ class SolveTally:
             and self.missed > MISSED_SHARE * self.batches
         )
 
+    def _cause(self) -> str:
+        """What most missed solves stopped on: claim | diverged | cap | own_rule."""
+        counts = {
+            "claim": len(self.claims),
+            "diverged": self.diverged,
+            "cap": self.at_cap,
+            "own_rule": sum(self.own_stop.values()),
+        }
+        return max(counts, key=lambda k: counts[k])  # ties: the order above
+
     def _fix(self) -> str:
+        """The one fix (a sentence) that fits what the missed solves stopped on."""
         key = "solver" if self.kind == "forward" else "backward"
         others = [x for x in ("anderson", "broyden", "fixed_point") if x != self.solver][:2]
         alt = (
-            f"try another solver ({key}.solver: {' or '.join(others)})"
+            f"try {key}.solver: {others[0]}"
             if self.kind == "adjoint"
-            else f"try another solver (e.g. {others[0]})"
+            else f"try solver {others[0]}"
         )
         if self.amp == "bf16" and self.tol < BF16_TOL:
             return (f"bf16's relative residual floor is about 4e-3: set {key}.tol >= "
                     f"{BF16_TOL:g} or runtime.amp: none")  # fmt: skip
-        if self.claims:
-            return f"the solver's own convergence test is wrong: {alt} or fix the solver"
-        fixes = []
-        if self.solver.startswith("own"):
-            return (f"the model's own solver missed ({self.missed} solves, "
-                    f"{min(self.steps, default=0)}-{max(self.steps, default=0)} steps): raise "
-                    "its own iteration cap or tolerance in the model's parameters")  # fmt: skip
+        cause = self._cause()
+        own = self.solver.startswith("own")
+        who = "The model's own loop" if own else f"Solver {self.solver}".rstrip()
+        steps = f"{min(self.steps, default=0)}-{max(self.steps, default=0)}"
+        cap = f" of {self.max_iter}" if self.max_iter else ""
+        if cause == "claim":
+            return f"The solver's own convergence test is wrong: {alt} or fix the solver"
+        if cause == "diverged":
+            fix = (
+                "damp its update or constrain the model" if own else f"{alt} or constrain the model"
+            )
+            return f"{who} diverged (its residual blew up): {fix}"
+        if cause == "own_rule":
+            if own:
+                return (f"The model's own loop stopped on its own test after {steps}{cap} steps, "
+                        f"above tol: tighten that test (the model's tolerance)")  # fmt: skip
+            why = ", ".join(sorted(self.own_stop))
+            return (f"{who} stopped by its own rule ({why}) after {steps}{cap} steps: {alt}, "
+                    f"or loosen {key}.tol")  # fmt: skip
+        raise_cap = f"raise {'its iteration cap' if own else f'{key}.max_iter'}"
         if self.at_cap and self.plateau == self.at_cap:
-            why = (("a precision floor near the tolerance (on CUDA, TF32 convolutions and "
-                    f"matmuls: set tf32: false) or a tol below what the model reaches: loosen "
-                    f"{key}.tol or {alt}") if self.worst < 1e-2 else
-                   (f"the iteration does not approach a fixed point (a cycle, or no "
-                    f"contraction): {alt} or constrain the model"))  # fmt: skip
-            fixes.append(f"the residual stopped falling well before max_iter ({self.max_iter}) "
-                         f"in all {self.at_cap}, so more steps will not help: {why}")  # fmt: skip
-        elif self.at_cap:
-            fixes.append(f"raise {key}.max_iter (the solver used all {self.max_iter} steps in "
-                         f"{self.at_cap} of them)")  # fmt: skip
-        if self.own_stop:
-            why = ", ".join(f"{s}" for s in sorted(self.own_stop))
-            rng = f"{min(self.steps)}-{max(self.steps)}" if self.steps else "?"
-            cap = f" of {self.max_iter}" if self.max_iter else ""
-            fixes.append(f"{self.solver or 'the solver'} stopped by its own rule ({why}) after "
-                         f"{rng}{cap} steps: {alt}, or loosen {key}.tol")  # fmt: skip
-        if not fixes:
-            fixes.append(alt)
-        return "; ".join(fixes)
+            if self.worst >= 1e-2:
+                why = f"a cycle, or no contraction: {alt} or constrain the model"
+            elif self.device == "cuda":
+                why = f"a precision floor: set tf32: false or loosen {key}.tol"
+            else:
+                why = f"a precision floor: loosen {key}.tol or use float64"
+            return (
+                f"The residual stopped falling before the cap, so more steps will not help ({why})"
+            )
+        need = max(self.to_tol, default=math.nan)
+        rate = f" as k^-{self.power:.2g}" if self.power == self.power else ""
+        if need == need and self.max_iter and need > RAISE_LIMIT * self.max_iter:
+            steps_needed = "more than 1e9" if not need < 1e9 else f"about {_round_up(need)}"
+            pace = rate.strip() or "at its rate"
+            return (f"Falling {pace}, the residual needs {steps_needed} steps to reach tol: "
+                    f"{'loosen the tolerance' if own else f'{alt} or loosen {key}.tol'}")  # fmt: skip
+        target = f" to about {_round_up(need)}" if need == need else ""
+        where = " in the model's parameters" if own else ""
+        used = f"all {self.max_iter} steps used" if self.max_iter else "its cap reached"
+        return f"{raise_cap[0].upper()}{raise_cap[1:]}{target}{where} ({used}, the residual still falling{rate})"
 
     def note(self) -> str:
-        """One line: what missed, by how much (in the stop mode tested), and the fix."""
+        """At most two sentences: what missed, by how much (in the stop mode tested); the fix."""
         what = PHASE_WORDS.get(self.phase, self.phase)
-        share = f"{self.missed} of {self.batches} {what} ({100 * self.share:.1f}%"
         rule = rule_text(self.stop)
         worst = f"worst {self.stop_mode} residual{rule} {self.worst:.3g}"
-        head = f"{self.kind} solve missed {self.stop_mode} tol {self.tol:g}{rule} in {share}"
+        head = (f"{self.kind} solve missed {self.stop_mode} tol {self.tol:g}{rule} in "
+                f"{self.missed} of {self.batches} {what} ({100 * self.share:.1f}%")  # fmt: skip
         claim = f"; {self.claims[0]}" if self.claims else ""
         if not self.flagged:
             limit = (f" <= {100 * MISSED_SHARE:g}%, not flagged" if self.phase in FLAGGING
                      else ", reported only")  # fmt: skip
             return f"{head}{limit}; {worst}{claim})"
-        return f"{head} > {100 * MISSED_SHARE:g}%; {worst}{claim}): {self._fix()}"
+        return f"{head}; {worst}{claim}). {self._fix()}"
+
+
+def _round_up(n: float) -> str:
+    """A step count rounded up to two significant digits (``1234.5`` -> ``1300``)."""
+    n = math.ceil(n)
+    if n < 100:
+        return str(n)
+    scale = 10 ** (len(str(n)) - 2)
+    return str(-(-n // scale) * scale)
 
 
 def rule_note(stop: str) -> str:
@@ -169,6 +219,7 @@ class Tallies:
     """The tallies of a task, by (kind, phase)."""
 
     amp: str = "none"
+    device: str = ""  # the device type the task runs on (for the fix hints)
     by_key: dict[tuple[str, str], SolveTally] = field(default_factory=dict)
     #: the model normalises with BatchNorm and train.precise_bn is off (for the eval hint)
     batchnorm: bool = False
@@ -176,7 +227,7 @@ class Tallies:
     def get(self, kind: str, phase: str) -> SolveTally:
         key = (kind, phase)
         if key not in self.by_key:
-            self.by_key[key] = SolveTally(kind, phase, amp=self.amp)
+            self.by_key[key] = SolveTally(kind, phase, amp=self.amp, device=self.device)
         return self.by_key[key]
 
     def add(self, phase: str, records: list[SolveRecord]) -> None:
@@ -199,8 +250,17 @@ class Tallies:
         return iter(self.by_key.values())
 
     def flags(self) -> list[str]:
-        """The notes of the flagged tallies, then :meth:`hints`."""
-        return [t.note() for t in self if t.flagged] + self.hints()
+        """One note per kind of solve (forward, adjoint) whose tallies flag the cell (at most
+        two sentences: what missed in each phase, the fix of the phase that missed most), then
+        :meth:`hints`."""
+        out = []
+        for kind in dict.fromkeys(t.kind for t in self):
+            flagged = [t for t in self if t.kind == kind and t.flagged]
+            if len(flagged) == 1:
+                out.append(flagged[0].note())
+            elif flagged:
+                out.append(_merged(flagged))
+        return out + self.hints()
 
     def hints(self) -> list[str]:
         """Causes the tallies point to (a cause-and-fix line each)."""
@@ -208,9 +268,21 @@ class Tallies:
         ev, tr = self.by_key.get(("forward", "eval")), self.by_key.get(("forward", "train"))
         if ev is not None and ev.flagged and self.batchnorm and (tr is None or not tr.flagged):
             out.append(
-                "training solves converged but evaluation solves did not: eval mode normalises "
-                "with BatchNorm running statistics, which after few steps still weigh their "
-                "initial values; set train.precise_bn: true (recomputed over the training set) "
-                "or train longer"
+                "evaluation solves missed, training solves did not: BatchNorm's running "
+                "statistics still weigh their initial values. Set train.precise_bn: true"
             )
         return out
+
+
+def _merged(tallies: list[SolveTally]) -> str:
+    """The note of several flagged tallies of one kind: what missed in each phase, then the fix
+    of the one with most missed solves."""
+    first = tallies[0]
+    rule = rule_text(first.stop)
+    parts = ", ".join(f"{t.missed} of {t.batches} {PHASE_WORDS.get(t.phase, t.phase)}"
+                      for t in tallies)  # fmt: skip
+    worst = max((t.worst for t in tallies), key=lambda w: (w != w, w))  # NaN is the worst
+    main = max(tallies, key=lambda t: t.missed)
+    claim = next((f"; {t.claims[0]}" for t in tallies if t.claims), "")
+    return (f"{first.kind} solve missed {first.stop_mode} tol {first.tol:g}{rule} in {parts} "
+            f"(worst {first.stop_mode} residual{rule} {worst:.3g}{claim}). {main._fix()}")  # fmt: skip

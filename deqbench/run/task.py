@@ -438,7 +438,7 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
             cell.as_dict(),
             Path(task.run_dir) if task.run_dir else None,
         )
-        tallies.amp = runtime.amp
+        tallies.amp, tallies.device = runtime.amp, torch.device(task.device).type
         tallies.batchnorm = not cell.train_config().precise_bn and any(
             isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()
         )
@@ -511,12 +511,13 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
             _one_line(exc) if isinstance(exc, Exception) else f"{plugin_fault(exc)} while {stage}"
         )
     if status == "ok":
+        # the missed solves: one note per kind of solve (its phases merged), then the hints
+        flags += tallies.flags()
         flags += [
-            r["note"] if r["analysis"] == CONVERGENCE else f"{r['analysis']}: {r['note']}"
+            f"{r['analysis']}: {r['note']}"
             for r in rows
-            if r["status"] == FLAGGED
+            if r["status"] == FLAGGED and r["analysis"] != CONVERGENCE
         ]
-        flags += tallies.hints()
         # an analysis measurement that failed outright (error, oom, nan) leaves the cell's
         # training intact but the measurement missing: never "ok"
         flags += [

@@ -254,7 +254,8 @@ def train(
 
     if tallies is not None:
         result.tallies = tallies
-    result.tallies.amp = runtime.amp
+    result.tallies.amp, result.tallies.device = runtime.amp, Xtr.device.type
+    data_range = float((data.meta or {}).get("data_range", 1.0))  # PSNR/SSIM of image targets
 
     def hook(phase: str, cb: Any, method: str, info: Any) -> None:
         """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
@@ -264,7 +265,7 @@ def train(
     def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
         phase = "init" if epoch == 0 else "eval"
         with result.tallies.counting(phase):  # evaluate verifies its solves
-            test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime)
+            test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime, data_range)
         rec = {
             "epoch": float(epoch),
             **{f"train_{k}": v for k, v in train_stats.items()},
@@ -277,7 +278,7 @@ def train(
 
     if cfg.eval_before:
         with result.tallies.counting("init"):
-            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime)
+            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime, data_range)
         epoch_end(0, ev)
 
     step = 0
@@ -316,15 +317,7 @@ def train(
                     # A diverged forward solve stops the cell even if the loss is still finite
                     # (the solver returns its lowest-residual iterate, which can hide a blow-up).
                     fwd = last_stats(model) if has_deq else {}
-                    res = fwd.get("forward_rel_residual", math.nan)
-                    if fwd.get("forward_diverged") and math.isfinite(res):
-                        result.status = "diverged"
-                        result.note = f"forward solver diverged at epoch {epoch} step {step + 1}"
-                    else:
-                        result.status = "nan"
-                        result.note = f"non-finite loss {lv} at epoch {epoch} step {step + 1}"
-                    if fwd:
-                        result.note += f" (forward rel residual {res:.3g}, {fwd.get('forward_nstep', 0):.0f} f-evals)"
+                    result.status, result.note = _stopped(lv, fwd, f"epoch {epoch} step {step + 1}")
                     result.steps = step
                     return result
                 loss.backward()
@@ -362,3 +355,23 @@ def train(
         if cfg.max_steps is not None and step >= cfg.max_steps:
             break
     return result
+
+
+def _stopped(loss: float, fwd: dict[str, float], where: str) -> tuple[str, str]:
+    """(status, note) of a training stopped by a non-finite loss or a diverged forward solve
+    (``fwd``: :func:`last_stats` of the batch): a solver that produced NaN is named as such, not
+    reported as a non-finite loss the loss does not show."""
+    res = fwd.get("forward_rel_residual", math.nan)
+    evals = f"{fwd.get('forward_nstep', 0):.0f} f-evals"
+    if fwd.get("forward_diverged") and math.isfinite(res):
+        return "diverged", f"forward solver diverged at {where} (rel residual {res:.3g}, {evals})"
+    if fwd.get("forward_diverged") or (fwd and not math.isfinite(res)):
+        tail = "" if math.isfinite(loss) else f", loss {loss}"
+        return (
+            "nan",
+            f"forward solver produced a non-finite residual ({res}) at {where} ({evals}{tail})",
+        )
+    note = f"non-finite loss {loss} at {where}"
+    if fwd:
+        note += f" (forward rel residual {res:.3g}, {evals})"
+    return "nan", note

@@ -88,6 +88,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.tags import SolverTags, as_tags, solver_tags
 from .graphs import (
     _GRAPH_CACHE,  # noqa: F401  (read by tests)
     AUTO_NUMEL,
@@ -159,6 +160,7 @@ __all__ = [
     "SolverOptionError",
     "SolverOptions",
     "SolverStats",
+    "SolverTags",
     "Tracker",
     "batch_norm",
     "check_budget",
@@ -187,6 +189,7 @@ __all__ = [
     "residuals",
     "rule_value",
     "solver",
+    "solver_tags",
     "solver_options_model",
     "stop_problem",
     "supports_graph",
@@ -227,6 +230,7 @@ def solver(
     needs_structure: Any = False,
     solves_tangent: bool = False,
     unroll: Callable[..., Any] | None = None,
+    tags: SolverTags | dict[str, Any] | None = None,
 ) -> Callable[
     [Callable[..., tuple[Tensor, SolverStats]]], Callable[..., tuple[Tensor, SolverStats]]
 ]:
@@ -243,8 +247,10 @@ def solver(
     ``Options`` (the model), ``OPTIONS`` (its field names), ``supports_cuda_graph``
     (``cuda_graph=True``: ``options`` must subclass :class:`GraphOptions`), ``graph_numel``
     (the largest state the DEQ layer's automatic graph path captures; default
-    :data:`AUTO_NUMEL`), ``needs_structure``, ``solves_tangent`` and ``unroll`` (see
-    :class:`deqbench.contracts.Solver`).
+    :data:`AUTO_NUMEL`), ``needs_structure``, ``solves_tangent``, ``unroll`` (see
+    :class:`deqbench.contracts.Solver`) and ``tags`` (a :class:`~deqbench.core.tags.SolverTags`
+    or a dict of its fields, e.g. ``tags={"rate": "sublinear"}``: what the diagnosis of missed
+    solves and the registry-driven tests read; default: the defaults).
 
     Example:
         >>> from pydantic import Field
@@ -272,6 +278,7 @@ def solver(
     """
     if cuda_graph and not issubclass(options, GraphOptions):
         raise TypeError("@solver(cuda_graph=True) needs an options model subclassing GraphOptions")
+    declared = as_tags(tags)
 
     def wrap(impl: Callable[..., tuple[Tensor, SolverStats]]) -> Callable[..., Any]:
         sname = name or impl.__name__
@@ -328,6 +335,7 @@ def solver(
             s.solves_tangent = True
         if unroll is not None:
             s.unroll = unroll
+        s.tags = declared
         return solve
 
     return wrap

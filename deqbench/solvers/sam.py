@@ -151,7 +151,7 @@ def unroll(
 
 
 @solvers.register("sam")
-@solver(SamOptions, unroll=unroll)
+@solver(SamOptions, unroll=unroll, tags={"rate": "sublinear"})
 def sam(
     f: Callable[[Tensor], Tensor],
     z0: Tensor,

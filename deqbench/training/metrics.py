@@ -1,7 +1,9 @@
-"""Training metrics: train/test loss and accuracy (classification) or MSE (regression) per epoch.
+"""Training metrics: train/test loss and accuracy (classification) or MSE (regression) per epoch,
+and PSNR (dB) and SSIM where the regression targets are images.
 
 Rows (analysis ``metrics``), ``step`` = epoch (0 = before training when ``train.eval_before``):
-``loss``, ``accuracy`` or ``mse``, variant ``train`` (epoch 0: an evaluation pass over the
+``loss``, ``accuracy`` or ``mse`` (and ``psnr``, ``ssim`` for image-shaped regression targets:
+:mod:`deqbench.core.image_metrics`; evaluation passes only), variant ``train`` (epoch 0: an evaluation pass over the
 train set; later epochs: the mean over the epoch's training batches, in train mode) and ``test``
 (an evaluation pass over the test set).
 
@@ -18,8 +20,10 @@ from collections.abc import Mapping
 from ..analyses.base import Analysis, CellContext, EpochInfo, Row
 from ..core.registry import analyses
 
-METRICS = ("loss", "accuracy", "mse")
-UNITS = {"accuracy": "fraction"}
+#: the metrics of an evaluation pass: loss, accuracy (classification) or mse (regression); psnr
+#: and ssim where the regression targets are images (deqbench.core.image_metrics)
+METRICS = ("loss", "accuracy", "mse", "psnr", "ssim")
+UNITS = {"accuracy": "fraction", "psnr": "dB"}
 
 
 def metric_rows(stats: Mapping[str, float], variant: str, step: int | None = None) -> list[Row]:
