@@ -65,6 +65,9 @@ class SolveRecord:
     claim: str = ""  # why the solver's claim was not accepted
     plateau: bool = False  # unconverged, and the last quarter of the steps gained < 2x
     stop: str = "sample_max"  # the stop rule the solve was judged under
+    #: a model's own loop: the library's verdict under its own stop rule (None: not declared)
+    own_converged: bool | None = None
+    own_rule: str = ""
 
 
 @dataclass
@@ -217,6 +220,8 @@ def record(
             claim=str(stats.extra.get("claim", "")),
             plateau=not stats.converged and plateaued(stats),
             stop=str(getattr(stats, "stop", "sample_max")),
+            own_converged=stats.extra.get("own_converged"),
+            own_rule=str(stats.extra.get("own_rule", "")),
         )
     )
 

@@ -70,6 +70,8 @@ class SolveTally:
     claims: list[str] = field(default_factory=list)
     verified: int = 0  # solves whose residual was recomputed
     plateau: int = 0  # missed solves at the cap whose residual had stopped falling
+    own_rule: str = ""  # a model's own loop: the rule the library stops on
+    own_said: int = 0  # missed solves the library's own rule called converged
 
     def add_record(self, rec: SolveRecord) -> None:
         self.batches += 1
@@ -81,6 +83,9 @@ class SolveTally:
         if rec.converged:
             return
         self.missed += 1
+        if rec.own_rule:
+            self.own_rule = rec.own_rule
+            self.own_said += bool(rec.own_converged)
         self.steps.append(rec.nstep)
         if self.worst == self.worst and not rec.residual <= self.worst:  # NaN stays worst
             self.worst = rec.residual
@@ -151,6 +156,9 @@ class SolveTally:
         worst = f"worst {self.stop_mode} residual{rule} {self.worst:.3g}"
         head = f"{self.kind} solve missed {self.stop_mode} tol {self.tol:g}{rule} in {share}"
         claim = f"; {self.claims[0]}" if self.claims else ""
+        if self.own_rule:  # the library's own verdict, beside deqbench's
+            claim += (f"; under its own rule ({self.own_rule}) the library called "
+                      f"{self.own_said} of them converged")  # fmt: skip
         if not self.flagged:
             limit = (f" <= {100 * MISSED_SHARE:g}%, not flagged" if self.phase in FLAGGING
                      else ", reported only")  # fmt: skip
