@@ -15,6 +15,7 @@ import deqbench
 from deqbench.adapters import OwnBackward, OwnLoop, OwnLoopError, track_loop
 from deqbench.core import own_solves, verdict
 from deqbench.models import declare_defaults
+from deqbench.run.labels import cell_labels
 from deqbench.run.plugin_checks import check_all
 from deqbench.run.solves import SolveTally
 from deqbench.solvers.base import residuals
@@ -240,3 +241,26 @@ def test_track_loop_gives_the_same_as_ownloop():
     with track_loop(net, "step", loop="loop", state="est.0", tol=1e-4) as rec:
         net(y)
     assert rec.stats.extra["calls_after_loop"] == 2
+
+
+@declare_defaults(own_solver="{loop}", own_backward="jfb", init="default")
+def picked_loop(in_shape=(5,), num_outputs=5, loop="plain"):
+    net = DictLoop(d=int(torch.tensor(in_shape).prod()), contraction=0.3)
+    return OwnLoop(net, map="step", loop="loop", state="est.0", tol="tol",
+                   solver_name=loop, backward_name="jfb")  # fmt: skip
+
+
+def test_a_factory_option_names_the_loop_per_cell(tmp_path):
+    deqbench.models.add("picked_loop", picked_loop)
+    try:
+        text = SUITE.replace("analyses:", "matrix:\n  model.loop: [plain, anderson]\nanalyses:")
+        p = write_suite(tmp_path, text, replace={"MODEL": "picked_loop"})
+        suite = deqbench.load_suite(p)
+        found = check_all([suite], data=False)
+        labels = [cell_labels(c.as_dict()) for c in suite.cells]
+    finally:
+        deqbench.models.remove("picked_loop")
+    assert labels == [("own:plain", "own:jfb"), ("own:anderson", "own:jfb")]
+    assert all("own_plain" in c.id or "own_anderson" in c.id for c in suite.cells)
+    # the built models agree with their cells' names: no [model.solve_stats]
+    assert not [v for v in found if v.clause == "model.solve_stats"], [v.line() for v in found]

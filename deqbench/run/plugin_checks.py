@@ -537,7 +537,7 @@ class ContractChecks:
                     )
             except PluginError as exc:
                 self.add("model", name, "model.solve_stats", str(exc))
-        self._own_names(name, model)
+        self._own_names(name, model, c.model_params()[1])
 
     def _cell_hooks(self, model: Any, name: str) -> list[Any]:
         """Forward pre-hooks on ``model``'s DEQ layers that check each cell once, on the
@@ -571,14 +571,14 @@ class ContractChecks:
             for layer in deq.deq_layers(model)
         ]
 
-    def _own_names(self, name: str, model: Any) -> None:
+    def _own_names(self, name: str, model: Any, params: dict[str, Any]) -> None:
         """A model's declaration (what cell ids say before it is built) and the built model
         agree on whether and under which names it reports its own solves."""
         from .. import models
 
-        declared = models.own_solver_label(name)
+        declared = models.own_solver_label(name, params)
         try:
-            built = models.solver_columns(name, model)
+            built = models.solver_columns(name, model, params)
         except ConfigError as exc:
             self.add("model", name, "model.solve_stats", str(exc))
             return

@@ -419,7 +419,7 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
         from ..models import solver_columns
 
         deq.watch_own_solves(model)  # a model that reports its own solves: each one is recorded
-        own = solver_columns(mname, model)
+        own = solver_columns(mname, model, mparams)
         if own is not None:
             # a model that computes its own equilibrium: the suite's solver and backward mode do
             # not reach it; the columns say what solved it (own:<name>, from its
