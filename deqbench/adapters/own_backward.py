@@ -14,8 +14,9 @@ makes (the hooks are registered at the call, so they run before the library's):
 * every gradient that passes through another map call's output meanwhile is one VJP of the
   solve (``nstep``); where that call's state input is a leaf tensor, the VJP's result
   ``J^T v`` is read too, and the trace row is the residual of ``v``: ``J^T v + g - v``;
-* the residual of ``w`` is recomputed by deqbench: one more evaluation of the map at ``z*``
-  and one VJP (``extra["check_evals"]``), ``abs = ||J^T w + g - w||``, ``rel = abs /
+* the residual of ``w`` is recomputed by deqbench: one more evaluation of the map where the
+  library linearised it (the input of the call its VJPs went through, else ``z*``) and one
+  VJP (``extra["check_evals"]``), ``abs = ||J^T w + g - w||``, ``rel = abs /
   ||J^T w + g||`` per sample, judged against the library's tolerance under the run's stop
   rule (the library's own rule, ``stop``, gives ``extra["own_converged"]`` beside it).
 
@@ -92,6 +93,7 @@ class AdjointRecord:
         self._active: int | None = None
         self._g: Tensor | None = None
         self._last_v: Tensor | None = None
+        self._vjp_call: int | None = None
         self._vjps = 0
         self._abs: list[Tensor] = []
         self._rel: list[Tensor] = []
@@ -117,18 +119,20 @@ class AdjointRecord:
         if self._active is None:  # a gradient reaches a map call's output: a solve may start
             self._active, self._g = k, g.detach()
             self._vjps, self._abs, self._rel, self._last_v = 0, [], [], None
+            self._vjp_call = None
 
     def _outgoing(self, k: int, nr: int, grads: tuple) -> None:
         w = grads[nr] if nr < len(grads) else None
         if k != self._active:
             if self._active is not None and w is not None:  # a VJP of the solve
                 self._vjps += 1
-                self._last_v = w.detach()
+                self._last_v, self._vjp_call = w.detach(), k
             return
         g, self._active = self._g, None
         if w is None or g is None or w is g or torch.equal(w, g):
             return  # the gradient passed unchanged: no adjoint solve here
-        self._finish(k, g, w.detach())
+        # J^T w where the library linearised the map: the call its VJPs went through
+        self._finish(k if self._vjp_call is None else self._vjp_call, g, w.detach())
 
     def _jtv(self, jtv: Tensor) -> None:
         v, g = self._last_v, self._g
