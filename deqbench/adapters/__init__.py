@@ -11,9 +11,11 @@ Two ways to adapt a network that computes its equilibrium with its own code:
   method (or submodule) of the network, holding only the map's submodules as its parameters,
   for a :class:`deqbench.deq.DEQLayer` (every solver and backward mode then applies).
 
-**What** :class:`OwnLoop` **measures.** For each call of the map ``F(z, *args)`` (``z``: its
-first positional argument; its output, or the first element of a returned tuple, must be shaped
-like ``z``): the per-sample ``abs = ||F(z) - z||`` and ``rel = abs / ||F(z)||``
+**What** :class:`OwnLoop` **measures.** For each call of the map ``F(X, *args)`` (``X``: its
+first positional argument, a tensor or a dict / tuple / dataclass of tensors; ``z``: the state
+``state=`` reads from it, :mod:`deqbench.core.trees`; the output of the same form, or for a
+tensor ``X`` a tuple whose first element is the next iterate, its state shaped like ``z``): the
+per-sample ``abs = ||F(z) - z||`` and ``rel = abs / ||F(z)||``
 (:func:`deqbench.solvers.base.residuals`) *of the call's input* ``z``. The calls that are
 iterations of the loop (below) give ``nstep`` and the traces (row ``t``: the residual of the
 ``t``-th iterate the loop evaluated the map at). ``abs_residual``/``rel_residual``, hence
@@ -22,8 +24,10 @@ iterations of the loop (below) give ``nstep`` and the traces (row ``t``: the res
 ``max_iter`` without converging; else ``max_iter``) are those of the iterate the loop
 *returned*, ``z_ret``, which is:
 
-* with ``loop=`` (the network's method or submodule that runs the loop): its return value
-  (the first tensor of it). Its residual is that of the first map call whose input is
+* with ``loop=`` (the network's method or submodule that runs the loop): its return value,
+  read by ``returned=`` (default: the value, else its first element, whose state has the
+  iterates' shape; one that cannot be read is an :class:`OwnLoopError`, [model.own_loop]). Its
+  residual is that of the first map call whose input is
   ``z_ret`` (same storage, or equal values: the last iteration's input, or the input of the step
   a Jacobian-free backward applies after the loop); when no call evaluated the map at ``z_ret``
   (a loop that returns ``F(z)`` or a damped update and makes no step after it), the map is
@@ -34,7 +38,11 @@ iterations of the loop (below) give ``nstep`` and the traces (row ``t``: the res
   iteration.
 
 ``extra["returned"]`` says which it was; ``extra["max_iter"]`` is the loop's cap,
-``extra["map_calls"]`` every call of the map in the forward. The residual of ``z_ret`` may
+``extra["map_calls"]`` every call of the map in the forward, ``extra["calls_after_loop"]``
+(with ``loop=``) those after the loop. With ``stop=`` (the library's own stop rule) the
+library's verdict is ``extra["own_converged"]``; ``converged`` follows the run's rule
+(:func:`deqbench.core.own_solves.judged_under`). ``adjoint=``:class:`OwnBackward` measures the
+network's own adjoint solve too (:mod:`.own_backward`). The residual of ``z_ret`` may
 differ from what the network's own stopping test measured (e.g. a loop that tests ``z`` and
 returns ``F(z)``): deqbench judges the iterate that is returned.
 
