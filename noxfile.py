@@ -35,6 +35,9 @@ DOCS = (
 #: tests/test_torchdeq_plugin.py compares the example plugin against TorchDEQ (from PyPI; the
 #: plugin itself is put on sys.path by the test)
 TORCHDEQ = ("torchdeq==0.1.0",)
+#: tests/test_example_deepinv.py runs DeepInverse's DEQ through examples/deqbench-deepinv (from
+#: PyPI; its dependencies leave torch as pinned above)
+DEEPINV = ("deepinv==0.5.0",)
 EXTRAS = "test,dask"
 SHARED = Path(__file__).resolve().parent / ".nox" / "_torch"
 
@@ -60,7 +63,7 @@ def _shared(session: nox.Session) -> _Env:
     """The shared torch virtualenv, made (Python 3.11) and filled on first use; refilled when
     the requirements or pyproject.toml change. Delete ``.nox/_torch`` to make it afresh."""
     env = _Env(session)
-    reqs = [*TORCH, f"-e .[{EXTRAS}]", *TYPECHECK, *DOCS, *TORCHDEQ]
+    reqs = [*TORCH, f"-e .[{EXTRAS}]", *TYPECHECK, *DOCS, *TORCHDEQ, *DEEPINV]
     pyproject = (Path(__file__).resolve().parent / "pyproject.toml").read_bytes()
     key = hashlib.sha256("\n".join(reqs).encode() + pyproject).hexdigest()
     stamp = SHARED / "deqbench-requirements.sha256"
@@ -72,7 +75,7 @@ def _shared(session: nox.Session) -> _Env:
     if not stamp.exists() or stamp.read_text() != key:
         env.install("--upgrade", "pip")
         env.install(*TORCH)
-        env.install("-e", f".[{EXTRAS}]", *TYPECHECK, *DOCS, *TORCHDEQ)
+        env.install("-e", f".[{EXTRAS}]", *TYPECHECK, *DOCS, *TORCHDEQ, *DEEPINV)
         stamp.write_text(key)
     return env
 
@@ -81,8 +84,9 @@ def _shared(session: nox.Session) -> _Env:
 def tests(session: nox.Session) -> None:
     """The test suite on CPU (GPU tests deselected; slow ones included), then the docstring
     examples of the package (so that documented outputs stay true). Extra args go to pytest
-    (``nox -s tests -- -m "not slow and not gpu"``: the fast lane). The ``dask`` extra and
-    TorchDEQ are installed, so that tests/test_dask.py and tests/test_torchdeq_plugin.py run."""
+    (``nox -s tests -- -m "not slow and not gpu"``: the fast lane). The ``dask`` extra, TorchDEQ
+    and DeepInverse are installed, so that tests/test_dask.py, tests/test_torchdeq_plugin.py and
+    tests/test_example_deepinv.py run."""
     env = _shared(session)
     env.run("python", "-m", "pytest", "-m", "not gpu", *session.posargs)
     env.run(

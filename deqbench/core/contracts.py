@@ -55,6 +55,8 @@ CLAUSES: dict[str, str] = {
     "model.cell": "each DEQLayer's cell is an nn.Module whose forward(z, u) keeps z's shape",
     "model.cell_pure": "an f-evaluation (the cell's forward under no_grad, in training mode) "
     "changes no buffer of the model (e.g. no BatchNorm running statistics inside the cell)",
+    "model.own_loop": "a model's own loop measured by deqbench (deqbench.adapters.OwnLoop): "
+    "its map's iterate and the value its loop returns can be read (state=, returned=)",
     "model.declared": "the model's declaration (declare_defaults) admits the cell's solver and "
     "backward mode",
     "model.solve_stats": "a model without DEQ layers that has last_solve_stats() returns, after "
@@ -244,7 +246,10 @@ class OwnSolverModel(Protocol):
 
     :class:`deqbench.adapters.OwnLoop` adds the hook to a network without touching its code:
     it intercepts the map its loop calls and reports every f-evaluation, the residual traces
-    and the returned iterate's residual.
+    and the returned iterate's residual (and, with ``adjoint=``, the network's own adjoint
+    solve). Its map's iterate (a tensor, or a dict / tuple / dataclass of tensors: ``state=``)
+    and the value its loop returns (``returned=``) can be read [model.own_loop]; a call of its
+    map changes no buffer of the model [model.cell_pure] (checked on its second iteration).
 
     Each solve is read after every forward (and own backward) and counts like a DEQ layer's:
     training, evaluation and the analyses' passes report its f-evaluations and residuals

@@ -34,11 +34,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import difflib
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -292,6 +293,53 @@ def labels(model: Any) -> tuple[str, str]:
     return own_label(getattr(model, SOLVER_ATTR, None)), own_label(
         getattr(model, BACKWARD_ATTR, None)
     )
+
+
+# -- what the run asks of a model's own loop ---------------------------------------------------
+
+_RULE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "deqbench_own_rule", default=None
+)
+_PURITY: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "deqbench_own_purity", default=None
+)
+
+
+@contextlib.contextmanager
+def judged_under(stop: str | None) -> Iterator[None]:
+    """Inside the block, a model's own loop measured by deqbench
+    (:class:`deqbench.adapters.OwnLoop`) is judged under the stop rule ``stop`` (the run's:
+    the cell's ``solver.stop``; None: the default ``sample_max``), whatever rule the library
+    stops on; the library's own verdict is kept beside it."""
+    token = _RULE.set(stop)
+    try:
+        yield
+    finally:
+        _RULE.reset(token)
+
+
+def run_rule() -> str:
+    """The stop rule a model's own loop is judged under now (:func:`judged_under`)."""
+    return _RULE.get() or "sample_max"
+
+
+@contextlib.contextmanager
+def purity_probe() -> Iterator[list[str]]:
+    """Inside the block, a model's own loop measured by deqbench compares the model's buffers
+    before and after one call of its map (the second iteration, so that a cache filled once
+    passes), puts them back, and appends the names of those that changed to the yielded list
+    (the contract check [model.cell_pure] of own-loop maps)."""
+    found: list[str] = []
+    token = _PURITY.set(found)
+    try:
+        yield found
+    finally:
+        _PURITY.reset(token)
+
+
+def probing_purity() -> list[str] | None:
+    """The list of :func:`purity_probe` (None outside one)."""
+    return _PURITY.get()
 
 
 # -- recording each solve in the runner's ledger ----------------------------------------------

@@ -72,6 +72,9 @@ class SolveRecord:
     to_tol: float = math.nan
     rate: str = "linear"  # the rate the solver declares (deqbench.core.tags), or "linear"
     power: float = math.nan  # read as sublinear: the residual falls as k^-power
+    #: a model's own loop: the library's verdict under its own stop rule (None: not declared)
+    own_converged: bool | None = None
+    own_rule: str = ""
 
 
 @dataclass
@@ -232,6 +235,8 @@ def record(
             to_tol=trend.to_tol,
             rate=rate,
             power=trend.power,
+            own_converged=stats.extra.get("own_converged"),
+            own_rule=str(stats.extra.get("own_rule", "")),
         )
     )
 

@@ -85,7 +85,10 @@ def declare_defaults(
     code runs, for a model that computes its own equilibrium and reports its solves
     (``last_solve_stats()``, :class:`deqbench.contracts.OwnSolverModel`; ``solvers`` and
     ``backward_modes`` default to ``()``). Its cells say ``solver=own:<own_solver>`` (see
-    :func:`own_solver_label`); a ``solver_name``/``backward_name`` of the model must agree."""
+    :func:`own_solver_label`); a ``solver_name``/``backward_name`` of the model must agree.
+    A name may be a template of the factory's parameters, for a factory whose option picks the
+    loop per cell: ``own_solver="{loop}"`` names cells of ``loop="anderson"``
+    ``own:anderson`` (the parameter's default where the suite leaves it)."""
     decl: dict[str, Any] = {}
     for key, own in (("own_solver", own_solver), ("own_backward", own_backward)):
         if own is None:
@@ -149,7 +152,27 @@ def _own_declaration(name: str) -> dict[str, Any] | None:
     return own or None
 
 
-def own_solver_label(name: str) -> tuple[str, str] | None:
+def _own_named(name: str, template: Any, params: dict[str, Any] | None) -> Any:
+    """A declared own name with its ``{param}`` templates filled from ``params`` over the
+    factory's defaults (a template naming no parameter is left as it is)."""
+    if not isinstance(template, str) or "{" not in template:
+        return template
+    import inspect
+
+    values: dict[str, Any] = {}
+    try:
+        sig = inspect.signature(get(name))
+        values = {k: p.default for k, p in sig.parameters.items() if p.default is not p.empty}
+    except Exception:  # an unknown or odd factory: the suite's params only
+        pass
+    values.update(params or {})
+    try:
+        return template.format_map(values)
+    except (KeyError, IndexError, ValueError):
+        return template
+
+
+def own_solver_label(name: str, params: dict[str, Any] | None = None) -> tuple[str, str] | None:
     """The ``solver`` and ``backward`` columns of model ``name``'s cells when it computes its
     own equilibrium, from its declaration only (the model is not built; for cell ids):
 
@@ -173,13 +196,17 @@ def own_solver_label(name: str) -> tuple[str, str] | None:
 
     own = _own_declaration(name)
     if own is not None:
-        return own_label(own.get("own_solver")), own_label(own.get("own_backward"))
+        return tuple(  # type: ignore[return-value]
+            own_label(_own_named(name, own.get(k), params)) for k in OWN
+        )
     if computes_own_equilibrium(name):
         return NOT_MEASURED, NOT_MEASURED
     return None
 
 
-def solver_columns(name: str, model: Any) -> tuple[str, str] | None:
+def solver_columns(
+    name: str, model: Any, params: dict[str, Any] | None = None
+) -> tuple[str, str] | None:
     """The ``solver`` and ``backward`` columns of a cell of model ``name`` (``model``: it built)
     when the suite's solver does not solve it, else None (the suite's names apply):
 
@@ -191,7 +218,8 @@ def solver_columns(name: str, model: Any) -> tuple[str, str] | None:
     * a DEQ or a plain explicit network: None.
 
     A model whose ``solver_name`` (``backward_name``) differs from the ``own_solver``
-    (``own_backward``) its factory declares is a ConfigError."""
+    (``own_backward``) its factory declares (a template filled from ``params``, the model's
+    parameters) is a ConfigError."""
     from ..core import deq, own_solves
 
     solver, backward = deq.own_solver(model), deq.own_backward(model)
@@ -201,7 +229,7 @@ def solver_columns(name: str, model: Any) -> tuple[str, str] | None:
         for k, attr in (("solver", own_solves.SOLVER_ATTR), ("backward", own_solves.BACKWARD_ATTR)):
             if f"own_{k}" not in declared:
                 continue
-            d = own_solves.own_label(declared[f"own_{k}"])
+            d = own_solves.own_label(_own_named(name, declared[f"own_{k}"], params))
             if getattr(model, attr, None) is None:
                 cols[k] = d  # named by the declaration only
             elif cols[k] != d:
@@ -209,7 +237,8 @@ def solver_columns(name: str, model: Any) -> tuple[str, str] | None:
 
                 raise ConfigError(
                     f"model '{name}': {type(model).__name__}.{attr} says {cols[k]} but the "
-                    f"factory declares {d} (declare_defaults(own_{k}=...)): name it once"
+                    f"factory declares {d} (declare_defaults(own_{k}=...)): name it once, "
+                    f"or after the factory's parameter that picks it (own_{k}='{{param}}')"
                 )
         return cols["solver"], cols["backward"]
     named = getattr(model, own_solves.SOLVER_ATTR, None) is not None and not deq.is_deq(model)

@@ -40,7 +40,8 @@ def cell_labels(sections: dict[str, Any]) -> tuple[str, str]:
     bname = str(backward.get("name", "ift"))
     if models.is_explicit(model):
         return NONE, NONE
-    label = models.own_solver_label(model)
+    params = {k: v for k, v in (sections.get("model") or {}).items() if k != "name"}
+    label = models.own_solver_label(model, params)
     if label is not None:
         return label
     if bname == "unrolled":

@@ -57,6 +57,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..core import own_solves
 from ..core.contracts import CLAUSES, missing_members, structure_of
 from ..core.errors import ConfigError, DeqbenchError, PluginError
 from .dataset_checks import data_problems, dataset_shape
@@ -476,12 +477,20 @@ class ContractChecks:
         # the first forward of a model checks each DEQ layer's cell before the layer solves
         hooks = self._cell_hooks(model, name) if is_deq and self.once(("cell", id(model))) else []
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
+            with (
+                torch.random.fork_rng(devices=[]),
+                torch.no_grad(),
+                own_solves.purity_probe() as impure,  # an own loop's map calls [model.cell_pure]
+            ):
                 out = model(x)
         except _CellBroken:  # reported under [model.cell]; the forward pass is not judged
             return
         except BaseException as exc:  # noqa: BLE001 - sys.exit() & co. of plugin code too
             _unless_interrupt(exc)
+            own_clause = getattr(exc, "clause", None)
+            if isinstance(exc, ConfigError) and own_clause in CLAUSES:  # e.g. [model.own_loop]
+                self.add("model", name, own_clause, str(exc).removeprefix(f"[{own_clause}] "))
+                return
             if isinstance(exc, PluginError) and deq.own_solver(model) is not None:
                 # raised by the hook reading the model's own solve after its forward
                 self.add("model", name, "model.solve_stats", str(exc))
@@ -513,6 +522,9 @@ class ContractChecks:
                 f"model(x) for x of shape {(2, *in_shape)} returned shape {tuple(out.shape)}; "
                 f"expected 2 rows of num_outputs={num_outputs} values",
             )
+        if impure:
+            self.add("model", name, "model.cell_pure",
+                     "a call of its own loop's map: " + _impure(model, _full(model, impure)))  # fmt: skip
         if deq.own_solver(model) is not None:
             try:
                 if deq.own_solve_stats(model)[0] is None:
@@ -525,7 +537,7 @@ class ContractChecks:
                     )
             except PluginError as exc:
                 self.add("model", name, "model.solve_stats", str(exc))
-        self._own_names(name, model)
+        self._own_names(name, model, c.model_params()[1])
 
     def _cell_hooks(self, model: Any, name: str) -> list[Any]:
         """Forward pre-hooks on ``model``'s DEQ layers that check each cell once, on the
@@ -559,14 +571,14 @@ class ContractChecks:
             for layer in deq.deq_layers(model)
         ]
 
-    def _own_names(self, name: str, model: Any) -> None:
+    def _own_names(self, name: str, model: Any, params: dict[str, Any]) -> None:
         """A model's declaration (what cell ids say before it is built) and the built model
         agree on whether and under which names it reports its own solves."""
         from .. import models
 
-        declared = models.own_solver_label(name)
+        declared = models.own_solver_label(name, params)
         try:
-            built = models.solver_columns(name, model)
+            built = models.solver_columns(name, model, params)
         except ConfigError as exc:
             self.add("model", name, "model.solve_stats", str(exc))
             return
@@ -650,6 +662,20 @@ def _check_cell(model: Any, layer: Any, u: Any, z0: Any, where: str) -> tuple[st
             m.training = mode
     if not changed:
         return None
+    return "model.cell_pure", f"an f-evaluation of {where}: " + _impure(model, changed)
+
+
+def _full(model: Any, names: list[str]) -> list[str]:
+    """Buffer names relative to a submodule (the network an own loop wraps) as ``model``'s."""
+    mine = [n for n, _ in model.named_buffers()]
+    return [next((m for m in mine if m == n or m.endswith("." + n)), n) for n in names]
+
+
+def _impure(model: Any, changed: list[str]) -> str:
+    """What changing the buffers ``changed`` (names in ``model``) on every f-evaluation
+    means, and the fix, per owning module."""
+    import torch
+
     owners: dict[str, list[str]] = {}
     for n in changed:
         mod, _, buf = n.rpartition(".")
@@ -671,7 +697,7 @@ def _check_cell(model: Any, layer: Any, u: Any, z0: Any, where: str) -> tuple[st
                 "the solver evaluates the cell many times per forward; update such state once "
                 "per forward or per optimiser step, outside the cell's forward"
             )
-    return "model.cell_pure", f"an f-evaluation of {where}: " + "; ".join(parts)
+    return "; ".join(parts)
 
 
 def _key(d: Any) -> str:

@@ -80,6 +80,8 @@ class SolveTally:
     device: str = ""  # the device type the solves ran on ("cuda": TF32 advice applies)
     to_tol: list[float] = field(default_factory=list)  # at the cap, still falling: steps needed
     power: float = float("nan")  # the largest k^-p exponent read from a sublinear trace
+    own_rule: str = ""  # a model's own loop: the rule the library stops on
+    own_said: int = 0  # missed solves the library's own rule called converged
 
     def add_record(self, rec: SolveRecord) -> None:
         self.batches += 1
@@ -91,6 +93,9 @@ class SolveTally:
         if rec.converged:
             return
         self.missed += 1
+        if rec.own_rule:
+            self.own_rule = rec.own_rule
+            self.own_said += bool(rec.own_converged)
         self.steps.append(rec.nstep)
         if self.worst == self.worst and not rec.residual <= self.worst:  # NaN stays worst
             self.worst = rec.residual
@@ -192,6 +197,9 @@ class SolveTally:
         head = (f"{self.kind} solve missed {self.stop_mode} tol {self.tol:g}{rule} in "
                 f"{self.missed} of {self.batches} {what} ({100 * self.share:.1f}%")  # fmt: skip
         claim = f"; {self.claims[0]}" if self.claims else ""
+        if self.own_rule:  # the library's own verdict, beside deqbench's
+            claim += (f"; under its own rule ({self.own_rule}) the library called "
+                      f"{self.own_said} of them converged")  # fmt: skip
         if not self.flagged:
             limit = (f" <= {100 * MISSED_SHARE:g}%, not flagged" if self.phase in FLAGGING
                      else ", reported only")  # fmt: skip

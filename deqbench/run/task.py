@@ -342,7 +342,11 @@ def _one_line(exc: BaseException) -> str:
 
 def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     """Run one (cell, seed) and return its rows (with the runner status row last)."""
-    with marked_signals():  # a SIGINT arrives as Interrupted: a plain KeyboardInterrupt is code's
+    from ..core.own_solves import judged_under
+
+    # a model's own loop is judged under the run's stop rule (the cell's solver.stop)
+    stop = task.cell.solver.get("stop") if isinstance(task.cell.solver, dict) else None
+    with marked_signals(), judged_under(stop if isinstance(stop, str) else None):
         return _run_task(task, listener)
 
 
@@ -415,7 +419,7 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
         from ..models import solver_columns
 
         deq.watch_own_solves(model)  # a model that reports its own solves: each one is recorded
-        own = solver_columns(mname, model)
+        own = solver_columns(mname, model, mparams)
         if own is not None:
             # a model that computes its own equilibrium: the suite's solver and backward mode do
             # not reach it; the columns say what solved it (own:<name>, from its
