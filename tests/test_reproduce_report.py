@@ -55,7 +55,7 @@ def test_a_part_of_a_grid_and_its_sharing_are_named(tmp_path):
     assert selected(tmp_path) == ["pcdeq_l-*"]
     assert _cells_run(tmp_path, {"cells": ["a", "b"]}) == "2 cells (select pcdeq_l-*)"
     (tmp_path / "suite.yaml").write_text("name: x\n")
-    assert selected(tmp_path) == [] and _cells_run(tmp_path, {"cells": ["a"]}) == "1 cells"
+    assert selected(tmp_path) == [] and _cells_run(tmp_path, {"cells": ["a"]}) == "1 cell"
     gpu = {"kind": "dask", "workers_joined": 16, "gpus": ["0"] * 16}
     assert _sharing({"executor": gpu}) == "dask: 16 workers on 1 GPU"
     cpu = {"kind": "dask", "workers": 15, "gpus": [], "torch_threads": 1}

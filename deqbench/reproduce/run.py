@@ -463,7 +463,8 @@ def _cells_run(run_dir: Path, meta: dict[str, Any]) -> str:
     """``5 cells (select pcdeq_l-*)``: the cells of the run, and the ``select`` patterns of its
     suite.yaml when the run was a part of the suite's grid."""
     cells = meta.get("cells")
-    text = f"{len(cells)} cells" if isinstance(cells, list) else ""
+    n = len(cells) if isinstance(cells, list) else None
+    text = "" if n is None else f"{n} cell" + ("" if n == 1 else "s")
     sel = selected(run_dir)
     return text + (f" (select {', '.join(sel)})" if sel else "")
 
