@@ -264,3 +264,18 @@ def test_a_factory_option_names_the_loop_per_cell(tmp_path):
     assert all("own_plain" in c.id or "own_anderson" in c.id for c in suite.cells)
     # the built models agree with their cells' names: no [model.solve_stats]
     assert not [v for v in found if v.clause == "model.solve_stats"], [v.line() for v in found]
+
+
+def test_a_merged_flag_note_keeps_the_librarys_own_verdict():
+    """A cell flagged in several phases gets one merged note per kind; the library's own
+    verdict (under its own stop rule) stays in it, beside deqbench's."""
+    from deqbench.run.solves import Tallies
+
+    tallies = Tallies()
+    for phase, said in (("train", 16), ("eval", 2)):
+        t = tallies.get("forward", phase)
+        t.batches, t.missed, t.worst, t.tol = 16, 16, 7e-4, 1e-4
+        t.solver, t.own_rule, t.own_said = "own:plain", "batch_mean", said
+    (note,) = tallies.flags()
+    assert "in 16 of 16 training batches, 16 of 16" in note
+    assert "under its own rule (batch_mean) the library called 18 of them converged" in note

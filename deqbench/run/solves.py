@@ -292,5 +292,9 @@ def _merged(tallies: list[SolveTally]) -> str:
     worst = max((t.worst for t in tallies), key=lambda w: (w != w, w))  # NaN is the worst
     main = max(tallies, key=lambda t: t.missed)
     claim = next((f"; {t.claims[0]}" for t in tallies if t.claims), "")
+    own = [t for t in tallies if t.own_rule]
+    if own:  # the library's own verdict, beside deqbench's
+        claim += (f"; under its own rule ({own[0].own_rule}) the library called "
+                  f"{sum(t.own_said for t in own)} of them converged")  # fmt: skip
     return (f"{first.kind} solve missed {first.stop_mode} tol {first.tol:g}{rule} in {parts} "
             f"(worst {first.stop_mode} residual{rule} {worst:.3g}{claim}). {main._fix()}")  # fmt: skip
