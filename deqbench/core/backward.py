@@ -480,14 +480,23 @@ class _ImplicitFunction(torch.autograd.Function):
                 gz = torch.zeros_like(w) if gz is None else gz
                 return (gz, gu, *rest)
 
+        def vjp_z(w: Tensor) -> Tensor:
+            """w^T df/dz alone: the adjoint iteration needs no input or parameter gradients
+            (asking autograd for them at every step cost a weight-gradient convolution per
+            iteration); the parameters' come once, from ``vjp_fn`` at the solution."""
+            if create_graph:
+                return vjp_fn(w)[0]  # type: ignore[return-value]
+            (gz,) = torch.autograd.grad(fz_out, [z_], w, retain_graph=True, allow_unused=True)
+            return torch.zeros_like(w) if gz is None else gz
+
         def adj(w: Tensor) -> Tensor:
-            return vjp_fn(w)[0] + g
+            return vjp_z(w) + g
 
         with torch.no_grad():
             gd = g.detach()
 
             def adj_fn(w: Tensor) -> Tensor:
-                return vjp_fn(w)[0].detach() + gd
+                return vjp_z(w).detach() + gd
 
             adj_ng = AdjointMap(adj_fn, cell, z, u, gd)
             w0 = gd.clone() if cfg.b_init == "grad" else torch.zeros_like(gd)
