@@ -25,7 +25,7 @@ The ratio measured / floor says how much of a step is overhead (launches, host w
 residual checks) rather than the f-evaluations and VJPs themselves.
 
     python benchmarks/training_floor.py                          # CUDA if available, 100 steps
-    python benchmarks/training_floor.py --device cpu --steps 5 --threads 1
+    python benchmarks/training_floor.py --device cpu --steps 5 --threads 1   # default 20 on CPU
     python benchmarks/training_floor.py --pack 8                  # 8 processes on one GPU
     python benchmarks/training_floor.py --device cpu --pack 4     # 4 single-thread processes
     python benchmarks/training_floor.py --models pcdeq_sc --json floor.json
@@ -556,7 +556,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=["cuda", "cpu"])  # fmt: skip
-    ap.add_argument("--steps", type=int, default=100, help="timed steps per model (default 100)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per model (default 100 on CUDA, 20 on CPU)")  # fmt: skip
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed steps first (default 20 on CUDA, 3 on CPU)")  # fmt: skip
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -572,6 +573,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.steps is None:
+        args.steps = 100 if args.device == "cuda" else 20
     if args.warmup is None:
         args.warmup = 20 if args.device == "cuda" else 3
     if args.steps < 1 or args.warmup < 0 or args.pack < 1 or args.threads < 1:
