@@ -226,6 +226,7 @@ def paste_reports() -> None:
     REPORT_PAGE.write_text(page, encoding="utf-8")
     print(f"docs: {REPORT_PAGE.relative_to(ROOT)} carries the regenerated reports")
     _headline_numbers(reports["reproduction"])
+    _paper_counts()
 
 
 def _headline_numbers(md: Path) -> None:
@@ -257,6 +258,30 @@ def _headline_numbers(md: Path) -> None:
         if after != before:
             page.write_text(after, encoding="utf-8")
             print(f"docs: {page.relative_to(ROOT)}: the CPU report's numbers")
+
+
+def _paper_counts() -> None:
+    """Each paper-scale report's counts ("8 claims: 4 reproduced, ...") in the README row that
+    links it (tests/test_docs_run.py checks that they agree)."""
+    import re
+
+    readme = ROOT / "README.md"
+    before = readme.read_text(encoding="utf-8")
+    lines = before.split("\n")
+    pattern = r"\d+ claims: \d+ reproduced, \d+ not reproduced, \d+ not run"
+    for folder in sorted((ROOT / "plots" / "reproduction_paper").iterdir()):
+        md = folder / "reproduction.md"
+        if not md.is_file():
+            continue
+        counts = re.search(pattern, md.read_text(encoding="utf-8"))
+        link = f"plots/reproduction_paper/{folder.name}/reproduction.md"
+        if counts is None:
+            continue
+        lines = [re.sub(pattern, counts.group(0), ln) if link in ln else ln for ln in lines]
+    after = "\n".join(lines)
+    if after != before:
+        readme.write_text(after, encoding="utf-8")
+        print("docs: README.md: the paper-scale reports' counts")
 
 
 if __name__ == "__main__":

@@ -61,3 +61,22 @@ def test_a_part_of_a_grid_and_its_sharing_are_named(tmp_path):
     cpu = {"kind": "dask", "workers": 15, "gpus": [], "torch_threads": 1}
     assert _sharing({"executor": cpu}) == "dask: 15 workers x 1 thread(s) (CPU)"
     assert _sharing({}) == "inline"
+
+
+def test_readme_quotes_each_committed_reports_counts():
+    """The README's result rows quote each committed report's counts (plots/regenerate.py
+    rewrites them): a report regenerated without its row would fail here."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    pattern = r"\d+ claims: \d+ reproduced, \d+ not reproduced, \d+ not run"
+    reports = [root / "plots" / "reproduction_cpu" / "reproduction.md"]
+    reports += sorted((root / "plots" / "reproduction_paper").glob("*/reproduction.md"))
+    for md in reports:
+        counts = re.search(pattern, md.read_text(encoding="utf-8"))
+        assert counts is not None, md
+        link = str(md.relative_to(root))
+        rows = [ln for ln in readme.splitlines() if link in ln and " claims: " in ln]
+        assert rows, f"README links no row to {link}"
+        assert all(counts.group(0) in ln for ln in rows), (link, counts.group(0))
