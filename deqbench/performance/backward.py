@@ -113,7 +113,14 @@ from ._perf import (
     pick_batch,
     preserved,
 )
-from .backward_compare import DescentCheck, memory_split, solver_history, train_steps
+from .backward_compare import (  # noqa: F401  (memory_vs_iterations: re-exported)
+    DescentCheck,
+    _first_layer,
+    memory_split,
+    memory_vs_iterations,
+    solver_history,
+    train_steps,
+)
 from .gradients import (  # noqa: F401  (re-exported: the plain functions of this analysis)
     DENSE_MAX,
     GradVector,
@@ -124,7 +131,7 @@ from .gradients import (  # noqa: F401  (re-exported: the plain functions of thi
     native_copy,
     reference_gradient,
 )
-from .measure import MIB, Memory, flag_rows, peak_memory, saved_tensor_bytes, time_phases
+from .measure import MIB, flag_rows, peak_memory, saved_tensor_bytes, time_phases
 
 # -- one backward mode ---------------------------------------------------------------------------
 
@@ -245,13 +252,6 @@ DEFAULT_MODES: list[dict[str, Any]] = [
     {"name": "shine"},
     {"name": "shine", "options": {"refine_steps": 5}},
 ]
-
-
-def _first_layer(model: nn.Module) -> DEQLayer:
-    layers = list(deq_layers(model))
-    if not layers:
-        raise ValueError("backward: the model has no DEQ layer")
-    return layers[0]
 
 
 def measure_mode(
@@ -530,64 +530,6 @@ SPLIT_NOTES = {
     "backward_state": "kept by the DEQ layer's backward (z*, u; RevDEQ's float64 pair; "
     "SHINE's Broyden pairs)",
 }
-
-
-def memory_vs_iterations(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    task: Any = "classification",
-    *,
-    iterations: Sequence[int] = (5, 10, 20, 40),
-    modes: Sequence[str] = ("ift", "unrolled"),
-    memory: bool = True,
-    memory_cpu: bool = True,
-    runtime: Runtime | None = None,
-) -> Any:
-    """Memory of one training step against the number of forward iterations N: ``ift`` with a
-    forward of exactly N fixed-point iterations (tol 0) and the model's adjoint settings, and
-    ``unrolled`` with K = N, under ``runtime`` (default: the model's DEQ layers'). Returns a
-    DataFrame: mode, iterations, activation_mib, peak_mib, forward_nstep."""
-    import pandas as pd
-
-    layer = _first_layer(model)
-    rt = runtime if runtime is not None else model_runtime(model)
-    base_b = layer.backward_cfg
-    out = []
-    with preserved(model):
-        loss_fn = loss_for(task)
-        for mode in modes:
-            for n in iterations:
-                if mode == "ift":
-                    fwd = SolverConfig("fixed_point", max_iter=int(n), tol=0.0, stop_mode="rel")
-                    bwd = replace(base_b, name="ift")
-                elif mode == "unrolled":
-                    fwd, bwd = replace(layer.solver_cfg), replace(base_b, name="unrolled", k=int(n))
-                else:
-                    raise ValueError(
-                        f"memory_vs_iterations: mode must be ift or unrolled, got {mode!r}"
-                    )
-                configure(model, fwd, bwd)
-                model.train()
-                with autocast(rt, x.device):
-                    act, _ = saved_tensor_bytes(lambda: loss_fn(for_loss(model(x), rt), y))
-                nf = forward_nstep(model)
-                mem = (
-                    peak_memory(GradStep(model, x, y, task, rt), x.device, cpu=memory_cpu)
-                    if memory
-                    else Memory(math.nan, note="memory off")
-                )
-                out.append(
-                    {
-                        "mode": mode,
-                        "iterations": int(n),
-                        "activation_mib": act / MIB,
-                        "peak_mib": mem.peak_mib,
-                        "forward_nstep": nf,
-                        "method": mem.method,
-                    }
-                )
-    return pd.DataFrame(out)
 
 
 # -- the analysis --------------------------------------------------------------------------------
