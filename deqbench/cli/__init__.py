@@ -619,8 +619,7 @@ def compare(
     --reference checks RUN_B against a committed reference run RUN_A instead (for CI)."""
     with handle_errors():
         from ..core.errors import ConfigError
-        from ..run.console import cell_lines, compare_header, err_console, out_console
-        from ..run.results import RTOL, _run_meta, check_comparable
+        from ..run.results import RTOL, check_comparable
 
         for run in (run_a, run_b):
             check_run_files(run)
@@ -634,8 +633,8 @@ def compare(
                 )
             code = _reference_check(run_a, run_b)
             raise typer.Exit(code)
-        from ..run.console import changes_table, compare_table
-        from ..run.results import compare_cells, match_counts, task_differences
+        from ..run.results import compare_cells, match_counts
+        from .comparison import print_comparison, write_comparison_csv
 
         tol = RTOL if rtol is None else rtol
         a, b = _load_run(run_a), _load_run(run_b)
@@ -647,53 +646,11 @@ def compare(
                 f"{run_a} and {run_b} share no (cell_id, seed, analysis, variant, metric, step, "
                 f"repeat) rows ({counts['a']['compared']} vs {counts['b']['compared']} ok/flagged)"
             )
-        for w in warnings:
-            err_console().print(f"warning: {w}", markup=False)
-        (meta_a, _), (meta_b, _) = _run_meta(run_a), _run_meta(run_b)
-        for line in compare_header(run_a, run_b, meta_a, meta_b, [f"suite: {w}" for w in warnings]):
-            print(line)
-        for line in cell_lines(task_differences(a, b)):
-            print(line)
-        con = out_console()
-        con.print(
-            compare_table(
-                summary,
-                f"B: {run_b} vs A: {run_a} (per metric; changes judged per cell: "
-                f"rtol {tol:g}"
-                + (f", timing x{factor:g} and p < 0.01)" if timing
-                   else "; timing metrics judged only with --timing)"),
-            )
-        )  # fmt: skip
-        ca, cb = counts["a"], counts["b"]
-        print(
-            f"rows: {ca['matched']} matched pairs; unmatched, left out of the ratios: "
-            f"A {ca['unmatched']} of {ca['compared']}, B {cb['unmatched']} of {cb['compared']}"
-            + (f"; failed, not compared: A {ca['failed']}, B {cb['failed']}"
-               if ca["failed"] or cb["failed"] else "")
-            + (f"; skipped (analysis does not apply): A {ca['skipped']}, B {cb['skipped']}"
-               if ca["skipped"] or cb["skipped"] else "")
-        )  # fmt: skip
-        n_cells = changes["cell_id"].nunique()
-        if len(changes):
-            con.print(
-                changes_table(
-                    changes,
-                    f"CHANGED: {len(changes)} item{'s' * (len(changes) != 1)} in {n_cells} "
-                    f"cell{'s' * (n_cells != 1)} (A, B: the most changed row; rows: changed "
-                    "of compared)",
-                )
-            )
-        else:
-            print(
-                f"no change: every deterministic row within rtol {tol:g}, the same statuses"
-                + (", no timing beyond the rule" if timing else "")
-            )
+        print_comparison(
+            run_a, run_b, a, b, warnings, summary, changes, counts, tol, factor, timing
+        )
         if csv is not None:
-            summary.to_csv(csv, index=False)
-            cells_csv = csv.with_name(f"{csv.stem}-cells{csv.suffix or '.csv'}")
-            changes.to_csv(cells_csv, index=False)
-            print(f"wrote {csv}")
-            print(f"wrote {cells_csv}")
+            write_comparison_csv(csv, summary, changes)
     raise typer.Exit(1 if (fail_on_change and len(changes)) else 0)
 
 

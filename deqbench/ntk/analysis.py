@@ -461,6 +461,66 @@ def _fit_slope(records: list[dict[str, Any]]) -> float:
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
 
 
+def _numeric_col(df: Any, name: str) -> Any:
+    """Column ``name`` of ``df`` as numbers (None where ``df`` has none)."""
+    import pandas as pd
+
+    return pd.to_numeric(df[name], errors="coerce") if name in df else None
+
+
+def _singular_mask(df: Any) -> Any:
+    """Evaluations whose K is singular to working precision (lambda_min <= noise floor)."""
+    res = _numeric_col(df, "resolved")
+    if res is not None:
+        return res == 0
+    lm, fl = _numeric_col(df, "lambda_min"), _numeric_col(df, "noise_floor")
+    return (lm <= fl) if fl is not None else lm != lm
+
+
+def _flagged_mask(df: Any) -> Any:
+    """Evaluations whose own checks failed (``flag`` column non-empty)."""
+    if "flag" not in df:
+        return (df["step"] != df["step"]).to_numpy()
+    flag = df["flag"]
+    return (flag.notna() & (flag.astype(str) != "")).to_numpy()
+
+
+def _legend_entries(
+    handles: list[Any],
+    labels: list[str],
+    any_singular: bool,
+    any_flagged: bool,
+    floor_on: bool,
+    measured: bool,
+    bound: bool,
+) -> None:
+    """Append to ``handles``/``labels`` the legend of :func:`plot_ntk`'s markers and lines,
+    only those drawn."""
+    from matplotlib.lines import Line2D
+
+    gray = "0.3"
+    handles.append(Line2D([], [], color=gray, marker="o", ms=4))
+    labels.append("lambda_min(K) (top)")
+    if any_singular:
+        handles.append(Line2D([], [], color=gray, marker="v", ms=6, mfc="none", ls=""))
+        labels.append("K singular to working precision: lambda_min <= noise floor")
+    if any_flagged:
+        handles.append(Line2D([], [], color="red", marker="x", ms=7, ls=""))
+        labels.append("flagged: NTK solves missed their tolerance (not part of the line)")
+    if floor_on:
+        handles.append(Line2D([], [], color=gray, ls=":", lw=1))
+        labels.append("noise floor of lambda_min")
+    if measured:
+        handles.append(Line2D([], [], color=gray, marker="o", ls=""))
+        labels.append("loss decay rate measured between evaluations (bottom)")
+    if bound:
+        handles.append(Line2D([], [], color=gray, ls="--"))
+        labels.append(
+            "rate guaranteed by the NTK: -2 log max|1 - 2 lr lambda / N| over lambda_min and "
+            "lambda_max (bottom)"
+        )
+
+
 def plot_ntk(series: Any, title: str = "") -> Any:
     """Figure of ``ntk`` series: lambda_min (with its noise floor), the training loss and the
     per-step decay rate of the loss, ``-d log(loss)/d step``, measured between evaluations
@@ -497,41 +557,22 @@ def plot_ntk(series: Any, title: str = "") -> Any:
     keys = [k for k in ("cell_id", "seed") if k in series.columns]
     groups = list(series.groupby(keys)) if keys else [("", series)]
 
-    def col_of(df: Any, name: str) -> Any:
-        import pandas as pd
-
-        return pd.to_numeric(df[name], errors="coerce") if name in df else None
-
-    # which evaluations are singular (lambda_min <= floor) and whether the floor is on-scale
-    def singular_mask(df: Any) -> Any:
-        res = col_of(df, "resolved")
-        if res is not None:
-            return res == 0
-        lm, fl = col_of(df, "lambda_min"), col_of(df, "noise_floor")
-        return (lm <= fl) if fl is not None else lm != lm
-
+    # the resolved lambda_min values and the noise floors: whether the floor is on-scale
     lam_vals = [
         float(v)
         for _, df in groups
-        for v in col_of(df, "lambda_min")[~singular_mask(df)]
+        for v in _numeric_col(df, "lambda_min")[~_singular_mask(df)]
         if v == v and v > 0
     ]
     floors = [
         float(v)
         for _, df in groups
         if "noise_floor" in df
-        for v in col_of(df, "noise_floor")
+        for v in _numeric_col(df, "noise_floor")
         if v == v and v > 0
     ]
 
-    def flagged_mask(df: Any) -> Any:
-        """Evaluations whose own checks failed (``flag`` column non-empty)."""
-        if "flag" not in df:
-            return (df["step"] != df["step"]).to_numpy()
-        flag = df["flag"]
-        return (flag.notna() & (flag.astype(str) != "")).to_numpy()
-
-    any_singular = any(bool(singular_mask(df).any()) for _, df in groups)
+    any_singular = any(bool(_singular_mask(df).any()) for _, df in groups)
     any_flagged = False
     floor_on = bool(floors) and (any_singular or not lam_vals or max(floors) * 1e3 >= min(lam_vals))
     handles: list[Any] = []
@@ -543,24 +584,26 @@ def plot_ntk(series: Any, title: str = "") -> Any:
         col = f"C{i % 10}"
         if isinstance(label, tuple):
             label = " ".join(f"seed {v}" if k == "seed" else str(v) for k, v in zip(keys, label))
-        steps, lam = df["step"], col_of(df, "lambda_min")
-        sing = singular_mask(df).to_numpy()
-        bad = flagged_mask(df)
+        steps, lam = df["step"], _numeric_col(df, "lambda_min")
+        sing = _singular_mask(df).to_numpy()
+        bad = _flagged_mask(df)
         any_flagged |= bool(bad.any())
         ax1.plot(steps[~sing & ~bad], lam[~sing & ~bad], "o-", color=col, ms=4)
         if bad.any():
             ax1.plot(steps[bad], lam[bad], "x", color="red", ms=7)
         sing = sing & ~bad
         if sing.any():
-            ax1.plot(steps[sing], col_of(df, "noise_floor")[sing], "v", color=col, ms=6, mfc="none")
+            ax1.plot(
+                steps[sing], _numeric_col(df, "noise_floor")[sing], "v", color=col, ms=6, mfc="none"
+            )
         if floor_on and "noise_floor" in df:
-            ax1.plot(steps, col_of(df, "noise_floor"), ":", color=col, lw=1)
+            ax1.plot(steps, _numeric_col(df, "noise_floor"), ":", color=col, lw=1)
         ax2.plot(steps, df["loss_at_eval"], "s-", color=col, ms=3)
         if label != "":
             handles.append(Line2D([], [], color=col, marker="o", ms=4))
             labels.append(str(label))
         for name, style in (("log_loss_slope", "o"), ("pred_log_loss_slope", "--")):
-            v = col_of(df, name)
+            v = _numeric_col(df, name)
             if v is None:
                 continue
             ok = v.notna() & (v.abs() != math.inf)
@@ -569,27 +612,7 @@ def plot_ntk(series: Any, title: str = "") -> Any:
                 rates += [abs(float(x)) for x in v[ok] if x != 0]
                 measured |= name == "log_loss_slope"
                 bound |= name == "pred_log_loss_slope"
-    gray = "0.3"
-    handles.append(Line2D([], [], color=gray, marker="o", ms=4))
-    labels.append("lambda_min(K) (top)")
-    if any_singular:
-        handles.append(Line2D([], [], color=gray, marker="v", ms=6, mfc="none", ls=""))
-        labels.append("K singular to working precision: lambda_min <= noise floor")
-    if any_flagged:
-        handles.append(Line2D([], [], color="red", marker="x", ms=7, ls=""))
-        labels.append("flagged: NTK solves missed their tolerance (not part of the line)")
-    if floor_on:
-        handles.append(Line2D([], [], color=gray, ls=":", lw=1))
-        labels.append("noise floor of lambda_min")
-    if measured:
-        handles.append(Line2D([], [], color=gray, marker="o", ls=""))
-        labels.append("loss decay rate measured between evaluations (bottom)")
-    if bound:
-        handles.append(Line2D([], [], color=gray, ls="--"))
-        labels.append(
-            "rate guaranteed by the NTK: -2 log max|1 - 2 lr lambda / N| over lambda_min and "
-            "lambda_max (bottom)"
-        )
+    _legend_entries(handles, labels, any_singular, any_flagged, floor_on, measured, bound)
     ax1.set_yscale("log")
     ylab = "lambda_min(K)"
     if floors and not floor_on:

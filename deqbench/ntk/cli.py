@@ -115,24 +115,8 @@ def ntk(
     writes series/ntk__*.csv and plots/ntk.png."""
     from ..cli import run_one_cell
 
-    data_spec: dict[str, Any] = {"name": data}
-    if data == "digits":
-        data_spec.update(target="binary", train_subset=128)
-    if train_subset is not None:
-        data_spec["train_subset"] = train_subset
-    out_kind: str | int = int(output) if output.lstrip("-").isdigit() else output
-    params: dict[str, Any] = {
-        "n": n,
-        "split": split,
-        "every": every,
-        "per": per,
-        "output": out_kind,
-        "method": method,
-    }
-    if tol is not None:
-        params["tol"] = tol
-    if ntk_max_iter is not None:
-        params["max_iter"] = ntk_max_iter
+    data_spec = _data_section(data, train_subset)
+    params = _ntk_params(n, split, every, per, output, method, tol, ntk_max_iter)
     train = {
         "epochs": epochs,
         "lr": lr,
@@ -154,6 +138,45 @@ def ntk(
         dtype=dtype,
         solver=solver,  # None: the model's (run_one_cell drops None sections)
     )
+
+
+def _data_section(data: str, train_subset: int | None) -> dict[str, Any]:
+    """The suite's ``data`` section: digits as scalar +-1 regression on 128 examples unless
+    ``--train-subset`` says otherwise."""
+    data_spec: dict[str, Any] = {"name": data}
+    if data == "digits":
+        data_spec.update(target="binary", train_subset=128)
+    if train_subset is not None:
+        data_spec["train_subset"] = train_subset
+    return data_spec
+
+
+def _ntk_params(
+    n: int,
+    split: str,
+    every: int,
+    per: str,
+    output: str,
+    method: str,
+    tol: float | None,
+    ntk_max_iter: int | None,
+) -> dict[str, Any]:
+    """The ``ntk`` analysis's parameters from the command's options (``--output`` a logit
+    index: an int)."""
+    out_kind: str | int = int(output) if output.lstrip("-").isdigit() else output
+    params: dict[str, Any] = {
+        "n": n,
+        "split": split,
+        "every": every,
+        "per": per,
+        "output": out_kind,
+        "method": method,
+    }
+    if tol is not None:
+        params["tol"] = tol
+    if ntk_max_iter is not None:
+        params["max_iter"] = ntk_max_iter
+    return params
 
 
 def register(app: typer.Typer) -> None:

@@ -78,7 +78,7 @@ Example (plain functions):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
@@ -113,7 +113,14 @@ from ._perf import (
     pick_batch,
     preserved,
 )
-from .backward_compare import DescentCheck, memory_split, solver_history, train_steps
+from .backward_compare import (  # noqa: F401  (memory_vs_iterations: re-exported)
+    DescentCheck,
+    _first_layer,
+    memory_split,
+    memory_vs_iterations,
+    solver_history,
+    train_steps,
+)
 from .gradients import (  # noqa: F401  (re-exported: the plain functions of this analysis)
     DENSE_MAX,
     GradVector,
@@ -124,7 +131,7 @@ from .gradients import (  # noqa: F401  (re-exported: the plain functions of thi
     native_copy,
     reference_gradient,
 )
-from .measure import MIB, Memory, flag_rows, peak_memory, saved_tensor_bytes, time_phases
+from .measure import MIB, flag_rows, peak_memory, saved_tensor_bytes, time_phases
 
 # -- one backward mode ---------------------------------------------------------------------------
 
@@ -245,13 +252,6 @@ DEFAULT_MODES: list[dict[str, Any]] = [
     {"name": "shine"},
     {"name": "shine", "options": {"refine_steps": 5}},
 ]
-
-
-def _first_layer(model: nn.Module) -> DEQLayer:
-    layers = list(deq_layers(model))
-    if not layers:
-        raise ValueError("backward: the model has no DEQ layer")
-    return layers[0]
 
 
 def measure_mode(
@@ -532,65 +532,12 @@ SPLIT_NOTES = {
 }
 
 
-def memory_vs_iterations(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    task: Any = "classification",
-    *,
-    iterations: Sequence[int] = (5, 10, 20, 40),
-    modes: Sequence[str] = ("ift", "unrolled"),
-    memory: bool = True,
-    memory_cpu: bool = True,
-    runtime: Runtime | None = None,
-) -> Any:
-    """Memory of one training step against the number of forward iterations N: ``ift`` with a
-    forward of exactly N fixed-point iterations (tol 0) and the model's adjoint settings, and
-    ``unrolled`` with K = N, under ``runtime`` (default: the model's DEQ layers'). Returns a
-    DataFrame: mode, iterations, activation_mib, peak_mib, forward_nstep."""
-    import pandas as pd
-
-    layer = _first_layer(model)
-    rt = runtime if runtime is not None else model_runtime(model)
-    base_b = layer.backward_cfg
-    out = []
-    with preserved(model):
-        loss_fn = loss_for(task)
-        for mode in modes:
-            for n in iterations:
-                if mode == "ift":
-                    fwd = SolverConfig("fixed_point", max_iter=int(n), tol=0.0, stop_mode="rel")
-                    bwd = replace(base_b, name="ift")
-                elif mode == "unrolled":
-                    fwd, bwd = replace(layer.solver_cfg), replace(base_b, name="unrolled", k=int(n))
-                else:
-                    raise ValueError(
-                        f"memory_vs_iterations: mode must be ift or unrolled, got {mode!r}"
-                    )
-                configure(model, fwd, bwd)
-                model.train()
-                with autocast(rt, x.device):
-                    act, _ = saved_tensor_bytes(lambda: loss_fn(for_loss(model(x), rt), y))
-                nf = forward_nstep(model)
-                mem = (
-                    peak_memory(GradStep(model, x, y, task, rt), x.device, cpu=memory_cpu)
-                    if memory
-                    else Memory(math.nan, note="memory off")
-                )
-                out.append(
-                    {
-                        "mode": mode,
-                        "iterations": int(n),
-                        "activation_mib": act / MIB,
-                        "peak_mib": mem.peak_mib,
-                        "forward_nstep": nf,
-                        "method": mem.method,
-                    }
-                )
-    return pd.DataFrame(out)
-
-
 # -- the analysis --------------------------------------------------------------------------------
+
+
+def _unmeasured(v: str, step: int | None, status: str, note: str) -> Row:
+    """The row of a backward mode that could not be measured."""
+    return Row("step_ms_median", math.nan, variant=v, step=step, status=status, note=note)
 
 
 @analyses.register("backward")
@@ -651,8 +598,6 @@ class Backward(PerfAnalysis):
     params: Params  # narrowed for type checkers
 
     def _measure(self, ctx: CellContext, phase: str):
-        from .. import models as model_registry
-
         p = self.params
         step = phase_step(ctx, phase)
         if not any(True for _ in deq_layers(ctx.model)):
@@ -696,99 +641,125 @@ class Backward(PerfAnalysis):
                 )  # fmt: skip
                 descent = DescentCheck(ctx.model, x, y, task, g_ref, settings, p.descent_step)
 
-            def unmeasured(v: str, status: str, note: str) -> Row:
-                return Row(
-                    "step_ms_median", math.nan, variant=v, step=step, status=status, note=note
-                )
-
             for spec in p.modes:
-                bcfg = spec.backward_config(layer.backward_cfg)
-                fcfg = spec.forward_config(layer.solver_cfg)
-                v = spec.variant(bcfg, fcfg)
-                model = ctx.model
-                if spec.wrapper:
-                    fac = model_registry.get(spec.wrapper)
-                    if not getattr(fac, "wraps", False):
-                        yield unmeasured(
-                            v, "skipped", f"model '{spec.wrapper}' does not accept wrap=model"
-                        )
-                        continue
-                    model = fac(wrap=detached_copy(ctx.model))
-                try:
-                    res = measure_mode(
-                        model,
-                        x,
-                        y,
-                        task,
-                        bcfg,
-                        fcfg,
-                        g_ref=g_ref,
-                        repeats=p.repeats,
-                        warmup=p.warmup,
-                        memory=p.memory,
-                        memory_cpu=p.memory_cpu,
-                        runtime=ctx.runtime,
-                    )
-                except torch.cuda.OutOfMemoryError as exc:
-                    torch.cuda.empty_cache()
-                    yield unmeasured(v, "oom", str(exc).splitlines()[0])
-                    continue
-                except Exception as exc:  # a mode the implementation lacks (torchdeq: unrolled)
-                    from ..core.errors import DeqbenchError
-
-                    if not isinstance(exc, DeqbenchError):
-                        raise
-                    yield unmeasured(v, "skipped", str(exc))
-                    continue
-                rows = mode_rows(res, v, step)
-                if g_ref is None:
-                    for r in rows:
-                        if r.metric in GRAD_METRICS:
-                            r.status = "skipped" if not p.reference else "error"
-                            r.note = gnote
-                if descent is not None:
-                    rows += descent_rows(descent, res["grad"], v, step)
-                if p.train_steps:
-                    rows += training_rows(ctx, model, bcfg, fcfg, p, v, step)
-                yield from flag_unconverged(rows, solve_note(res["stats"], bcfg, fcfg, v))
+                yield from self._mode_rows(ctx, spec, layer, x, y, g_ref, gnote, descent, step)
             if p.memory_series:
-                df = memory_vs_iterations(
-                    ctx.model,
-                    x,
-                    y,
-                    task,
-                    iterations=p.memory_series,
-                    modes=p.memory_series_modes,
-                    memory=p.memory,
-                    memory_cpu=p.memory_cpu,
-                    runtime=ctx.runtime,
-                )
-                df.insert(0, "step", step)
-                self._series = getattr(self, "_series", [])
-                self._series.append(df)
-                import pandas as pd
-
-                ctx.write_series("backward_memory", pd.concat(self._series, ignore_index=True))
-                for r in df.itertuples():
-                    v = f"{r.mode}-n={r.iterations}"
-                    yield Row(
-                        "series_activation_memory",
-                        r.activation_mib,
-                        variant=v,
-                        step=step,
-                        unit="MiB",
-                    )
-                    if math.isfinite(r.peak_mib):
-                        yield Row(
-                            "series_peak_memory",
-                            r.peak_mib,
-                            variant=v,
-                            step=step,
-                            unit="MiB",
-                            note=r.method,
-                        )
+                yield from self._memory_series_rows(ctx, x, y, step)
             yield Row("batch_size", bs, step=step, unit="samples", note=note)
             yield from flag_rows(ctx.device, step=step)
+
+    def _mode_rows(
+        self,
+        ctx: CellContext,
+        spec: Any,
+        layer: Any,
+        x: Tensor,
+        y: Tensor,
+        g_ref: Any,
+        gnote: str,
+        descent: DescentCheck | None,
+        step: int | None,
+    ) -> Iterator[Row]:
+        """The rows of one backward mode (``spec``, of ``modes``): time, memory and the gradient
+        against ``g_ref`` (its rows not judged where there is none: ``gnote`` says why), the
+        descent check and training steps where asked; one unmeasured row where the mode cannot
+        run (out of memory, a wrapper that does not wrap, a mode the implementation lacks)."""
+        from .. import models as model_registry
+
+        p = self.params
+        task = ctx.task
+        bcfg = spec.backward_config(layer.backward_cfg)
+        fcfg = spec.forward_config(layer.solver_cfg)
+        v = spec.variant(bcfg, fcfg)
+        model = ctx.model
+        if spec.wrapper:
+            fac = model_registry.get(spec.wrapper)
+            if not getattr(fac, "wraps", False):
+                yield _unmeasured(
+                    v, step, "skipped", f"model '{spec.wrapper}' does not accept wrap=model"
+                )
+                return
+            model = fac(wrap=detached_copy(ctx.model))
+        try:
+            res = measure_mode(
+                model,
+                x,
+                y,
+                task,
+                bcfg,
+                fcfg,
+                g_ref=g_ref,
+                repeats=p.repeats,
+                warmup=p.warmup,
+                memory=p.memory,
+                memory_cpu=p.memory_cpu,
+                runtime=ctx.runtime,
+            )
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            yield _unmeasured(v, step, "oom", str(exc).splitlines()[0])
+            return
+        except Exception as exc:  # a mode the implementation lacks (torchdeq: unrolled)
+            from ..core.errors import DeqbenchError
+
+            if not isinstance(exc, DeqbenchError):
+                raise
+            yield _unmeasured(v, step, "skipped", str(exc))
+            return
+        rows = mode_rows(res, v, step)
+        if g_ref is None:
+            for r in rows:
+                if r.metric in GRAD_METRICS:
+                    r.status = "skipped" if not p.reference else "error"
+                    r.note = gnote
+        if descent is not None:
+            rows += descent_rows(descent, res["grad"], v, step)
+        if p.train_steps:
+            rows += training_rows(ctx, model, bcfg, fcfg, p, v, step)
+        yield from flag_unconverged(rows, solve_note(res["stats"], bcfg, fcfg, v))
+
+    def _memory_series_rows(
+        self, ctx: CellContext, x: Tensor, y: Tensor, step: int | None
+    ) -> Iterator[Row]:
+        """Activation and peak memory against the solver's iterations (``memory_series``),
+        also written as the ``backward_memory`` series."""
+        p = self.params
+        task = ctx.task
+        df = memory_vs_iterations(
+            ctx.model,
+            x,
+            y,
+            task,
+            iterations=p.memory_series,
+            modes=p.memory_series_modes,
+            memory=p.memory,
+            memory_cpu=p.memory_cpu,
+            runtime=ctx.runtime,
+        )
+        df.insert(0, "step", step)
+        self._series = getattr(self, "_series", [])
+        self._series.append(df)
+        import pandas as pd
+
+        ctx.write_series("backward_memory", pd.concat(self._series, ignore_index=True))
+        for r in df.itertuples():
+            v = f"{r.mode}-n={r.iterations}"
+            yield Row(
+                "series_activation_memory",
+                r.activation_mib,
+                variant=v,
+                step=step,
+                unit="MiB",
+            )
+            if math.isfinite(r.peak_mib):
+                yield Row(
+                    "series_peak_memory",
+                    r.peak_mib,
+                    variant=v,
+                    step=step,
+                    unit="MiB",
+                    note=r.method,
+                )
 
     @classmethod
     def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:

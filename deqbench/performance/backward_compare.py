@@ -15,6 +15,8 @@ loss, and the test accuracy after the same number of optimiser steps.
   step ``-eta g`` along a mode's gradient, against the same step along the reference gradient.
 * :func:`train_steps`: a copy of the model trained for a fixed number of optimiser steps with a
   mode (the same seeded batches for every mode), then evaluated on the test split.
+* :func:`memory_vs_iterations`: the memory of one training step against the number of forward
+  iterations, IFT against unrolled.
 
 Example:
     >>> import deqbench, torch
@@ -31,16 +33,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..core.deq import DEQLayer, Runtime, deq_layers
+from ..core.deq import DEQLayer, Runtime, SolverConfig, configure, deq_layers
 from ..core.runtime import autocast, for_loss, model_runtime
-from ._perf import loss_for, preserved
+from ._perf import GradStep, forward_nstep, loss_for, preserved
 from .gradients import GradVector, ReferenceSettings, reference_copy
+from .measure import MIB, Memory, peak_memory, saved_tensor_bytes
 
 
 @contextlib.contextmanager
@@ -270,3 +274,68 @@ def train_steps(
     else:
         out["test_mse"] = res.get("mse", res["loss"])
     return out
+
+
+def _first_layer(model: nn.Module) -> DEQLayer:
+    layers = list(deq_layers(model))
+    if not layers:
+        raise ValueError("backward: the model has no DEQ layer")
+    return layers[0]
+
+
+def memory_vs_iterations(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    task: Any = "classification",
+    *,
+    iterations: Sequence[int] = (5, 10, 20, 40),
+    modes: Sequence[str] = ("ift", "unrolled"),
+    memory: bool = True,
+    memory_cpu: bool = True,
+    runtime: Runtime | None = None,
+) -> Any:
+    """Memory of one training step against the number of forward iterations N: ``ift`` with a
+    forward of exactly N fixed-point iterations (tol 0) and the model's adjoint settings, and
+    ``unrolled`` with K = N, under ``runtime`` (default: the model's DEQ layers'). Returns a
+    DataFrame: mode, iterations, activation_mib, peak_mib, forward_nstep."""
+    import pandas as pd
+
+    layer = _first_layer(model)
+    rt = runtime if runtime is not None else model_runtime(model)
+    base_b = layer.backward_cfg
+    out = []
+    with preserved(model):
+        loss_fn = loss_for(task)
+        for mode in modes:
+            for n in iterations:
+                if mode == "ift":
+                    fwd = SolverConfig("fixed_point", max_iter=int(n), tol=0.0, stop_mode="rel")
+                    bwd = replace(base_b, name="ift")
+                elif mode == "unrolled":
+                    fwd, bwd = replace(layer.solver_cfg), replace(base_b, name="unrolled", k=int(n))
+                else:
+                    raise ValueError(
+                        f"memory_vs_iterations: mode must be ift or unrolled, got {mode!r}"
+                    )
+                configure(model, fwd, bwd)
+                model.train()
+                with autocast(rt, x.device):
+                    act, _ = saved_tensor_bytes(lambda: loss_fn(for_loss(model(x), rt), y))
+                nf = forward_nstep(model)
+                mem = (
+                    peak_memory(GradStep(model, x, y, task, rt), x.device, cpu=memory_cpu)
+                    if memory
+                    else Memory(math.nan, note="memory off")
+                )
+                out.append(
+                    {
+                        "mode": mode,
+                        "iterations": int(n),
+                        "activation_mib": act / MIB,
+                        "peak_mib": mem.peak_mib,
+                        "forward_nstep": nf,
+                        "method": mem.method,
+                    }
+                )
+    return pd.DataFrame(out)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -235,7 +235,44 @@ class UnrollCompare(Analysis):
         if hasattr(model, "contraction_bound"):
             yield row("contraction_bound", model.contraction_bound())
 
-        # accuracy and residual over the whole test set
+        yield from self._test_set_rows(ctx, k, bs, row)
+
+        # timing: per repeat the median over the timed batches; every repeat is stored, then
+        # median, IQR and spread over the repeats (Timing.rows; a spread > 10% is noted)
+        nb = min(self.params.timing_batches, max(1, X.shape[0] // bs))
+        batches = [(X[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs]) for i in range(nb)]
+        threads = torch.get_num_threads()
+        method = "perf_counter, cuda synchronize" if is_cuda(ctx.device) else "perf_counter"
+        yield from self._inference_rows(ctx, batches, k, bs, row, variant, method, threads)
+
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        model.train()
+        loss_fn = ctx.loss_fn or torch.nn.functional.cross_entropy
+        yield from self._training_step_rows(ctx, batches, loss_fn, row, variant, method, threads)
+
+        if self.params.sam_prior:
+            yield from (
+                Row(r.metric, r.value, variant=variant, unit=r.unit)
+                for r in sam_selection(
+                    model, batches[0][0], self.params.sam_prior, self.params.sam_iters
+                )
+            )
+
+        if self.params.memory:
+            yield from self._memory_rows(ctx, batches, loss_fn, row)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        model.train(was)
+
+    def _test_set_rows(
+        self, ctx: CellContext, k: int | None, bs: int, row: Callable[..., Row]
+    ) -> Iterator[Row]:
+        """Accuracy (classification), the residuals and the forward iterations over the whole
+        test set."""
+        model, layer = ctx.model, _layer(ctx.model)
+        X, y = ctx.data.test
         nsteps: list[float]
         correct, n, res_opteq, rel_means, rel_max, nsteps = 0.0, 0, [], [], 0.0, []
         with torch.no_grad():
@@ -261,13 +298,20 @@ class UnrollCompare(Analysis):
             "forward_nstep", _median(nsteps) if nsteps else (k if k is not None else math.nan)
         )
 
-        # timing: per repeat the median over the timed batches; every repeat is stored, then
-        # median, IQR and spread over the repeats (Timing.rows; a spread > 10% is noted)
-        nb = min(self.params.timing_batches, max(1, X.shape[0] // bs))
-        batches = [(X[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs]) for i in range(nb)]
-        dev = ctx.device
-        threads = torch.get_num_threads()
-        method = "perf_counter, cuda synchronize" if is_cuda(dev) else "perf_counter"
+    def _inference_rows(
+        self,
+        ctx: CellContext,
+        batches: list[tuple[Tensor, Tensor]],
+        k: int | None,
+        bs: int,
+        row: Callable[..., Row],
+        variant: str,
+        method: str,
+        threads: int,
+    ) -> Iterator[Row]:
+        """Inference time per batch and samples per second, per repeat (warm-up repeats
+        dropped)."""
+        model, dev = ctx.model, ctx.device
         inf: list[float] = []
         for r in range(self.params.warmup + self.params.repeats):
             times = []
@@ -287,9 +331,19 @@ class UnrollCompare(Analysis):
                 "inference_samples_per_s", bs / med if med > 0 else math.nan, "1/s", repeat=rep
             )
 
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        model.train()
-        loss_fn = ctx.loss_fn or torch.nn.functional.cross_entropy
+    def _training_step_rows(
+        self,
+        ctx: CellContext,
+        batches: list[tuple[Tensor, Tensor]],
+        loss_fn: Callable[..., Tensor],
+        row: Callable[..., Row],
+        variant: str,
+        method: str,
+        threads: int,
+    ) -> Iterator[Row]:
+        """Forward and backprop time of a training step per repeat, and the backward solve's
+        iterations."""
+        model, layer, dev = ctx.model, _layer(ctx.model), ctx.device
         bnsteps: list[float] = []
         fwd_reps: list[float] = []
         bwd_reps: list[float] = []
@@ -319,36 +373,31 @@ class UnrollCompare(Analysis):
         if bnsteps:
             yield row("backward_nstep", _median(bnsteps))
 
-        if self.params.sam_prior:
-            yield from (
-                Row(r.metric, r.value, variant=variant, unit=r.unit)
-                for r in sam_selection(
-                    model, batches[0][0], self.params.sam_prior, self.params.sam_iters
-                )
-            )
-
-        if self.params.memory:
-            xb, yb = batches[0]
-            model.zero_grad(set_to_none=True)
-            nbytes, loss = saved_tensor_bytes(lambda: loss_fn(model(xb), yb))
-            loss.backward()
-            yield row("activation_memory", nbytes, "bytes")
-            # peak memory of one training step (forward + parameter gradients) in its own pass:
-            # CUDA max_memory_allocated above the baseline, CPU peak RSS of a fresh worker
-            model.zero_grad(set_to_none=True)
-            mem = peak_memory(GradStep(model, xb, yb, ctx.task), dev, cpu=self.params.memory_cpu)
-            yield row(
-                "peak_memory",
-                mem.peak_bytes,
-                "bytes",
-                status="ok" if math.isfinite(mem.peak_bytes) else "skipped",
-                note="; ".join(x for x in (mem.method, mem.note) if x),
-            )
+    def _memory_rows(
+        self,
+        ctx: CellContext,
+        batches: list[tuple[Tensor, Tensor]],
+        loss_fn: Callable[..., Tensor],
+        row: Callable[..., Row],
+    ) -> Iterator[Row]:
+        """Activation memory (saved tensors) and the peak memory of one training step."""
+        model, dev = ctx.model, ctx.device
+        xb, yb = batches[0]
         model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        model.train(was)
+        nbytes, loss = saved_tensor_bytes(lambda: loss_fn(model(xb), yb))
+        loss.backward()
+        yield row("activation_memory", nbytes, "bytes")
+        # peak memory of one training step (forward + parameter gradients) in its own pass:
+        # CUDA max_memory_allocated above the baseline, CPU peak RSS of a fresh worker
+        model.zero_grad(set_to_none=True)
+        mem = peak_memory(GradStep(model, xb, yb, ctx.task), dev, cpu=self.params.memory_cpu)
+        yield row(
+            "peak_memory",
+            mem.peak_bytes,
+            "bytes",
+            status="ok" if math.isfinite(mem.peak_bytes) else "skipped",
+            note="; ".join(x for x in (mem.method, mem.note) if x),
+        )
 
     @classmethod
     def plot(cls, df: Any, run_dir: Any) -> dict[str, Any]:

@@ -350,33 +350,37 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
         return _run_task(task, listener)
 
 
+class _TaskRows:
+    """The rows of one task: the task's base columns, each analysis's registered name, and the
+    stage the task is at (for the note of a ``SystemExit`` & co. of plugin code)."""
+
+    def __init__(self, base: dict[str, Any]) -> None:
+        self.base = base
+        self.rows: list[dict[str, Any]] = []
+        self.names: dict[int, str] = {}
+        self.stage = ""
+
+    def add(self, analysis: str, r: Row) -> None:
+        self.rows.append({**self.base, "analysis": analysis, "variant": r.variant,
+                          "metric": r.metric, "step": r.step, "repeat": r.repeat,
+                          "value": r.value, "unit": r.unit, "status": r.status,
+                          "note": r.note})  # fmt: skip
+
+    def emit(self, analysis: Any, produced: Any) -> None:
+        for r in produced or ():
+            self.add(self.names[id(analysis)], r if isinstance(r, Row) else Row(**r))
+
+
 def _run_task(task: Task, listener: Listener | None) -> TaskResult:
     import torch
-
-    from ..core import deq
-    from ..core.registry import inits, models
-    from .train import train
 
     started = time.time()
     t0 = time.perf_counter()
     cell, suite = task.cell, task.suite
-    rows: list[dict[str, Any]] = []
+    out = _TaskRows(task.row_base())
     status, note, tb = "ok", "", None
     ctx: CellContext | None = None
-    flags: list[str] = []  # why the measurement is not trustworthy (status "flagged")
     tallies = Tallies()  # every DEQ solve of the task, by kind and phase
-    names: dict[int, str] = {}
-    base = task.row_base()
-    stage = ""  # what the task is doing, for the note of a SystemExit & co. of plugin code
-
-    def add(analysis: str, r: Row) -> None:
-        rows.append({**base, "analysis": analysis, "variant": r.variant, "metric": r.metric,
-                     "step": r.step, "repeat": r.repeat, "value": r.value, "unit": r.unit,
-                     "status": r.status, "note": r.note})  # fmt: skip
-
-    def emit(analysis: Any, produced: Any) -> None:
-        for r in produced or ():
-            add(names[id(analysis)], r if isinstance(r, Row) else Row(**r))
 
     if listener is not None:
         listener.task_started(task)
@@ -385,53 +389,16 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
             torch.set_num_threads(suite.threads)
         apply_numeric_flags(suite)
         dtype = getattr(torch, suite.dtype)
-        # one-off start-up (per process) and data loading (per process and dataset) are
-        # recorded on their own rows and kept out of the task's wall_time
-        warm_up(task.device, dtype)
-        warm = take_warmup_time(task.device, dtype)
-        if warm is not None:
-            add(
-                PROCESS,
-                Row("warmup_time", warm, unit="s", note="once per process; not in wall_time"),
-            )
-        stage = f"loading dataset {_named('datasets', cell.data_params()[0])}"
-        cpu_data, load_time = _load_data(cell)
-        if load_time is not None:
-            add(PROCESS, Row("data_load_time", load_time, unit="s",
-                             note="once per process and dataset; not in wall_time"))  # fmt: skip
+        cpu_data = _process_start_up(task, dtype, out)
         t0 = time.perf_counter()
         seed_everything(task.seed)
         data = cpu_data.to(task.device, dtype)
-        mname, mparams = cell.model_params()
-        stage = f"building model {_named('models', mname)}"
-        model = models.create(
-            mname, in_shape=data.in_shape, num_outputs=data.num_outputs, **mparams
-        )
-        model = model.to(device=task.device, dtype=dtype)
-        iname, iparams = cell.init_params()
-        stage = f"initialising model {_named('models', mname)} with {_named('inits', iname)}"
-        inits.get(iname)(model, seed=task.seed, **iparams)
-        stage = f"setting up model {_named('models', mname)}"
-        if deq.is_deq(model):
-            deq.configure(model, cell.solver_config(), cell.backward_config())
-        runtime = cell.runtime_config()
-        deq.set_runtime(model, runtime)  # every DEQ layer: compile, autocast, CUDA graphs
-        from ..models import solver_columns
-
-        deq.watch_own_solves(model)  # a model that reports its own solves: each one is recorded
-        own = solver_columns(mname, model, mparams)
-        if own is not None:
-            # a model that computes its own equilibrium: the suite's solver and backward mode do
-            # not reach it; the columns say what solved it (own:<name>, from its
-            # last_solve_stats() hook) or that nothing was measured ("not measured")
-            base.update(solver=own[0], backward=own[1])
-            for r in rows:
-                r.update(solver=own[0], backward=own[1])
+        model, mname, runtime = _build_model(task, data, dtype, out)
         instances = []
         for name, params in suite.analyses:
             instances.append(_Guarded(name, params))
-            names[id(instances[-1])] = name  # rows carry the registered name
-        stage = f"running model {_named('models', mname)}"
+            out.names[id(instances[-1])] = name  # rows carry the registered name
+        out.stage = f"running model {_named('models', mname)}"
         ctx = _TaskContext(
             model,
             data,
@@ -450,60 +417,18 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
         def probe(phase: str, a: Any, hook: Any) -> None:
             """Run an analysis hook outside training; its solves count as ``phase``."""
             with tallies.counting(phase, a):
-                emit(a, hook(ctx))
+                out.emit(a, hook(ctx))
 
         for a in instances:
             probe("init", a, a.before_training)
-        cfg = cell.train_config()
-        if cfg.epochs > 0 or any(getattr(a, "needs_training", True) for a in instances):
-
-            def progress(epoch: int, step: int) -> None:
-                if listener is not None:
-                    listener.epoch(task, epoch)
-
-            stage = f"training model {_named('models', mname)}" + (
-                f" with solver {_named('solvers', cell.solver['name'])}"
-                if deq.is_deq(model)
-                else ""
-            )
-            res = train(
-                model,
-                data,
-                cfg,
-                ctx=ctx,
-                callbacks=instances,
-                emit=emit,
-                seed=task.seed,
-                progress=progress,
-                runtime=runtime,
-                tallies=tallies,
-            )
-            status, note = res.status, res.note
-            add(
-                TRAINING,
-                Row(
-                    "optimizer_steps",
-                    res.steps,
-                    unit="steps",
-                    note="" if res.status == "ok" else f"training stopped: {res.status}",
-                ),
-            )
-            add(TRAINING, Row("steps_per_epoch", res.steps_per_epoch, unit="steps"))
-        else:
-            add(TRAINING, Row("optimizer_steps", 0, unit="steps", note="no training (epochs 0)"))
-        stage = f"running model {_named('models', mname)}"
+        status, note = _train_phase(
+            task, model, data, ctx, instances, runtime, tallies, out, listener, mname
+        )
+        out.stage = f"running model {_named('models', mname)}"
         if status == "ok":
             for a in instances:
                 probe("probe", a, a.after_training)
-        # the share of each phase's solves that missed tolerance (train, eval and probes flag
-        # the cell above 1%; init is reported only)
-        for tally in tallies:
-            if tally.batches:
-                add(CONVERGENCE, Row(f"{tally.kind}_unconverged_batches", tally.share,
-                                     variant=tally.phase, unit="fraction",
-                                     status=FLAGGED if tally.flagged else "ok",
-                                     note=tally.note() if tally.missed
-                                     else rule_note(tally.stop)))  # fmt: skip
+        _add_convergence_rows(tallies, out)
     except torch.cuda.OutOfMemoryError as exc:
         status, note, tb = "oom", _one_line(exc), traceback.format_exc()
         torch.cuda.empty_cache()
@@ -512,31 +437,158 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
             raise
         status, tb = "error", traceback.format_exc()
         note = (
-            _one_line(exc) if isinstance(exc, Exception) else f"{plugin_fault(exc)} while {stage}"
+            _one_line(exc)
+            if isinstance(exc, Exception)
+            else f"{plugin_fault(exc)} while {out.stage}"
         )
     if status == "ok":
-        # the missed solves: one note per kind of solve (its phases merged), then the hints
-        flags += tallies.flags()
-        flags += [
-            f"{r['analysis']}: {r['note']}"
-            for r in rows
-            if r["status"] == FLAGGED and r["analysis"] != CONVERGENCE
-        ]
-        # an analysis measurement that failed outright (error, oom, nan) leaves the cell's
-        # training intact but the measurement missing: never "ok"
-        flags += [
-            f"{r['analysis']}: {r['metric']} not measured ({r['status']}"
-            + (f": {r['note']})" if r["note"] else ")")
-            for r in rows
-            if r["status"] in ("error", "oom", "nan", "diverged") and r["analysis"] != PROCESS
-        ]
+        # why the measurement is not trustworthy (status "flagged")
+        flags = _untrustworthy(tallies, out.rows)
         if flags:
             status, note = FLAGGED, "; ".join(dict.fromkeys(flags))
     wall = time.perf_counter() - t0
-    add(RUNNER, Row("wall_time", wall, unit="s", status=status, note=note))
+    out.add(RUNNER, Row("wall_time", wall, unit="s", status=status, note=note))
     series = ctx.extra.get("_series", {}) if ctx is not None else {}
     timing = {"start": started, "end": time.time(), "pid": os.getpid(), "worker": _where()}
-    return TaskResult(cell.id, task.seed, rows, status, note, tb, wall, series, timing)
+    return TaskResult(cell.id, task.seed, out.rows, status, note, tb, wall, series, timing)
+
+
+def _process_start_up(task: Task, dtype: Any, out: _TaskRows) -> Any:
+    """Warm the device up and load the cell's dataset (CPU). One-off start-up (per process) and
+    data loading (per process and dataset) are recorded on their own rows and kept out of the
+    task's wall_time."""
+    warm_up(task.device, dtype)
+    warm = take_warmup_time(task.device, dtype)
+    if warm is not None:
+        out.add(
+            PROCESS,
+            Row("warmup_time", warm, unit="s", note="once per process; not in wall_time"),
+        )
+    out.stage = f"loading dataset {_named('datasets', task.cell.data_params()[0])}"
+    cpu_data, load_time = _load_data(task.cell)
+    if load_time is not None:
+        out.add(PROCESS, Row("data_load_time", load_time, unit="s",
+                             note="once per process and dataset; not in wall_time"))  # fmt: skip
+    return cpu_data
+
+
+def _build_model(task: Task, data: Any, dtype: Any, out: _TaskRows) -> tuple[Any, str, Any]:
+    """Create, initialise and set up the cell's model on the task's device; returns the model,
+    its registered name and the cell's runtime config."""
+    from ..core import deq
+    from ..core.registry import inits, models
+    from ..models import solver_columns
+
+    cell = task.cell
+    mname, mparams = cell.model_params()
+    out.stage = f"building model {_named('models', mname)}"
+    model = models.create(mname, in_shape=data.in_shape, num_outputs=data.num_outputs, **mparams)
+    model = model.to(device=task.device, dtype=dtype)
+    iname, iparams = cell.init_params()
+    out.stage = f"initialising model {_named('models', mname)} with {_named('inits', iname)}"
+    inits.get(iname)(model, seed=task.seed, **iparams)
+    out.stage = f"setting up model {_named('models', mname)}"
+    if deq.is_deq(model):
+        deq.configure(model, cell.solver_config(), cell.backward_config())
+    runtime = cell.runtime_config()
+    deq.set_runtime(model, runtime)  # every DEQ layer: compile, autocast, CUDA graphs
+    deq.watch_own_solves(model)  # a model that reports its own solves: each one is recorded
+    own = solver_columns(mname, model, mparams)
+    if own is not None:
+        # a model that computes its own equilibrium: the suite's solver and backward mode do
+        # not reach it; the columns say what solved it (own:<name>, from its
+        # last_solve_stats() hook) or that nothing was measured ("not measured")
+        out.base.update(solver=own[0], backward=own[1])
+        for r in out.rows:
+            r.update(solver=own[0], backward=own[1])
+    return model, mname, runtime
+
+
+def _train_phase(
+    task: Task,
+    model: Any,
+    data: Any,
+    ctx: CellContext,
+    instances: list[Any],
+    runtime: Any,
+    tallies: Tallies,
+    out: _TaskRows,
+    listener: Listener | None,
+    mname: str,
+) -> tuple[str, str]:
+    """Train the model with the analyses as callbacks (unless no epoch and no analysis needs
+    training) and record its step counts; returns the training's status and note."""
+    from ..core import deq
+    from .train import train
+
+    cell = task.cell
+    cfg = cell.train_config()
+    if not (cfg.epochs > 0 or any(getattr(a, "needs_training", True) for a in instances)):
+        out.add(TRAINING, Row("optimizer_steps", 0, unit="steps", note="no training (epochs 0)"))
+        return "ok", ""
+
+    def progress(epoch: int, step: int) -> None:
+        if listener is not None:
+            listener.epoch(task, epoch)
+
+    out.stage = f"training model {_named('models', mname)}" + (
+        f" with solver {_named('solvers', cell.solver['name'])}" if deq.is_deq(model) else ""
+    )
+    res = train(
+        model,
+        data,
+        cfg,
+        ctx=ctx,
+        callbacks=instances,
+        emit=out.emit,
+        seed=task.seed,
+        progress=progress,
+        runtime=runtime,
+        tallies=tallies,
+    )
+    out.add(
+        TRAINING,
+        Row(
+            "optimizer_steps",
+            res.steps,
+            unit="steps",
+            note="" if res.status == "ok" else f"training stopped: {res.status}",
+        ),
+    )
+    out.add(TRAINING, Row("steps_per_epoch", res.steps_per_epoch, unit="steps"))
+    return res.status, res.note
+
+
+def _add_convergence_rows(tallies: Tallies, out: _TaskRows) -> None:
+    """The share of each phase's solves that missed tolerance (train, eval and probes flag the
+    cell above 1%; init is reported only)."""
+    for tally in tallies:
+        if tally.batches:
+            out.add(CONVERGENCE, Row(f"{tally.kind}_unconverged_batches", tally.share,
+                                     variant=tally.phase, unit="fraction",
+                                     status=FLAGGED if tally.flagged else "ok",
+                                     note=tally.note() if tally.missed
+                                     else rule_note(tally.stop)))  # fmt: skip
+
+
+def _untrustworthy(tallies: Tallies, rows: list[dict[str, Any]]) -> list[str]:
+    """Why a task that ran to the end is not trustworthy: the missed solves (one note per kind
+    of solve, its phases merged, then the hints), the analyses' flagged rows, and any analysis
+    measurement that failed outright (error, oom, nan: the cell's training is intact but the
+    measurement missing, so never "ok")."""
+    flags = tallies.flags()
+    flags += [
+        f"{r['analysis']}: {r['note']}"
+        for r in rows
+        if r["status"] == FLAGGED and r["analysis"] != CONVERGENCE
+    ]
+    flags += [
+        f"{r['analysis']}: {r['metric']} not measured ({r['status']}"
+        + (f": {r['note']})" if r["note"] else ")")
+        for r in rows
+        if r["status"] in ("error", "oom", "nan", "diverged") and r["analysis"] != PROCESS
+    ]
+    return flags
 
 
 def _named(kind: str, name: str) -> str:

@@ -243,17 +243,15 @@ def train(
     loss_fn = loss_function(data.task)
     opt = make_optimizer(model, cfg)
     if ctx is not None:
-        ctx.optimizer = opt
-        ctx.loss_fn = loss_fn
+        ctx.optimizer, ctx.loss_fn = opt, loss_fn
     n = Xtr.shape[0]
     bs = n if cfg.full_batch else min(cfg.batch_size, n)
     steps_per_epoch = math.ceil(n / bs)
     sched, per_batch = make_schedule(opt, cfg, steps_per_epoch)
     gen = torch.Generator().manual_seed(seed)
-    result = TrainResult(steps_per_epoch=steps_per_epoch)
-
-    if tallies is not None:
-        result.tallies = tallies
+    result = TrainResult(
+        steps_per_epoch=steps_per_epoch, tallies=Tallies() if tallies is None else tallies
+    )
     result.tallies.amp, result.tallies.device = runtime.amp, Xtr.device.type
     data_range = float((data.meta or {}).get("data_range", 1.0))  # PSNR/SSIM of image targets
 
@@ -296,32 +294,14 @@ def train(
             last = i == steps_per_epoch - 1 or (
                 cfg.max_steps is not None and step + 1 >= cfg.max_steps
             )
-            with solve_ledger() as led:
-                with verify_solves(last), autocast(runtime, xb.device):
-                    out = model(xb)
-                    loss = loss_fn(for_loss(out, runtime), yb)
-                lv = float(loss.detach())
-                # The solvers' status strings are already on the host: no device sync per step
-                # here; the residual summaries (which sync) are read once per step, after
-                # backward.
-                diverged = (
-                    has_deq
-                    and any(
-                        layer.last_forward_stats is not None
-                        and layer.last_forward_stats.status == "diverged"
-                        for layer in deq_layers(model)
-                    )
-                    or (own and bool(last_stats(model).get("forward_diverged")))
-                )
-                if not math.isfinite(lv) or diverged:
-                    # A diverged forward solve stops the cell even if the loss is still finite
-                    # (the solver returns its lowest-residual iterate, which can hide a blow-up).
-                    fwd = last_stats(model) if has_deq else {}
-                    result.status, result.note = _stopped(lv, fwd, f"epoch {epoch} step {step + 1}")
-                    result.steps = step
-                    return result
-                loss.backward()
-            result.tallies.add("train", led.records)
+            out, lv, fwd, records = _forward_backward(
+                model, xb, yb, loss_fn, runtime, verify=last, has_deq=has_deq, own=own
+            )
+            if fwd is not None:
+                result.status, result.note = _stopped(lv, fwd, f"epoch {epoch} step {step + 1}")
+                result.steps = step
+                return result
+            result.tallies.add("train", records)
             if cfg.grad_clip:
                 nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -330,12 +310,7 @@ def train(
                 sched.step()
             step += 1
             st = last_stats(model) if has_deq else {}
-            rec = {"loss": lv, **st}
-            if data.task == "classification":
-                rec["accuracy"] = float((out.detach().argmax(1) == yb).float().mean())
-            else:  # the loss is the MSE (as in evaluate), so every epoch has a train MSE row
-                rec["mse"] = lv
-            for k, v in rec.items():
+            for k, v in _step_record(lv, st, out, yb, data.task).items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
             info = StepInfo(epoch, step, lv, st, (xb, yb))
@@ -355,6 +330,59 @@ def train(
         if cfg.max_steps is not None and step >= cfg.max_steps:
             break
     return result
+
+
+def _forward_backward(
+    model: nn.Module,
+    xb: Tensor,
+    yb: Tensor,
+    loss_fn: Callable[[Any, Tensor], Tensor],
+    runtime: Runtime,
+    *,
+    verify: bool,
+    has_deq: bool,
+    own: bool,
+) -> tuple[Any, float, dict[str, float] | None, list[Any]]:
+    """One training batch's forward, loss and backward, its DEQ solves recorded (and verified
+    where ``verify``). Returns the output, the loss, the forward solves' stats where training
+    must stop (a NaN/inf loss or a diverged forward solve: no backward then; None otherwise) and
+    the solves' records."""
+    with solve_ledger() as led:
+        with verify_solves(verify), autocast(runtime, xb.device):
+            out = model(xb)
+            loss = loss_fn(for_loss(out, runtime), yb)
+        lv = float(loss.detach())
+        # The solvers' status strings are already on the host: no device sync per step
+        # here; the residual summaries (which sync) are read once per step, after
+        # backward.
+        diverged = (
+            has_deq
+            and any(
+                layer.last_forward_stats is not None
+                and layer.last_forward_stats.status == "diverged"
+                for layer in deq_layers(model)
+            )
+            or (own and bool(last_stats(model).get("forward_diverged")))
+        )
+        if not math.isfinite(lv) or diverged:
+            # A diverged forward solve stops the cell even if the loss is still finite
+            # (the solver returns its lowest-residual iterate, which can hide a blow-up).
+            return out, lv, (last_stats(model) if has_deq else {}), led.records
+        loss.backward()
+    return out, lv, None, led.records
+
+
+def _step_record(
+    lv: float, st: dict[str, float], out: Any, yb: Tensor, task: str
+) -> dict[str, float]:
+    """A training step's values, summed into the epoch's means: the loss, the solver stats, and
+    the batch accuracy (classification) or MSE."""
+    rec = {"loss": lv, **st}
+    if task == "classification":
+        rec["accuracy"] = float((out.detach().argmax(1) == yb).float().mean())
+    else:  # the loss is the MSE (as in evaluate), so every epoch has a train MSE row
+        rec["mse"] = lv
+    return rec
 
 
 def _stopped(loss: float, fwd: dict[str, float], where: str) -> tuple[str, str]:

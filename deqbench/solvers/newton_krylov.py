@@ -293,6 +293,112 @@ def _known_constant(f: Any, shape: torch.Size) -> Tensor | None:
     return None
 
 
+def _host(t: Tensor) -> np.ndarray:
+    return t.double().cpu().numpy()
+
+
+def _product_operator(
+    f: Callable[[Tensor], Tensor], z0: Tensor, mode: str, budget: _Budget, fd_eps: float
+) -> _Operator:
+    """The product (J - I) v for ``mode``: ``auto`` becomes ``affine`` where the map's constant
+    is known; ``affine`` evaluates f(0) for it when not (``op.const`` stays None when the
+    budget has no room for f(0))."""
+    shape, B = z0.shape, int(z0.shape[0])
+    const = _known_constant(f, shape)
+    if mode == "auto" and const is not None:
+        mode = "affine"
+    if mode == "affine" and const is None and budget.can(1):
+        const = f(torch.zeros_like(z0)).reshape(B, -1)
+        budget.nf += 1
+    if const is not None:
+        const = const.reshape(B, -1).to(z0.dtype)
+    return _Operator(f, shape, mode, budget, fd_eps, const)
+
+
+def _forcing_terms(
+    opts: NewtonKrylovOptions,
+    eta: np.ndarray,
+    gn: np.ndarray,
+    fn: np.ndarray,
+    gn_prev: np.ndarray,
+    eta_prev: np.ndarray,
+    newton: int,
+    affine: bool,
+    tol: float,
+    stop_mode: str,
+    dt: torch.dtype,
+) -> np.ndarray:
+    """GMRES's relative tolerance per sample for the next Newton step: half the residual the
+    stop rule asks for on an affine map, Eisenstat-Walker's choice 2 (safeguarded) with
+    ``forcing="ew"``, else the constant ``eta``; never below 10 machine epsilons."""
+    eta0, eta_max, gamma, alpha = opts.eta0, opts.eta_max, opts.ew_gamma, opts.ew_alpha
+    # absolute residual the stop rule asks for (rel: at the current ||f(z)||)
+    tau = tol * (fn + EPS) if stop_mode == "rel" else np.full(gn.shape[0], tol)
+    floor = 0.5 * tau / np.maximum(gn, 1e-300)
+    if affine:
+        eta = np.minimum(eta_max, floor)
+    elif opts.forcing == "ew":
+        if newton > 0:
+            e = gamma * (gn / np.maximum(gn_prev, 1e-300)) ** alpha
+            sg = gamma * eta_prev**alpha
+            e = np.where(sg > 0.1, np.maximum(e, sg), e)
+            eta = np.minimum(eta_max, np.maximum(e, floor))
+        else:
+            eta = np.minimum(eta_max, np.maximum(eta0, floor))
+    return np.maximum(eta, 10 * torch.finfo(dt).eps)
+
+
+def _line_search(
+    f: Callable[[Tensor], Tensor],
+    z: Tensor,
+    fz: Tensor,
+    g: Tensor,
+    gn: np.ndarray,
+    s: Tensor,
+    active: np.ndarray,
+    rho: np.ndarray,
+    budget: _Budget,
+    opts: NewtonKrylovOptions,
+    shape: torch.Size,
+) -> tuple[Tensor, Tensor, Tensor, np.ndarray, int]:
+    """Backtracking on ||g|| along the Newton step ``s``, per sample (Armijo with the inexact
+    step's ``rho``; a safeguarded quadratic model picks the next step length). Returns the
+    best trial per sample (z, f(z), g, ||g||; the current point where none lowered ||g||) and
+    the backtracks made. ``z``, ``fz``, ``g`` and ``s`` are (B, D); f takes ``shape``."""
+    line_search, trials, c1 = opts.line_search, opts.ls_max_trials, opts.ls_c1
+    B, dt, dev = z.shape[0], z.dtype, z.device
+    backtracks = 0
+    lam = np.where(active, 1.0, 0.0)
+    best_z, best_fz, best_g, best_gn = z, fz, g, gn.copy()
+    pending = active.copy()
+    for _ in range(trials if line_search else 1):
+        lt = torch.as_tensor(lam, dtype=dt, device=dev)[:, None]
+        zt = z + lt * s
+        ft = f(zt.view(shape)).reshape(B, -1)
+        budget.nf += 1
+        gt = ft - zt
+        gnt = _host(torch.linalg.vector_norm(gt, dim=1))
+        better = pending & (gnt < best_gn)  # NaN never better
+        if better.any():
+            bt = torch.as_tensor(better, device=dev)[:, None]
+            best_z = torch.where(bt, zt, best_z)
+            best_fz = torch.where(bt, ft, best_fz)
+            best_g = torch.where(bt, gt, best_g)
+            best_gn = np.where(better, gnt, best_gn)
+        accept = pending & (gnt <= (1 - c1 * lam * (1 - rho)) * gn)
+        pending &= ~accept
+        if not line_search or not pending.any() or not budget.can(1):
+            break
+        backtracks += 1
+        # safeguarded quadratic model of ||g(z + lam s)||^2 with slope -2 ||g||^2
+        g2, t2 = gn**2, np.where(np.isfinite(gnt), gnt**2, np.inf)
+        with np.errstate(all="ignore"):
+            q = g2 * lam**2 / (t2 - g2 + 2 * g2 * lam)
+        q = np.where(np.isfinite(q), q, 0.5 * lam)
+        lam = np.where(pending, np.clip(q, 0.1 * lam, 0.5 * lam), lam)
+    return best_z, best_fz, best_g, best_gn, backtracks
+
+
 @solvers.register("newton_krylov")
 @solver(NewtonKrylovOptions)
 def newton_krylov(
@@ -322,14 +428,7 @@ def newton_krylov(
         ('converged', True)
     """
     name = "newton_krylov"
-    mode, m, restarts, forcing = opts.jvp, opts.restart, opts.max_restarts, opts.forcing
-    eta0, eta_max, gamma, alpha = opts.eta0, opts.eta_max, opts.ew_gamma, opts.ew_alpha
-    line_search, trials, c1, max_jvp = (
-        opts.line_search,
-        opts.ls_max_trials,
-        opts.ls_c1,
-        opts.max_jvp,
-    )
+    m, restarts, forcing = opts.restart, opts.max_restarts, opts.forcing
     if not z0.is_floating_point():
         raise option_error(name, f"z0 must be a floating-point tensor, got {z0.dtype}")
     fd_eps = opts.fd_eps if opts.fd_eps is not None else torch.finfo(z0.dtype).eps ** 0.5
@@ -337,7 +436,7 @@ def newton_krylov(
     tracker = Tracker(name, z0, max_iter=max_iter, tol=tol, stop_mode=stop_mode, common=opts)
     shape, B = z0.shape, int(z0.shape[0])
     dt, dev = z0.dtype, z0.device
-    budget = _Budget(max_iter, max_jvp)
+    budget = _Budget(max_iter, opts.max_jvp)
     extra: dict[str, Any] = {}
 
     z = z0.reshape(B, -1)
@@ -349,26 +448,14 @@ def newton_krylov(
     tracker.record(z.view(shape), fz.view(shape), g.view(shape))
     done = False
 
-    # the product
-    const = _known_constant(f, shape)
-    if mode == "auto" and const is not None:
-        mode = "affine"
-    if mode == "affine" and const is None and budget.can(1):
-        const = f(torch.zeros_like(z0)).reshape(B, -1)
-        budget.nf += 1
-    if const is not None:
-        const = const.reshape(B, -1).to(dt)
-    op = _Operator(f, shape, mode, budget, fd_eps, const)
-    affine = mode == "affine"
-    if affine and const is None:
+    op = _product_operator(f, z0, opts.jvp, budget, fd_eps)
+    affine = op.mode == "affine"
+    if affine and op.const is None:
         done = True  # no budget left for f(0)
 
-    def host(t: Tensor) -> np.ndarray:
-        return t.double().cpu().numpy()
-
-    gn = host(torch.linalg.vector_norm(g, dim=1))
-    fn = host(torch.linalg.vector_norm(fz, dim=1))
-    eta = np.full(B, forcing if forcing != "ew" else eta0)
+    gn = _host(torch.linalg.vector_norm(g, dim=1))
+    fn = _host(torch.linalg.vector_norm(fz, dim=1))
+    eta = np.full(B, forcing if forcing != "ew" else opts.eta0)
     eta_prev = eta.copy()
     gn_prev = gn.copy()
     stalled = np.zeros(B, dtype=bool)
@@ -381,20 +468,9 @@ def newton_krylov(
             if (stalled & ~(res < tol)).any():
                 tracker.status = "stagnated"
             break
-        # absolute residual the stop rule asks for (rel: at the current ||f(z)||)
-        tau = tol * (fn + EPS) if stop_mode == "rel" else np.full(B, tol)
-        floor = 0.5 * tau / np.maximum(gn, 1e-300)
-        if affine:
-            eta = np.minimum(eta_max, floor)
-        elif forcing == "ew":
-            if newton > 0:
-                e = gamma * (gn / np.maximum(gn_prev, 1e-300)) ** alpha
-                sg = gamma * eta_prev**alpha
-                e = np.where(sg > 0.1, np.maximum(e, sg), e)
-                eta = np.minimum(eta_max, np.maximum(e, floor))
-            else:
-                eta = np.minimum(eta_max, np.maximum(eta0, floor))
-        eta = np.maximum(eta, 10 * torch.finfo(dt).eps)
+        eta = _forcing_terms(
+            opts, eta, gn, fn, gn_prev, eta_prev, newton, affine, tol, stop_mode, dt
+        )
         # Newton step: (J - I) s = -g, inexactly
         op.at(z, fz)
         s, rho_abs, nprod, ncyc = _gmres(
@@ -406,42 +482,17 @@ def newton_krylov(
             break  # the budget is spent
         newton += 1
         rho = np.clip(rho_abs / np.maximum(gn, 1e-300), 0.0, 1.0)
-        # line search on ||g||, per sample
-        lam = np.where(active, 1.0, 0.0)
-        best_z, best_fz, best_g, best_gn = z, fz, g, gn.copy()
-        pending = active.copy()
-        for _ in range(trials if line_search else 1):
-            lt = torch.as_tensor(lam, dtype=dt, device=dev)[:, None]
-            zt = z + lt * s
-            ft = f(zt.view(shape)).reshape(B, -1)
-            budget.nf += 1
-            gt = ft - zt
-            gnt = host(torch.linalg.vector_norm(gt, dim=1))
-            better = pending & (gnt < best_gn)  # NaN never better
-            if better.any():
-                bt = torch.as_tensor(better, device=dev)[:, None]
-                best_z = torch.where(bt, zt, best_z)
-                best_fz = torch.where(bt, ft, best_fz)
-                best_g = torch.where(bt, gt, best_g)
-                best_gn = np.where(better, gnt, best_gn)
-            accept = pending & (gnt <= (1 - c1 * lam * (1 - rho)) * gn)
-            pending &= ~accept
-            if not line_search or not pending.any() or not budget.can(1):
-                break
-            backtracks += 1
-            # safeguarded quadratic model of ||g(z + lam s)||^2 with slope -2 ||g||^2
-            g2, t2 = gn**2, np.where(np.isfinite(gnt), gnt**2, np.inf)
-            with np.errstate(all="ignore"):
-                q = g2 * lam**2 / (t2 - g2 + 2 * g2 * lam)
-            q = np.where(np.isfinite(q), q, 0.5 * lam)
-            lam = np.where(pending, np.clip(q, 0.1 * lam, 0.5 * lam), lam)
+        best_z, best_fz, best_g, best_gn, nback = _line_search(
+            f, z, fz, g, gn, s, active, rho, budget, opts, shape
+        )
+        backtracks += nback
         # a failed line search keeps the best trial if it lowered ||g||; otherwise the sample
         # stalls (frozen)
         moved = active & (best_gn < gn)
         stalled |= active & ~moved
         gn_prev, eta_prev = gn, eta
         z, fz, g, gn = best_z, best_fz, best_g, best_gn
-        fn = host(torch.linalg.vector_norm(fz, dim=1))
+        fn = _host(torch.linalg.vector_norm(fz, dim=1))
         tracker.record(z.view(shape), fz.view(shape), g.view(shape))
         if tracker.stop() or not budget.can(1):
             break

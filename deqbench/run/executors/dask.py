@@ -40,6 +40,10 @@ where the user set it (e.g. ``DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=f
 CPU, where Dask's default ``spawn`` is kept). A second worker joins a GPU only where the first
 left it idle (:meth:`DaskExecutor.add_gpu_workers`, ``max_busy``).
 
+This module dispatches the tasks; starting, describing and closing the cluster and adding workers
+live in :mod:`deqbench.run.executors.dask_cluster` (:class:`DaskExecutor` extends its
+:class:`~deqbench.run.executors.dask_cluster.DaskCluster`).
+
 Example:
     >>> import deqbench
     >>> from deqbench.run.executors.dask import DaskExecutor
@@ -53,8 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import statistics
 import threading
 import time
 import traceback
@@ -68,23 +70,17 @@ from ...core.errors import ConfigError, DeqbenchError
 from ..results import FLAGGED, RUNNER
 from ..schedule import CostModel, known_costs, lpt_order, static_cost
 from ..task import Listener, Task, TaskResult
-from ._worker import WARMUP_ENV
-from .dask_cell import PINNED_ENV, THREADS_ENV, _pinned_gpu, gpu_memory, run_cell
+from .dask_cell import PINNED_ENV as PINNED_ENV  # re-exported
+from .dask_cell import gpu_memory as gpu_memory  # re-exported
+from .dask_cell import run_cell
+from .dask_cluster import DaskCluster, _one_line
+from .dask_cluster import gpu_ids as gpu_ids  # re-exported
 
 __all__ = ["DaskExecutor", "run_cell", "failed_result", "gpu_ids", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'deqbench[dask]'"
-#: Dask config key of the variables a nanny exports before it spawns a worker process.
-PRE_SPAWN_ENV = "distributed.nanny.pre-spawn-environ"
-
-#: GPU memory (bytes) counted per worker process beyond its cells' peak (CUDA context, handles)
-CONTEXT_BYTES = 1 << 30
 #: statuses whose wall time measures a whole cell (the grouping decision reads them)
 TIMED = ("ok", FLAGGED)
-
-
-#: seconds of estimated remaining work per worker above which a second worker joins each GPU
-MIN_REMAINING_S = 20.0
 
 
 def _require_distributed() -> Any:
@@ -97,29 +93,6 @@ def _require_distributed() -> Any:
             f"deqbench[dask]: {INSTALL_HINT}"
         ) from None
     return distributed
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def gpu_ids(device: str) -> list[str]:
-    """The host GPU ids a local cluster pins its workers to for ``device`` (``cuda`` | ``cuda:N``),
-    honouring this process's ``CUDA_VISIBLE_DEVICES``; empty for other devices."""
-    if not device.startswith("cuda"):
-        return []
-    from ..env import visible_gpu_count
-
-    n = visible_gpu_count() or 0  # without importing torch where the driver answers
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [x.strip() for x in env.split(",") if x.strip()][:n] if env is not None else []
-    if env is None:
-        ids = [str(i) for i in range(n)]
-    if ":" in device:
-        k = int(device.split(":", 1)[1])
-        ids = ids[k : k + 1]
-    return ids
 
 
 def failed_result(task: Task, note: str, tb: str | None = None, wall: float = 0.0) -> TaskResult:
@@ -181,7 +154,123 @@ def _watch_removed_workers(
     return True
 
 
-class DaskExecutor:
+class _Dispatch:
+    """The tasks of one :meth:`DaskExecutor.run`: those waiting (longest first: seed-major, then
+    by decreasing estimated cost, re-estimated as tasks finish; :mod:`deqbench.run.schedule`),
+    those in flight, every key submitted, and the cells a removed worker took down."""
+
+    def __init__(self, tasks: Sequence[Task]) -> None:
+        self.tasks = tasks
+        # Ship the suite without its cells: every task carries its own cell.
+        self.slim = {id(t.suite): dataclasses.replace(t.suite, cells=[]) for t in tasks}
+        self.token = uuid.uuid4().hex[:8]
+        # results are written in the suite's order anyway
+        self.statics = {t.cell.id: static_cost(t.cell) for t in tasks}
+        self.costs = CostModel(self.statics)
+        for cell_id, walls in known_costs(tasks[0].run_dir).items():
+            for w in walls:
+                self.costs.observe(cell_id, self.statics.get(cell_id, 1.0), w)
+        ranks = {s: r for r, s in enumerate(tasks[0].suite.seeds)}
+        self.plan = [
+            (t.cell.id, ranks.get(t.seed, len(ranks)), self.statics[t.cell.id]) for t in tasks
+        ]
+        # (index, task, attempt, first submission time)
+        self.queue: deque[tuple[int, Task, int, float | None]] = deque(
+            (i, tasks[i], 0, None) for i in lpt_order(self.plan, self.costs)
+        )
+        self.sorted_at = len(self.costs.walls)
+        self.inflight: dict[Any, tuple[int, Task, int, float]] = {}
+        self.keys: dict[str, Task] = {}  # every key submitted in this run -> its task
+        self.lost: deque[tuple[str, str, bool]] = deque()  # (worker, key, expected), event thread
+        self.submitted_at: dict[tuple[int, int], float] = {}  # (index, attempt) -> epoch seconds
+
+    def observe(self, task: Task, wall: float) -> None:
+        """A cell's measured wall time, for the order of the cells not yet submitted."""
+        self.costs.observe(task.cell.id, self.statics[task.cell.id], wall)
+
+    def reorder(self) -> None:
+        """Re-sort the tasks not yet submitted by the costs measured so far (resubmitted
+        cells, at the front, stay there)."""
+        queue, costs = self.queue, self.costs
+        if len(queue) < 2 or sum(map(len, costs.walls.values())) == self.sorted_at:
+            return
+        self.sorted_at = sum(map(len, costs.walls.values()))
+        again = [q for q in queue if q[2] > 0]
+        fresh = [q for q in queue if q[2] == 0]
+        order = lpt_order([self.plan[q[0]] for q in fresh], costs)
+        queue.clear()
+        queue.extend(again + [fresh[k] for k in order])
+
+    def fill(
+        self, client: Any, slots: int, retries: int, submitted: list[tuple[str, int, int]]
+    ) -> None:
+        """Submit waiting tasks until ``slots`` are in flight; ``submitted`` gets (cell id,
+        seed, priority) of each."""
+        while self.queue and len(self.inflight) < slots:
+            i, t, attempt, t0 = self.queue.popleft()
+            wire = dataclasses.replace(t, suite=self.slim[id(t.suite)])
+            # Dask's priority (higher first) follows the submission order, for a scheduler
+            # that holds several of our tasks at once (max_in_flight, a cluster of yours)
+            priority = len(self.tasks) - len(submitted)
+            fut = client.submit(
+                run_cell,
+                wire,
+                key=f"deqbench_cell-{self.token}-{i}-{attempt}",
+                retries=retries,
+                pure=False,
+                priority=priority,
+            )
+            submitted.append((t.cell.id, t.seed, priority))
+            self.submitted_at[(i, attempt)] = time.time()
+            self.inflight[fut] = (i, t, attempt, time.perf_counter() if t0 is None else t0)
+            self.keys[str(fut.key)] = t
+
+    def log_lost(self) -> None:
+        """One ``log.txt`` line per cell a removed worker was running (its remove-worker
+        event)."""
+        while self.lost:
+            worker, key, expected = self.lost.popleft()
+            again = (
+                "the scheduler runs it again elsewhere"
+                if expected
+                else "the scheduler runs it again unless its "
+                "distributed.scheduler.allowed-failures are used up (then KilledWorker)"
+            )
+            how = "was retired" if expected else "died"
+            _log_task(
+                self.keys[key],
+                f"worker {worker} {how} running this cell (Dask remove-worker event); {again}",
+            )
+
+
+class _FirstCells:
+    """What the grouping decision (:meth:`DaskExecutor.add_gpu_workers`) reads: the wall times
+    of the first cells and the workers' GPU busy fractions over their second cells."""
+
+    def __init__(self, n_first: int) -> None:
+        self.n_first = n_first  # the workers at start
+        self.walls: list[float] = []
+        self.busy: list[float] = []  # the workers' GPU busy fractions (their second cells)
+        self.unread = 0  # cells whose worker could not read its GPU's busy fraction
+
+    def observe(self, results: Sequence[TaskResult], n_tasks: int, queued: bool) -> bool:
+        """Take finished cells in; True once enough were read to decide (a cell per worker
+        and a busy fraction per worker, three cells per worker, or nothing left to submit)."""
+        self.walls += [r.wall_time for r in results if r.status in TIMED]
+        for r in results:
+            if "gpu_busy" in r.timing:
+                b = r.timing["gpu_busy"]
+                if b is None:  # no NVML on that worker: nothing to wait for
+                    self.unread += 1
+                elif r.timing.get("worker_task", 0) >= 1:
+                    self.busy.append(b)  # the first cell compiles and captures: not read
+        n_first = self.n_first
+        return len(self.walls) >= min(n_first, n_tasks) and (
+            len(self.busy) + self.unread >= n_first or len(self.walls) >= 3 * n_first or not queued
+        )
+
+
+class DaskExecutor(DaskCluster):
     """Runs tasks on a Dask cluster (see the module docstring).
 
     Args:
@@ -265,330 +354,8 @@ class DaskExecutor:
         #: (cell id, seed, priority) of every submission of the last :meth:`run`, in order
         self.submitted: list[tuple[str, int, int]] = []
 
-    # -- lifecycle ------------------------------------------------------------------------
-    def start(
-        self,
-        device: str = "cpu",
-        threads: int | None = None,
-        *,
-        dtype: str | None = None,
-        wait: bool = True,
-    ) -> DaskExecutor:
-        """Connect to ``scheduler`` or start the local cluster for ``device`` (resolved:
-        ``cpu`` | ``cuda`` | ``cuda:N``) with ``threads`` torch threads per cell; its workers
-        warm up on ``dtype`` (default float32) at start. Idempotent.
-
-        ``wait=False`` starts a local cluster in a background thread and returns at once (the
-        layout is checked first, so a configuration error is raised here); :meth:`run` waits
-        for it. Reaching a ``scheduler`` is always done before returning."""
-        if self.client is not None or self._starting is not None:
-            if wait:
-                self._ready()
-            return self
-        from distributed import Client
-
-        self._final_info = None  # a cluster released by an earlier run is not this one
-        self.timeline = {"cluster_start": time.time()}
-        if self.scheduler is not None:
-            try:
-                self.client = Client(
-                    self.scheduler, timeout=self.connect_timeout, set_as_default=False
-                )
-            except (OSError, TimeoutError) as exc:
-                raise ConfigError(
-                    f"--scheduler {self.scheduler}: cannot reach the Dask scheduler "
-                    f"({_one_line(exc)})"
-                ) from None
-            self.layout = {"kind": "dask", "scheduler": self.scheduler}
-            self.timeline["cluster_ready"] = time.time()
-            return self
-        self._dtype = dtype or "float32"
-        specs, self.layout = self.worker_specs(device, threads)
-        if wait:
-            self._start_local(specs)
-            return self
-        self._start_error = None
-
-        def target() -> None:
-            try:
-                self._start_local(specs)
-            except BaseException as exc:  # re-raised by _ready() in the caller's thread
-                self._start_error = exc
-
-        self._starting = threading.Thread(target=target, name="deqbench-dask-start", daemon=True)
-        self._starting.start()
-        return self
-
-    def _start_local(self, specs: dict[str, Any]) -> None:
-        from distributed import Client
-
-        cluster = self._local_cluster(specs)
-        try:
-            self.client = Client(cluster, set_as_default=False)
-        except BaseException:
-            cluster.close()
-            raise
-        self.cluster = cluster
-        # SpecCluster returns once its workers run: each warmed up before it registered
-        self.timeline["cluster_ready"] = time.time()
-
-    def _ready(self) -> None:
-        """Wait for a background start (``start(wait=False)``); re-raise its error."""
-        thread, self._starting = self._starting, None
-        if thread is not None:
-            t = time.perf_counter()
-            thread.join()
-            self.timeline["cluster_wait_s"] = time.perf_counter() - t
-        if self._start_error is not None:
-            err, self._start_error = self._start_error, None
-            raise err
-
     #: the cells run in other processes: the coordinator may prepare its plots meanwhile
     remote = True
-
-    @property
-    def uses_local_cores(self) -> bool:
-        """A local cluster on CPU: its workers use this machine's cores (no plot pool beside
-        them)."""
-        return self.scheduler is None and not self.layout.get("gpus")
-
-    #: set by :func:`~deqbench.run.executors.open_executor` (``deqbench run``), whose executor
-    #: serves one run: the runner then calls :meth:`release` once the last task returned
-    release_when_done = False
-
-    def release(self) -> None:
-        """Start closing the client and the local cluster in a background thread (the
-        coordinator draws the plots meanwhile); :meth:`close` waits for it. The layout is kept
-        for :meth:`describe`."""
-        if self._closing is not None:
-            return
-        self._final_info = self.describe()
-        self.release_when_done = False  # a later run on this executor starts a fresh cluster
-        self.timeline["released"] = time.time()
-        self._closing = threading.Thread(
-            target=self._close_now, name="deqbench-dask-close", daemon=True
-        )
-        self._closing.start()
-
-    def close(self) -> None:
-        """Close the client and the local cluster (if this executor started one)."""
-        closing, self._closing = self._closing, None
-        if closing is not None:
-            closing.join()
-        self._close_now()
-
-    def _close_now(self) -> None:
-        if self._starting is not None:
-            self._starting.join()
-            self._starting = None
-        client, cluster = self.client, self.cluster
-        self.client = self.cluster = None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # closing never fails a run
-                pass
-        if cluster is not None:
-            try:
-                cluster.close()
-            except Exception:
-                pass
-
-    def __enter__(self) -> DaskExecutor:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def describe(self) -> dict[str, Any]:
-        """What ``run.json`` records under ``executor`` (never waits for a background start)."""
-        if self._final_info is not None and (self._closing is not None or self.client is None):
-            return dict(self._final_info)  # released: the cluster as the run ended
-        info = dict(self.layout) or {"kind": "dask", "scheduler": self.scheduler}
-        if self.client is not None and self._starting is None:
-            try:
-                info["scheduler"] = self.client.scheduler.address
-                nthreads = self.client.nthreads()
-                info["workers_joined"] = len(nthreads)
-                info["threads_joined"] = int(sum(nthreads.values()))
-            except Exception:
-                pass
-        return info
-
-    def worker_specs(
-        self, device: str, threads: int | None
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The local cluster's worker specs (``SpecCluster`` form) and its layout (``run.json``).
-
-        One single-threaded worker per GPU of ``device`` (each pinned through
-        ``CUDA_VISIBLE_DEVICES``), ``workers`` of them round-robin over the GPUs, or on CPU
-        ``workers`` (default ``cpu_count // threads``). Every cell gets ``threads`` torch threads,
-        else its share of the cores. Workers warm up at start on their device (``DEQBENCH_WARMUP``).
-        """
-        from distributed.worker_memory import parse_memory_limit
-
-        cpus = os.cpu_count() or 1
-        gpus = gpu_ids(device)
-        if device.startswith("cuda") and not gpus:
-            raise ConfigError(f"device {device}: no GPU is visible for the local Dask cluster")
-        n = self.workers or (len(gpus) if gpus else max(1, cpus // (threads or 1)))
-        # Dask sets OMP_NUM_THREADS=1 in its workers; give each its share of the cores instead
-        # (on GPUs, of the cores left once workers were added for short cells).
-        most = len(gpus) * self.max_per_gpu if gpus and self.workers is None else n
-        omp = str(threads or max(1, cpus // max(n, most)))
-        self._memory = parse_memory_limit("auto", 1, n, logger=logging.getLogger(__name__))
-        self._omp = omp
-        specs = {
-            f"deqbench-{i}": self._spec(gpus[i % len(gpus)] if gpus else None) for i in range(n)
-        }
-        self._specs = dict(specs)
-        self._gpus = gpus
-        layout = {
-            "kind": "dask",
-            "scheduler": "local",
-            "workers": n,
-            "gpus": [gpus[i % len(gpus)] for i in range(n)] if gpus else [],
-            "torch_threads": int(omp),
-            "allowed_failures": self.allowed_failures,
-        }
-        return specs, layout
-
-    def _spec(self, gpu: str | None) -> dict[str, Any]:
-        from distributed import Nanny
-
-        omp = self._omp
-        env = {
-            "OMP_NUM_THREADS": omp,
-            "MKL_NUM_THREADS": omp,
-            "OPENBLAS_NUM_THREADS": omp,
-            THREADS_ENV: omp,
-            WARMUP_ENV: f"{'cuda' if gpu is not None else 'cpu'}:{self._dtype}",
-        }
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = env[PINNED_ENV] = gpu
-            # cuBLAS reads it once per process (in the warm-up): what `deterministic` needs
-            env["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        return {
-            "cls": Nanny,
-            "options": {
-                "nthreads": 1,
-                "host": "127.0.0.1",
-                "env": env,
-                "preload": ["deqbench.run.executors._worker", *self.preload],
-                "memory_limit": self._memory,
-                "dashboard": False,
-                "silence_logs": self.silence_logs,
-            },
-        }
-
-    def _local_cluster(self, specs: dict[str, Any]) -> Any:
-        import dask
-        from distributed import Scheduler, SpecCluster
-
-        from ._forkserver import start_method, use_method
-
-        # Dask's nanny exports MALLOC_TRIM_THRESHOLD_=65536 to every worker it spawns (to hand
-        # freed memory back to the OS). With PyTorch's allocation pattern glibc then trims on
-        # almost every free: a CPU conv forward/backward loop ran 4x slower with it, and smoke
-        # tasks 1.4-2.8x slower in workers than inline. Unset it (None removes the variable);
-        # a value in the user's own environment is still inherited.
-        dask.config.set({f"{PRE_SPAWN_ENV}.MALLOC_TRIM_THRESHOLD_": None})
-        # Dask's statistical profiler samples the cell's thread every 10 ms (taking the GIL
-        # from it); the nanny hands this config to the worker processes it starts.
-        dask.config.set({"distributed.worker.profile.enabled": bool(self.profile)})
-        # forkserver on GPUs unless the user's Dask config says otherwise (see _forkserver)
-        method = start_method(gpu=bool(getattr(self, "_gpus", None)))
-        use_method(method)
-        self.layout["start_method"] = method  # run.json: how the workers were started
-        scheduler = {
-            "cls": Scheduler,
-            "options": {
-                "host": "127.0.0.1",
-                "port": 0,
-                "dashboard": False,
-                "dashboard_address": "127.0.0.1:0",
-                "allowed_failures": 0,  # the coordinator resubmits (see run)
-            },
-        }
-        return SpecCluster(
-            workers=specs, scheduler=scheduler, silence_logs=self.silence_logs, name="deqbench"
-        )
-
-    # -- grouping short cells -------------------------------------------------------------
-    def _may_add_workers(self) -> bool:
-        return (
-            self.cluster is not None
-            and self.workers is None
-            and bool(getattr(self, "_gpus", None))
-            and self.max_per_gpu > 1
-        )
-
-    def add_gpu_workers(
-        self, first_walls: Sequence[float], remaining: int, busy: Sequence[float] | None = None
-    ) -> list[str]:
-        """Group short cells: when the median of ``first_walls`` (the cells finished by the
-        time the workers' GPU busy fractions were read: at least one per worker, up to three)
-        is under ``short_task`` s, the ``remaining`` cells keep the workers busy for a while and
-        the GPUs are idle enough for a second process (the median of ``busy``, the fractions
-        read over the workers' second cells, under ``max_busy``; None: none could be read, e.g.
-        no NVML), add a worker on every GPU that has fewer than ``max_per_gpu`` and
-        room for one more of them in its free memory. Returns the GPU ids that got one (the
-        workers join once warm; the coordinator submits to them as they do)."""
-        if not self._may_add_workers() or not first_walls:
-            return []
-        median = statistics.median(first_walls)
-        busy_median = round(statistics.median(busy), 3) if busy else None
-        if busy_median is not None and busy_median >= self.max_busy:
-            # without MPS two processes take turns on a GPU: a second one only uses the time
-            # the first leaves idle (measured: cells 2.04x slower each, 10% fewer per hour)
-            self.layout["grouping"] = {
-                "median_first_cell_s": round(median, 3),
-                "gpu_busy": busy_median,
-                "added": [],
-            }
-            return []
-        # The remaining work is estimated from the mean, not the median: cells whose solves
-        # miss tolerance run to max_iter and take several times the median (a 4x H100 run
-        # of kglm_denoise_gpu: median 1.89 s, flagged cells 6-11 s), so the median underestimated it 2x.
-        per_cell = max(median, statistics.fmean(first_walls))
-        per_worker = len(self._specs)
-        # A worker starts in the background (~10-20 s) while the others keep working, so adding
-        # one costs little: worth it once the remaining work per worker outlasts that start.
-        if median >= self.short_task or remaining * per_cell / per_worker < MIN_REMAINING_S:
-            self.layout["grouping"] = {
-                "median_first_cell_s": round(median, 3),
-                "mean_first_cell_s": round(per_cell, 3),
-                "gpu_busy": busy_median,
-                "added": [],
-            }
-            return []
-        try:
-            mem = self.client.run(gpu_memory)  # worker address -> {peak, free, total}
-            pinned = self.client.run(_pinned_gpu)
-        except Exception:
-            return []
-        added: list[str] = []
-        for gpu in dict.fromkeys(self._gpus):
-            here = [a for a, g in pinned.items() if g == gpu and mem.get(a)]
-            if not here or len(here) >= self.max_per_gpu:
-                continue
-            need = max(mem[a]["peak"] for a in here) + CONTEXT_BYTES
-            if min(mem[a]["free"] for a in here) < 2 * need:
-                continue
-            name = f"deqbench-{len(self._specs)}"
-            self._specs[name] = self.cluster.worker_spec[name] = self._spec(gpu)
-            added.append(gpu)
-        if added:
-            self.cluster.loop.add_callback(self.cluster._correct_state)
-            self.layout["workers"] = len(self._specs)
-            self.layout["gpus"] = list(self.layout.get("gpus", [])) + added
-        self.layout["grouping"] = {
-            "median_first_cell_s": round(median, 3),
-            "mean_first_cell_s": round(per_cell, 3),
-            "gpu_busy": busy_median,
-            "added": added,
-        }
-        return added
 
     # -- running --------------------------------------------------------------------------
     def _slots(self) -> int:
@@ -608,7 +375,7 @@ class DaskExecutor:
         """
         if not tasks:
             return
-        from distributed import KilledWorker, wait
+        from distributed import wait
 
         owned = self.client is None and self._starting is None
         if owned:
@@ -619,139 +386,35 @@ class DaskExecutor:
         # Our local scheduler gives up on a task at its first dead worker; the cell is then
         # submitted again here, once a worker is free (never queued behind a busy one).
         resubmit = self.allowed_failures if self.cluster is not None else 0
-        # Ship the suite without its cells: every task carries its own cell.
-        slim = {id(t.suite): dataclasses.replace(t.suite, cells=[]) for t in tasks}
-        token = uuid.uuid4().hex[:8]
-        # Longest tasks first (deqbench.run.schedule): seed-major, then by decreasing estimated
-        # cost, re-estimated as tasks finish; results are written in the suite's order anyway.
-        statics = {t.cell.id: static_cost(t.cell) for t in tasks}
-        costs = CostModel(statics)
-        for cell_id, walls in known_costs(tasks[0].run_dir).items():
-            for w in walls:
-                costs.observe(cell_id, statics.get(cell_id, 1.0), w)
-        ranks = {s: r for r, s in enumerate(tasks[0].suite.seeds)}
-        plan = [(t.cell.id, ranks.get(t.seed, len(ranks)), statics[t.cell.id]) for t in tasks]
-        # (index, task, attempt, first submission time)
-        queue: deque[tuple[int, Task, int, float | None]] = deque(
-            (i, tasks[i], 0, None) for i in lpt_order(plan, costs)
-        )
+        d = _Dispatch(tasks)
         self.submitted = []
-        sorted_at = [len(costs.walls)]
-
-        def reorder() -> None:
-            """Re-sort the tasks not yet submitted by the costs measured so far (resubmitted
-            cells, at the front, stay there)."""
-            if len(queue) < 2 or sum(map(len, costs.walls.values())) == sorted_at[0]:
-                return
-            sorted_at[0] = sum(map(len, costs.walls.values()))
-            again = [q for q in queue if q[2] > 0]
-            fresh = [q for q in queue if q[2] == 0]
-            order = lpt_order([plan[q[0]] for q in fresh], costs)
-            queue.clear()
-            queue.extend(again + [fresh[k] for k in order])
-
-        inflight: dict[Any, tuple[int, Task, int, float]] = {}
-        keys: dict[str, Task] = {}  # every key submitted in this run -> its task
         # A scheduler of yours runs the cell of a worker that died again by itself (its
         # allowed-failures): its remove-worker events name the keys the worker was running.
-        lost: deque[tuple[str, str, bool]] = deque()  # (worker, key, expected), event thread
-        watch = self.cluster is None and _watch_removed_workers(client, keys, lost)
-        first_walls: list[float] | None = [] if self._may_add_workers() else None
-        busy: list[float] = []  # the workers' GPU busy fractions (their second cells)
-        unread = 0  # cells whose worker could not read its GPU's busy fraction
-        submitted: dict[tuple[int, int], float] = {}  # (index, attempt) -> epoch seconds
-        n_first = len(self._specs)
+        watch = self.cluster is None and _watch_removed_workers(client, d.keys, d.lost)
+        first = _FirstCells(len(self._specs)) if self._may_add_workers() else None
 
         def fill() -> None:
-            slots = self._slots()
-            while queue and len(inflight) < slots:
-                i, t, attempt, t0 = queue.popleft()
-                wire = dataclasses.replace(t, suite=slim[id(t.suite)])
-                # Dask's priority (higher first) follows the submission order, for a scheduler
-                # that holds several of our tasks at once (max_in_flight, a cluster of yours)
-                priority = len(tasks) - len(self.submitted)
-                fut = client.submit(
-                    run_cell,
-                    wire,
-                    key=f"deqbench_cell-{token}-{i}-{attempt}",
-                    retries=self.retries,
-                    pure=False,
-                    priority=priority,
-                )
-                self.submitted.append((t.cell.id, t.seed, priority))
-                submitted[(i, attempt)] = time.time()
-                inflight[fut] = (i, t, attempt, time.perf_counter() if t0 is None else t0)
-                keys[str(fut.key)] = t
-
-        def log_lost() -> None:
-            while lost:
-                worker, key, expected = lost.popleft()
-                again = (
-                    "the scheduler runs it again elsewhere"
-                    if expected
-                    else "the scheduler runs it again unless its "
-                    "distributed.scheduler.allowed-failures are used up (then KilledWorker)"
-                )
-                how = "was retired" if expected else "died"
-                _log_task(
-                    keys[key],
-                    f"worker {worker} {how} running this cell (Dask remove-worker event); {again}",
-                )
+            d.fill(client, self._slots(), self.retries, self.submitted)
 
         try:
             fill()
-            while inflight:
+            while d.inflight:
                 try:
                     with client.as_current():  # wait() looks up the current client
-                        wait(list(inflight), timeout=self.poll, return_when="FIRST_COMPLETED")
+                        wait(list(d.inflight), timeout=self.poll, return_when="FIRST_COMPLETED")
                 except TimeoutError:
-                    log_lost()
+                    d.log_lost()
                     fill()  # workers may have joined
                     continue
-                log_lost()
-                done = sorted((f for f in inflight if f.done()), key=lambda f: inflight[f][0])
-                results = []
-                for fut in done:
-                    i, t, attempt, t0 = inflight.pop(fut)
-                    if (
-                        fut.status == "error"
-                        and attempt < resubmit
-                        and isinstance(exc := fut.exception(), KilledWorker)
-                    ):
-                        fut.release()
-                        queue.appendleft((i, t, attempt + 1, t0))
-                        _log_task(
-                            t,
-                            f"worker {_last_worker(exc)} died running this cell (KilledWorker); "
-                            f"submitted again (attempt {attempt + 2} of {resubmit + 1})",
-                        )
-                        continue
-                    r = self._collect(fut, t, time.perf_counter() - t0, attempt + 1)
-                    r.timing.update(submitted=submitted.get((i, attempt)), attempts=attempt + 1)
-                    if r.status in TIMED:
-                        costs.observe(t.cell.id, statics[t.cell.id], r.wall_time)
-                    results.append(r)
-                    fut.release()
-                reorder()
+                d.log_lost()
+                results = self._finished(d, resubmit)
+                d.reorder()
                 # The freed workers get their next cells before the caller writes these results
                 # (a worker never idles while the coordinator writes results.csv).
                 fill()
-                if first_walls is not None:
-                    first_walls += [r.wall_time for r in results if r.status in TIMED]
-                    for r in results:
-                        if "gpu_busy" in r.timing:
-                            b = r.timing["gpu_busy"]
-                            if b is None:  # no NVML on that worker: nothing to wait for
-                                unread += 1
-                            elif r.timing.get("worker_task", 0) >= 1:
-                                busy.append(b)  # the first cell compiles and captures: not read
-                    if len(first_walls) >= min(n_first, len(tasks)) and (
-                        len(busy) + unread >= n_first
-                        or len(first_walls) >= 3 * n_first
-                        or not queue
-                    ):
-                        self.add_gpu_workers(first_walls, len(queue), busy=busy or None)
-                        first_walls = None
+                if first is not None and first.observe(results, len(tasks), bool(d.queue)):
+                    self.add_gpu_workers(first.walls, len(d.queue), busy=first.busy or None)
+                    first = None
                 yield from results
         finally:
             if watch:
@@ -759,14 +422,45 @@ class DaskExecutor:
                     client.unsubscribe_topic("all")
                 except Exception:
                     pass
-                log_lost()
-            if inflight and self.client is not None:
+                d.log_lost()
+            if d.inflight and self.client is not None:
                 try:
-                    self.client.cancel(list(inflight), force=True)
+                    self.client.cancel(list(d.inflight), force=True)
                 except Exception:
                     pass
             if owned:
                 self.close()
+
+    def _finished(self, d: _Dispatch, resubmit: int) -> list[TaskResult]:
+        """The results of the futures of ``d`` that are done, in the suite's order; a cell whose
+        worker died (``KilledWorker``) goes back to the front of the queue, ``resubmit`` times
+        at most."""
+        from distributed import KilledWorker
+
+        done = sorted((f for f in d.inflight if f.done()), key=lambda f: d.inflight[f][0])
+        results = []
+        for fut in done:
+            i, t, attempt, t0 = d.inflight.pop(fut)
+            if (
+                fut.status == "error"
+                and attempt < resubmit
+                and isinstance(exc := fut.exception(), KilledWorker)
+            ):
+                fut.release()
+                d.queue.appendleft((i, t, attempt + 1, t0))
+                _log_task(
+                    t,
+                    f"worker {_last_worker(exc)} died running this cell (KilledWorker); "
+                    f"submitted again (attempt {attempt + 2} of {resubmit + 1})",
+                )
+                continue
+            r = self._collect(fut, t, time.perf_counter() - t0, attempt + 1)
+            r.timing.update(submitted=d.submitted_at.get((i, attempt)), attempts=attempt + 1)
+            if r.status in TIMED:
+                d.observe(t, r.wall_time)
+            results.append(r)
+            fut.release()
+        return results
 
     def _collect(self, fut: Any, task: Task, wall: float, submissions: int) -> TaskResult:
         from distributed import KilledWorker
