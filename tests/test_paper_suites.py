@@ -21,6 +21,12 @@ PAPER = suites_dir() / "paper"
 TINY: dict[str, list[str]] = {
     "pcdeq": ["data.train_subset=32", "data.test_subset=16", "defaults.train.epochs=1"],
     "kglm_smooth": ["data.n_train=32", "data.n_test=8", "defaults.train.epochs=2"],
+    "kglm_denoise": [
+        "data.n_train=16",
+        "data.n_test=8",
+        "defaults.train.epochs=1",
+        "select=*kglm_informed-scale=1,*kglm_random-std=0.1",
+    ],
     "trajectory": [
         "data.train_subset=32",
         "data.test_subset=16",
@@ -93,7 +99,9 @@ def test_paper_suite_runs_tiny_on_cpu(stem: str, tmp_path: Path) -> None:
         # one seed: every trend claim says so rather than judging (absolute claims: the data)
         if r["verdict"] == "not run":
             assert r["reason"], r
-        if stem != "kglm_smooth":
+        if stem == "kglm_denoise":
+            assert "stand in for CIFAR-10" in r["data"], r
+        elif stem != "kglm_smooth":
             assert "mnist5k" in r["data"] and (
                 "stand-in" in r["data"] or "stands in" in r["data"]
             ), r
