@@ -113,18 +113,25 @@ def test_pcdeq_run_writes_the_claim_verdicts(tmp_path):
 
 
 def test_below_the_papers_step_budget_a_trend_is_not_run(tmp_path):
-    """320 optimizer steps against the paper's 37,520: the training-dynamics claims are not run
-    whatever their direction, the direction and both step counts shown."""
-    run = write_run(tmp_path, pcdeq_rows(steps_per_epoch=100), {"name": "pcdeq_cpu",
+    """3,000 optimizer steps against the paper's 37,520: the training-dynamics claims are not
+    run whatever their direction, the direction and both step counts shown; a run shorter than
+    two of the paper's epochs shows no direction and says why."""
+    short = write_run(tmp_path / "short", pcdeq_rows(steps_per_epoch=100),
+                      {"name": "pcdeq_cpu", "data": {"name": "mnist5k"}}, {"suite": "pcdeq_cpu"})  # fmt: skip
+    summarize(short)
+    r = {r["claim_id"]: r for r in read_summary(short)}["002-iterations"]
+    assert r["verdict"] == "not run" and r["direction"] == "", r
+    assert "fewer than two of the paper's epochs (938 steps)" in r["reason"], r["reason"]
+    run = write_run(tmp_path, pcdeq_rows(steps_per_epoch=1000), {"name": "pcdeq_cpu",
                     "data": {"name": "mnist5k"}}, {"suite": "pcdeq_cpu"})  # fmt: skip
     summarize(run)
     got = {r["claim_id"]: r for r in read_summary(run)}
     for cid in ("002-iterations", "002-unconstrained"):
         r = got[cid]
         assert r["verdict"] == "not run", r
-        assert r["reason"].startswith("scale: 300 of 37520 paper steps"), r["reason"]
+        assert r["reason"].startswith("scale: 3000 of 37520 paper steps"), r["reason"]
         assert r["direction"] == "with the paper" and "measured direction" in r["reason"]
-        assert r["steps"] == "300 of 37520" and r["window"] == "training"
+        assert r["steps"] == "3000 of 37520" and r["window"] == "training"
 
 
 def test_a_flat_control_is_not_reproduced(tmp_path):

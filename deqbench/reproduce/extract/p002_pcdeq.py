@@ -159,6 +159,17 @@ def _pcdeq_iterations(
     return out
 
 
+def _too_short(curves: dict[str, list[list[float]]]) -> Extracted | None:
+    """Missing (with why) when no curve spans two of the paper's epochs: the rise over the
+    paper's first epoch cannot be read from a shorter run."""
+    if any(len(c) >= 2 for cs in curves.values() for c in cs):
+        return None
+    return _missing(
+        f"the run spans fewer than two of the paper's epochs ({PAPER_EPOCH_STEPS} steps): "
+        "no rise over the paper's first epoch to read"
+    )
+
+
 @_extractor("002-iterations")
 def iterations(df: Any, run_dir: Path, scale: str) -> Extracted:
     """Per ``"ARCH:activation"`` (``"SC:tanh"``), per seed, the mean forward iterations per
@@ -167,6 +178,8 @@ def iterations(df: Any, run_dir: Path, scale: str) -> Extracted:
     it = _pcdeq_iterations(df, nonneg=True)
     if not it:
         return _missing("no family_stats forward_nstep of a constrained pcDEQ cell")
+    if short := _too_short(it):
+        return short
     return Extracted(
         {"forward_iterations": it, "scale": scale, "paper_data": data_name(run_dir) == "mnist"}
     )
@@ -180,6 +193,8 @@ def backward_iterations(df: Any, run_dir: Path, scale: str) -> Extracted:
     it = _pcdeq_iterations(df, nonneg=True, metric="backward_nstep")
     if not it or not any(any(c) for cs in it.values() for c in cs):
         return _missing("no family_stats backward_nstep of a constrained pcDEQ cell")
+    if short := _too_short(it):
+        return short
     return Extracted({"backward_iterations": it})
 
 
@@ -217,6 +232,8 @@ def unconstrained(df: Any, run_dir: Path, scale: str) -> Extracted:
     """Per architecture (L, SC, MC) with both cells, per seed, the per-epoch forward iterations
     of the tanh pcDEQ and of its unconstrained tanh control (``nonneg: false``)."""
     pc, ctl = _pcdeq_iterations(df, nonneg=True), _pcdeq_iterations(df, nonneg=False)
+    if short := _too_short(pc):
+        return short
     archs = [k.split(":")[0] for k in ctl if k.endswith(":tanh") and k in pc]
     if not archs:
         return _missing(
