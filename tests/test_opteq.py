@@ -448,3 +448,34 @@ def test_unroll_compare_rows_and_table():
     fig = plot_unroll_compare(df)
     assert len(fig.axes) == 2
     assert not math.isnan(df[df.metric == "rel_residual_opteq"]["value"].max())
+
+
+def test_z0_input_starts_the_iteration_at_the_input_features():
+    """``z0: input`` (the paper's Algorithm 1, z0 = x = g(x0)): the unrolled iteration's first
+    iterate is the extracted features, so K = 1 plain step gives T(g(x)); widths must match, and
+    z0 of a u from another inject is refused."""
+    import torch
+
+    from deqbench import models
+    from deqbench.errors import ConfigError
+
+    torch.manual_seed(0)
+    m = models.create("opteq_conv", in_shape=(1, 8, 8), num_outputs=10, width=8, extractor=8,
+                      z0="input")  # fmt: skip
+    m.eval()
+    x = torch.rand(3, 1, 8, 8)
+    u = m.inject(x)
+    gx = m.extractor(x)
+    assert torch.equal(m.z0(u), gx)
+    one_step = m.deq.cell(gx, u)  # T(z0) with z0 = g(x)
+    zero = models.create("opteq_conv", in_shape=(1, 8, 8), num_outputs=10, width=8, extractor=8)
+    zero.load_state_dict(m.state_dict())
+    zero.eval()
+    assert not torch.allclose(zero.deq.cell(zero.z0(zero.inject(x)), u), one_step)
+    with pytest.raises(RuntimeError, match="call inject"):
+        m.z0(u.clone())
+    with pytest.raises(ConfigError, match="must equal the state width"):
+        models.create("opteq_conv", in_shape=(1, 8, 8), num_outputs=10, width=8, extractor=4,
+                      z0="input")  # fmt: skip
+    with pytest.raises(ConfigError, match="z0 must be one of"):
+        models.create("opteq_deep", in_shape=(8,), num_outputs=10, width=8, z0="ones")

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -127,7 +128,9 @@ class OptEqCell(nn.Module):
 
 
 class OptEqModel(DEQModel):
-    """readout(z*), z* = T(z*, inject(x)); z0 = 0.
+    """readout(z*), z* = T(z*, inject(x)); the iteration starts at z0 = 0, or with
+    ``z0="input"`` at the (extracted) input features g(x), as the paper's Algorithm 1 (line 2:
+    z0 = x = g(x0)), which needs as many feature channels (FC: input features) as state ones.
 
     FC: inject = Linear(d, sum n_l) on the flattened input, readout = Linear(m, outputs).
     Conv: inject = 3x3 conv (C_in -> sum n_l) of the input (after an optional conv+BN+ReLU
@@ -153,10 +156,15 @@ class OptEqModel(DEQModel):
         pool: int = 4,
         kernel: int = 3,
         init_norm: float | None = None,
+        z0: str = "zero",
     ) -> None:
         super().__init__()
         self.conv = conv
         self.state = int(state)
+        if z0 not in Z0_MODES:
+            raise ConfigError(f"opteq: z0 must be one of {', '.join(Z0_MODES)}, got {z0!r}")
+        self.z0_mode = z0
+        self._z0_from: tuple[Any, Tensor] | None = None
         hidden = [int(h) for h in hidden]
         if not hidden or min(hidden) < 1 or self.state < 1:
             raise ConfigError(f"opteq: widths must be positive, got state={state}, hidden={hidden}")
@@ -200,6 +208,14 @@ class OptEqModel(DEQModel):
             ]
             self.pool = nn.Identity()
             self.head = nn.Linear(self.state, num_outputs)
+        if z0 == "input":
+            feats = c_x if conv else numel(in_shape)
+            if feats != self.state:
+                raise ConfigError(
+                    f"opteq: z0 'input' starts the iteration at the input features g(x), "
+                    f"{feats} {'channels' if conv else 'features'}, which must equal the state "
+                    f"width {self.state}"
+                )
         if init_norm is not None:
             for unit in units:
                 unit.set_norm(float(init_norm))
@@ -215,11 +231,21 @@ class OptEqModel(DEQModel):
         return cast("list[OptEqUnit]", list(cell.units))  # a ModuleList of OptEqUnits
 
     def inject(self, x: Tensor) -> Tensor:
-        if self.conv:
-            return self.U(self.extractor(x.reshape(x.shape[0], *self.in_shape)))
-        return self.U(x.flatten(1))
+        gx = self.extractor(x.reshape(x.shape[0], *self.in_shape)) if self.conv else x.flatten(1)
+        u = self.U(gx)
+        if self.z0_mode == "input":  # z0(u) of this u starts at g(x) (Algorithm 1, line 2)
+            self._z0_from = (weakref.ref(u), gx)
+        return u
 
     def z0(self, u: Tensor) -> Tensor:
+        if self.z0_mode == "input":
+            ref, gx = self._z0_from if self._z0_from is not None else (None, None)
+            if ref is None or gx is None or ref() is not u:
+                raise RuntimeError(
+                    "opteq with z0 'input': z0(u) starts at the features of the inject(x) that "
+                    "made u; call inject(x) first"
+                )
+            return gx
         if self.conv:
             return u.new_zeros(u.shape[0], self.state, *u.shape[2:])
         return u.new_zeros(u.shape[0], self.state)
@@ -271,6 +297,9 @@ _COMMON_DOC = """
             null: no bound, W_l is the raw parameter (the paper's layer).
         init_norm: rescale each W_l at construction to ||W_l||_2 = init_norm (Xie et al. 2023
             section 7.4: small initial operator norms); null keeps the default init's norms.
+        z0: where the iteration starts: ``zero``, or ``input``: the (extracted) input features
+            g(x), as the paper's Algorithm 1 (line 2, z0 = x = g(x0)); needs as many feature
+            channels (FC: input features) as the state width.
         activation: relu | tanh | sigmoid | softsign | relu6 | identity.
         regularizer: R-star feature regulariser inside the layer (name or dict, e.g.
             ``{name: l1, weight: 0.15}``), None for none.
@@ -285,6 +314,9 @@ _COMMON_DOC = """
 #: plain iteration converges on the forward and on the adjoint (J^T has the same bound). The
 #: rate is slow near gamma = 1 (about 0.85 per step at alpha = 0.8, gamma = 0.9), hence the
 #: budget of 200.
+#: where the iteration starts: zeros, or the (extracted) input features (the paper's Algorithm 1)
+Z0_MODES = ("zero", "input")
+
 DEFAULTS: dict[str, Any] = dict(
     solver={"name": "fixed_point", "max_iter": 200, "tol": 1e-4},
     backward={"name": "ift", "solver": "fixed_point", "max_iter": 200, "tol": 1e-5},
@@ -307,6 +339,7 @@ def opteq(
     reg_mode: str = "auto",
     norm_method: str = "auto",
     init_norm: float | None = None,
+    z0: str = "zero",
 ) -> OptEqModel:
     """One fully connected OptEq unit: z = alpha W^T sigma(W z + U x + b) + (1 - alpha) z."""
     return OptEqModel(
@@ -323,6 +356,7 @@ def opteq(
         reg_mode=reg_mode,
         norm_method=norm_method,
         init_norm=init_norm,
+        z0=z0,
     )
 
 
@@ -348,6 +382,7 @@ def opteq_deep(
     reg_mode: str = "auto",
     norm_method: str = "auto",
     init_norm: float | None = None,
+    z0: str = "zero",
 ) -> OptEqModel:
     """Deep FC OptEq: one fixed point of the composition of ``depth`` units (Xie et al. 2023 Lemma 3)."""
     return OptEqModel(
@@ -364,6 +399,7 @@ def opteq_deep(
         reg_mode=reg_mode,
         norm_method=norm_method,
         init_norm=init_norm,
+        z0=z0,
     )
 
 
@@ -390,6 +426,7 @@ def opteq_conv(
     pool: int = 4,
     norm_method: str = "power",
     init_norm: float | None = None,
+    z0: str = "zero",
 ) -> OptEqModel:
     """One convolutional OptEq unit (3x3, ``width`` state channels); ``extractor`` channels of a
     conv+BN+ReLU feature extractor g (None/0: inject the raw image)."""
@@ -409,6 +446,7 @@ def opteq_conv(
         extractor=extractor,
         pool=pool,
         init_norm=init_norm,
+        z0=z0,
     )
 
 
@@ -436,6 +474,7 @@ def opteq_deep_conv(
     pool: int = 4,
     norm_method: str = "power",
     init_norm: float | None = None,
+    z0: str = "zero",
 ) -> OptEqModel:
     """Deep convolutional OptEq: 5 units of 3x3 convs with hidden channels 16, 32, 64, 128, 128
     (Xie et al. 2023 section 7.1) around a ``width``-channel state (the state width of the paper's
@@ -456,6 +495,7 @@ def opteq_deep_conv(
         extractor=extractor,
         pool=pool,
         init_norm=init_norm,
+        z0=z0,
     )
 
 
