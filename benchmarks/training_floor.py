@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -417,15 +416,10 @@ def floor(
 
 
 def device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The card or CPU model (deqbench's own reading, as run.json names it)."""
+    from deqbench.run.env import device_name as named
+
+    return named(str(dev))
 
 
 def run_models(args: argparse.Namespace) -> dict[str, Any]:

@@ -291,13 +291,9 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
 def selected(run_dir: Path) -> list[str]:
     """The ``select`` patterns of a run's suite.yaml (the run measured only the matching cells
     of its suite's grid), or [] for a whole-grid run or an unreadable copy."""
-    from ..run.yamlio import read_yaml
+    from .extract import suite_raw
 
-    try:
-        raw, _ = read_yaml(run_dir / "suite.yaml")
-    except Exception:  # noqa: BLE001 - no copy: nothing known about a part
-        return []
-    sel = raw.get("select") if isinstance(raw, dict) else None
+    sel = suite_raw(run_dir).get("select")
     return [str(p) for p in sel] if isinstance(sel, list) else []
 
 
