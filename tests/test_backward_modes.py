@@ -294,7 +294,7 @@ def test_the_figure_draws_every_variant_sized_by_memory(tmp_path):
     from deqbench.run import plots
 
     recs = []
-    for cell in ("fc_deq_tiny-anderson-ift-fc", "conv_deq_tiny-anderson-ift-conv"):
+    for cell in ("fc_deq_tiny", "conv_deq_tiny"):
         for i, (v, mem) in enumerate([("ift-tol=1e-06", 1.0), ("jfb", 0.5), ("shine", 2.0),
                                       ("unrolled-k=20", 8.0), ("damped_jfb", 0.5)]):  # fmt: skip
             for metric, value in (("grad_rel_error", 10.0 ** -(i + 1)),

@@ -77,6 +77,62 @@ def test_matrix_dotted_keys_name_change_and_varying_params():
     assert src["model"]["channels"] == ("model", "channels")
 
 
+def test_a_case_id_names_the_cell_and_the_other_axes_follow():
+    """A case ``id`` replaces the generated id (no model-solver-backward head); crossed axes
+    still add what varies along them (their names for model/solver/backward), runtime keys the
+    case sets are named by its id, runtime keys set elsewhere still end the id."""
+    base = {"model": {"name": "fc_deq_tiny"}, "solver": {"name": "anderson"}}
+    matrix = {
+        "model": ["fc_deq_tiny", "conv_deq_tiny"],
+        "case": [
+            {"id": "float32", "runtime.amp": "none"},
+            {"id": "bf16-tol=0.01", "runtime": {"amp": "bf16"}, "solver.tol": 1e-2},
+        ],
+        "backward": [{"name": "unrolled", "k": 5}, {"name": "ift", "tol": 1e-3}],
+        "runtime.compile": ["aot_eager"],
+    }
+    suffix = {"runtime": {"amp": "none", "compile": "none"}}
+    ids = [d.id for d in expand(base, matrix, {}, suffix_defaults=suffix)]
+    assert ids == [
+        "fc_deq_tiny-float32-unrolled-k=5-compile=aot_eager",
+        "fc_deq_tiny-float32-ift-tol=0.001-compile=aot_eager",
+        "fc_deq_tiny-bf16-tol=0.01-unrolled-k=5-compile=aot_eager",
+        "fc_deq_tiny-bf16-tol=0.01-ift-tol=0.001-compile=aot_eager",
+        "conv_deq_tiny-float32-unrolled-k=5-compile=aot_eager",
+        "conv_deq_tiny-float32-ift-tol=0.001-compile=aot_eager",
+        "conv_deq_tiny-bf16-tol=0.01-unrolled-k=5-compile=aot_eager",
+        "conv_deq_tiny-bf16-tol=0.01-ift-tol=0.001-compile=aot_eager",
+    ]
+    # without ids the same grid keeps its generated head
+    plain = {**matrix, "case": [{k: v for k, v in c.items() if k != "id"} for c in matrix["case"]]}
+    first = expand(base, plain, {}, suffix_defaults=suffix)[0].id
+    assert first.startswith("fc_deq_tiny-anderson-unrolled")
+
+
+@pytest.mark.parametrize(
+    ("case_ids", "message"),
+    [
+        (["a", "a"], "case id 'a' is also the id of case 0"),
+        (["a", "has space"], "expected a non-empty id of letters"),
+        (["a", ""], "expected a non-empty id of letters"),
+        (["a", 3], "expected a non-empty id of letters"),
+    ],
+)
+def test_a_case_id_is_a_unique_id(tmp_path, case_ids, message):
+    cases = ", ".join(
+        f"{{id: {i!r}, model: {{name: fc_deq_tiny, width: {8 * (n + 1)}}}}}"
+        for n, i in enumerate(case_ids)
+    )
+    p = tmp_path / "s.yaml"
+    p.write_text(
+        "schema: 1\nname: s\ndevice: cpu\ndata: {name: synthetic}\n"
+        f"defaults: {{model: fc_deq_tiny}}\nmatrix:\n  case: [{cases}]\nanalyses: [metrics]\n"
+    )
+    with pytest.raises(ConfigError, match=message) as e:
+        load_suite(p)
+    assert "matrix.case[1].id" in str(e.value) or ":6:" in str(e.value)
+
+
 def test_case_axis_zips_sections_and_crosses_other_axes():
     base = {"model": {"name": "fc_deq_tiny"}, "solver": {"name": "anderson", "tol": 1e-3}}
     matrix = {
@@ -91,8 +147,8 @@ def test_case_axis_zips_sections_and_crosses_other_axes():
     assert ids == [
         "pcdeq_l_tiny-anderson-ift-flatten=true-tol=0.0001",
         "pcdeq_l_tiny-anderson-unrolled-flatten=true-tol=0.0001",
-        "mondeq_fc_tiny-peaceman_rachford-ift-mon",
-        "mondeq_fc_tiny-peaceman_rachford-unrolled-mon",
+        "mon-ift",  # the case's id replaces the generated id; the crossed axis names its value
+        "mon-unrolled",
     ]
     first = drafts[0].sections
     assert first["data"] == {"flatten": True} and first["solver"] == {

@@ -151,6 +151,7 @@ def _check_cases(values: Any, loc: Any) -> list[str]:
     if not isinstance(values, list) or not values:
         return [loc.error(("matrix", CASE), "expected a non-empty list of mappings")]
     errors = []
+    ids: dict[str, int] = {}
     for i, case in enumerate(values):
         if not isinstance(case, dict):
             errors.append(loc.error(("matrix", CASE, i), "expected a mapping of sections"))
@@ -158,6 +159,7 @@ def _check_cases(values: Any, loc: Any) -> list[str]:
         for key, v in case.items():
             section, dot, sub = str(key).partition(".")
             if key == "id":
+                errors += _check_case_id(v, i, ids, loc)
                 continue
             if section not in SECTIONS or (dot and not sub):
                 hint = did_you_mean(section, SECTIONS)
@@ -166,6 +168,27 @@ def _check_cases(values: Any, loc: Any) -> list[str]:
             elif not dot and not isinstance(normalize_section(section, v), dict):
                 errors.append(loc.error(("matrix", CASE, i, key), "expected a name or a mapping"))
     return errors
+
+
+def _check_case_id(v: Any, i: int, ids: dict[str, int], loc: Any) -> list[str]:
+    """A case ``id`` names its cells: a non-empty string of id characters, given once."""
+    where = ("matrix", CASE, i, "id")
+    if not isinstance(v, str) or not v or _clean(v) != v:
+        return [
+            loc.error(
+                where,
+                "expected a non-empty id of letters, digits and _ . = + - (it names the cell)",
+            )
+        ]
+    if v in ids:
+        return [
+            loc.error(
+                where,
+                f"case id {v!r} is also the id of case {ids[v]}: ids name cells, give each its own",
+            )
+        ]
+    ids[v] = i
+    return []
 
 
 def _case_parts(values: list[dict[str, Any]]) -> list[list[tuple[str, Any]]]:
@@ -188,6 +211,26 @@ def _case_parts(values: list[dict[str, Any]]) -> list[list[tuple[str, Any]]]:
                 nv = normalize_section(section, v)
                 parts.append(("", nv["name"] if "name" in nv else fmt_value(nv)))
         out.append(parts)
+    return out
+
+
+def _axis_names(section: str, sub: str | None, values: list[Any]) -> list[list[tuple[str, Any]]]:
+    """Per axis value, its ``name`` where names vary along an axis of a :data:`ID_BASE` section:
+    what the generated head shows, needed where a case ``id`` replaces the head."""
+    if sub is not None or section not in ID_BASE:
+        return [[] for _ in values]
+    names = [v.get("name", _MISSING) for v in values]
+    varies = len({repr(n) for n in names}) > 1
+    return [[("", n)] if varies and n is not _MISSING else [] for n in names]
+
+
+def _case_runtime_keys(case: dict[str, Any]) -> set[str]:
+    """The :data:`ID_SUFFIX` keys a case sets itself (``runtime.amp`` or ``runtime: {...}``)."""
+    out: set[str] = set()
+    for key, v in case.items():
+        section, _, sub = str(key).partition(".")
+        if section in ID_SUFFIX:
+            out |= {sub} if sub else set(normalize_section(section, v) or {})
     return out
 
 
@@ -242,11 +285,14 @@ def _apply(
 
 
 def id_suffix(
-    sections: dict[str, dict[str, Any]], suffix_defaults: dict[str, dict[str, Any]]
+    sections: dict[str, dict[str, Any]],
+    suffix_defaults: dict[str, dict[str, Any]],
+    skip: set[str] | frozenset[str] = frozenset(),
 ) -> list[str]:
     """Id parts of the :data:`ID_SUFFIX` sections: ``key=value`` for every key whose value
     differs from ``suffix_defaults[section]`` (section -> key -> default), in the defaults'
-    order, then any other key in the cell's order."""
+    order, then any other key in the cell's order; not the keys in ``skip`` (those a case
+    with an ``id`` sets: its id names them)."""
     parts = []
     for section in ID_SUFFIX:
         cur = sections.get(section) or {}
@@ -255,6 +301,8 @@ def id_suffix(
         defaults = suffix_defaults.get(section, {})
         keys = [k for k in defaults if k in cur] + [k for k in cur if k not in defaults]
         for k in keys:
+            if k in skip:
+                continue
             v = cur[k]
             if k in defaults and v == defaults[k] and type(v) is type(defaults[k]):
                 continue
@@ -326,6 +374,7 @@ def expand(
     parts_by_axis = [
         _case_parts(vals) if s == CASE else _axis_parts(s, sub, vals) for s, sub, vals in norm
     ]
+    names_by_axis = [_axis_names(s, sub, vals) for s, sub, vals in norm]
     short_count: dict[str, int] = {}
     for parts in parts_by_axis:
         for k in {k for p in parts for k, _ in p if k}:
@@ -340,6 +389,16 @@ def expand(
         }
         block = {s: base_src.get(s, (s,)) for s in SECTIONS}
         id_parts: list[str] = []
+        # a case's ``id`` replaces the generated id: no model-solver-backward head, and the
+        # other axes of those sections name their value instead
+        case_id = next(
+            (
+                norm[ax][2][idx]
+                for ax, idx in enumerate(combo)
+                if norm[ax][0] == CASE and "id" in norm[ax][2][idx]
+            ),
+            None,
+        )
 
         for ax, idx in enumerate(combo):
             key = axes[ax][0]
@@ -374,7 +433,8 @@ def expand(
                     axes[ax][1][idx],
                     ("matrix", key, idx),
                 )
-            for k, v in parts_by_axis[ax][idx]:
+            named = names_by_axis[ax][idx] if case_id is not None else []
+            for k, v in named + parts_by_axis[ax][idx]:
                 label = k if not k or short_count.get(k, 0) <= 1 else f"{section}.{k}"
                 id_parts.append(_clean(f"{label}={fmt_value(v)}" if label else fmt_value(v)))
         for (sec, k), words in BOOL_WORDS.items():
@@ -390,7 +450,11 @@ def expand(
         ]
         if id_head is not None:
             head = [_clean(h) for h in id_head(head, sections)]
-        cid = "-".join(head + id_parts + id_suffix(sections, suffix_defaults))
+        if case_id is not None:
+            skip = _case_runtime_keys(case_id)
+            cid = "-".join(id_parts + id_suffix(sections, suffix_defaults, skip))
+        else:
+            cid = "-".join(head + id_parts + id_suffix(sections, suffix_defaults))
         n = seen.get(cid, 0) + 1
         seen[cid] = n
         if n > 1:
