@@ -124,6 +124,9 @@ from .grid import (  # noqa: F401  (re-exported: the landscape API in one place)
 from .warm_start import (
     WARM_STARTS as WARM_STARTS,  # re-exported: the warm-start modes the analysis checks
 )
+from .warm_start import (
+    WARM_STORES as WARM_STORES,  # re-exported: where the warm starts keep fixed points
+)
 from .warm_start import (  # noqa: F401  (re-exported: the landscape API in one place)
     Combo,
     Index,
@@ -132,6 +135,7 @@ from .warm_start import (  # noqa: F401  (re-exported: the landscape API in one 
     visit_order,
     warm_candidates,
     warm_start_mode,
+    warm_store_mode,
 )
 
 __all__ = [
@@ -260,6 +264,7 @@ def evaluate_grid(
     progress: Callable[[int, int], None] | None = None,
     warm_start: bool | str = "off",
     warm_retry: bool = True,
+    warm_store: str = "auto",
     max_iter: int | None = None,
     tol: float | None = None,
 ) -> Any:
@@ -293,6 +298,10 @@ def evaluate_grid(
         warm_retry: solve a warm-started point that missed the tolerance again from the model's
             own initial state (its row is then that solve's, ``warm_retried`` True, ``f_nstep``
             the f-evaluations of both), so no point converges cold but not warm.
+        warm_store: where the warm starts keep the solved points' fixed points: ``device`` (on
+            the device of the solve), ``host`` (in host memory, pinned for CUDA: on the device
+            only the few the point being solved reads, copied exactly, so the solves are the
+            same), ``auto`` (the default: ``host`` on an accelerator, ``device`` on the CPU).
         max_iter, tol: forward budget / tolerance of the DEQ layers during the evaluation
             (None: the layers' own settings; they are restored afterwards).
 
@@ -307,7 +316,9 @@ def evaluate_grid(
         relative residual), f_abs_residual, f_converged_frac (fraction of examples whose
         residual is below the tolerance; the point counts as converged only when all are, the
         solvers' batch-max rule), f_tol, w_spec_norm. ``df.attrs`` holds the timing, the vmap
-        decision and ``warm_start`` (the mode used).
+        decision and ``warm_start`` (the mode used); with a warm start also
+        ``warm_store`` and what the warm starts held at most (``warm_kept_peak_points``,
+        ``warm_kept_peak_bytes``, ``warm_device_peak_bytes``: :class:`_WarmStart`).
     """
     import pandas as pd
 
@@ -331,6 +342,7 @@ def evaluate_grid(
         spec_norm=spec_norm,
         warm_start=warm_start,
         warm_retry=warm_retry,
+        warm_store=warm_store,
     )
     ppb = 1 if grid.deq else _points_per_batch(model, grid.device, points_per_batch)
     t0 = time.perf_counter()
@@ -354,6 +366,8 @@ def evaluate_grid(
             "batch_size": grid.bs,
         }
     )
+    if grid.warm is not None:
+        df.attrs.update(grid.warm.memory())
     return df
 
 
