@@ -37,9 +37,12 @@ a point's loss is the one a cold start gives, to within what the tolerance allow
   prediction from the fixed points of the neighbours in the same row and the row nearer the
   centre (``A + (A - A2)/2 + (B - C)/2``, ``A + B - C``, ``2A - A2``), else a neighbour's fixed
   point as it is, else -- no neighbour converged for that example -- the model's own initial
-  state. Only the fixed points of the rows still needed are kept (at most three rows: memory
-  ``3 x grid x examples x state``, e.g. 7.7 GB for ``conv_deq`` at 51 x 51 and 256 examples in
-  float32).
+  state. A solved point's fixed points are kept only until the last point that reads them is
+  solved: at most two rows and three points (``(2 x grid + 3) x examples x state``, e.g. 105 x
+  48 MiB = 4.9 GiB for ``conv_deq`` at 51 x 51 and 256 examples in float32). Where they live is
+  ``warm_store``: on an accelerator (``auto``) in host memory, pinned, with on the device only
+  the states of the at most five neighbours the point being solved reads and its own (0.28 GiB
+  there), copied exactly, so the solves are those of ``warm_store="device"`` bit for bit.
 * ``nearest``: the same sweep, starting from a neighbour's fixed point as it is (no prediction).
 * ``centre`` (``True``, the earlier boolean): every point from the centre's fixed point.
 * ``off`` (``False``, the default): every point from the model's own initial state, as the model

@@ -54,8 +54,9 @@ def visit_order(n_alpha: int, n_beta: int, start: Index) -> list[tuple[Index, li
     (same column), the point one column nearer the start column (same row), then the two
     diagonal neighbours in the nearer row (the one nearer the start column first). Every point
     but the start has at least one axis neighbour among its sources, and every source is visited
-    earlier. Only two rows of fixed points (three while the start row waits for the rows below
-    it) are ever needed at once."""
+    earlier. At most two rows and three points of fixed points are needed at once: the start
+    row waits for the rows below it while those above are swept, and a point of any other row
+    is dropped as soon as the row after it has read it."""
     if n_alpha < 1 or n_beta < 1:
         return []
     ca, cb = start
