@@ -39,6 +39,15 @@ cold time.
     python benchmarks/landscape.py --warm --examples 256 --out results_dir    # GPU, conv_deq
     python benchmarks/landscape.py --warm --quick                            # CPU wiring check
 
+Memory: the peak of allocated device memory of each pass (CUDA), the ratio warm / cold
+(``peak_memory_ratio``; target <= 2) and what the warm starts kept at most (fixed points of how
+many grid points, in all and on the device). ``--warm-store`` says where the warm starts keep
+them (``auto``: host memory on a GPU, the few a point reads copied to the device; ``device``;
+``host``); a comma-separated list runs the headline warm start once more per further store and
+checks that it solved every point the same (``same_solves_as_headline``):
+
+    python benchmarks/landscape.py --warm --examples 256 --warm-store host,device --out DIR
+
 Writes ``warm_vs_cold.json`` (the summary; ``cold`` part written as soon as the cold pass is
 done) and ``warm_vs_cold_points.csv`` (every point: cold and warm loss, convergence,
 f-evaluations, warm init and relative difference) under ``--out``.
@@ -149,6 +158,13 @@ def main() -> None:
         default="neighbour",
         help="--warm: warm starts to time against cold, comma-separated (the first is the "
         "headline; e.g. neighbour,nearest)",
+    )
+    ap.add_argument(
+        "--warm-store",
+        default="auto",
+        help="--warm: where the warm starts keep fixed points (auto | device | host), "
+        "comma-separated: the first is the headline, each other one runs the headline warm "
+        "start again and is checked point by point against it (e.g. host,device)",
     )
     ap.add_argument("--out", default=None, help="directory for the --warm mode's files")
     args = ap.parse_args()
@@ -296,7 +312,7 @@ def _env(args, device: torch.device) -> dict:
     }
 
 
-def _pass(args, model, dirs, X, y, ax, betas, device, warm: str):
+def _pass(args, model, dirs, X, y, ax, betas, device, warm: str, store: str = "auto"):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cpu0 = time.process_time()
@@ -310,6 +326,7 @@ def _pass(args, model, dirs, X, y, ax, betas, device, warm: str):
         batch_size=args.batch_size,
         points_per_batch=args.points_per_batch,
         warm_start=warm,
+        warm_store=store,
         spec_norm=False,
     )
     conv = df["converged"].astype(bool)
@@ -332,7 +349,26 @@ def _pass(args, model, dirs, X, y, ax, betas, device, warm: str):
         info["warm_examples_share"] = float(df["warm_frac"].mean())
         info["predicted_examples_share"] = float(df["predicted_frac"].mean())
         info["retried_points"] = int(df["warm_retried"].astype(bool).sum())
+    if "warm_store" in df.attrs:  # what the warm starts held at most
+        info["warm_store"] = df.attrs["warm_store"]
+        info["warm_kept_peak_points"] = int(df.attrs["warm_kept_peak_points"])
+        info["warm_kept_peak_gib"] = df.attrs["warm_kept_peak_bytes"] / 2**30
+        info["warm_device_peak_gib"] = df.attrs["warm_device_peak_bytes"] / 2**30
     return df, info
+
+
+#: the per-point columns a warm pass determines (two stores must agree on every one)
+SOLVE_COLS = ["loss_raw", "f_nstep", "f_residual", "converged", "warm_frac", "predicted_frac"]
+
+
+def same_solves(a, b) -> dict:
+    """Whether two warm passes over the same grid solved every point the same, bit for bit."""
+    keys = ["alpha", "beta"]
+    m = a[keys + SOLVE_COLS].merge(b[keys + SOLVE_COLS], on=keys, suffixes=("_a", "_b"))
+    differ = {
+        c: int((m[f"{c}_a"].astype(str) != m[f"{c}_b"].astype(str)).sum()) for c in SOLVE_COLS
+    }
+    return {"identical": not any(differ.values()), "points_differing": differ}
 
 
 def compare(cold, warm, c: dict, w: dict, threshold: float):
@@ -341,6 +377,8 @@ def compare(cold, warm, c: dict, w: dict, threshold: float):
     out: dict = {"warm": w}
     out["f_evals_ratio"] = w["f_evals_per_point"] / c["f_evals_per_point"]
     out["time_ratio"] = w["seconds"] / c["seconds"]
+    pc, pw = c.get("peak_memory_gib"), w.get("peak_memory_gib")
+    out["peak_memory_ratio"] = pw / pc if pc and pw is not None else None
     keys = ["alpha", "beta"]
     cols = ["loss_raw", "converged", "f_nstep", "f_converged_frac", "f_residual", "status"]
     extra = [
@@ -391,8 +429,6 @@ def compare(cold, warm, c: dict, w: dict, threshold: float):
 
 def warm_vs_cold(args, model, dirs, X, y, ax, betas, device) -> None:
     """Cold and warm (neighbour) passes over the same grid; the comparison (module docstring)."""
-    import pandas as pd
-
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -406,12 +442,15 @@ def warm_vs_cold(args, model, dirs, X, y, ax, betas, device) -> None:
     write()
     print(f"cold: {json.dumps(res['cold'])}", flush=True)
     modes = [m.strip() for m in args.warm_modes.split(",") if m.strip()]
+    stores = [v.strip() for v in args.warm_store.split(",") if v.strip()] or ["auto"]
     res["modes"] = {}
+    headline = None
     for k, mode in enumerate(modes):
-        warm, info = _pass(args, model, dirs, X, y, ax, betas, device, mode)
+        warm, info = _pass(args, model, dirs, X, y, ax, betas, device, mode, stores[0])
         cmp, m = compare(cold, warm, res["cold"], info, args.rel_threshold)
         res["modes"][mode] = cmp
         if k == 0:
+            headline = warm
             res["warm"] = info
             res.update({k2: v for k2, v in cmp.items() if k2 != "warm"})
             if out_dir is not None:
@@ -420,6 +459,29 @@ def warm_vs_cold(args, model, dirs, X, y, ax, betas, device) -> None:
             m.to_csv(out_dir / f"warm_vs_cold_points_{mode}.csv", index=False)
         write()
         print(f"{mode}: {json.dumps(cmp)}", flush=True)
+    res["stores"] = {}
+    for store in stores[1:]:  # the headline warm start again, its fixed points kept elsewhere
+        other, info = _pass(args, model, dirs, X, y, ax, betas, device, modes[0], store)
+        same = same_solves(headline, other)
+        pc, pw = res["cold"]["peak_memory_gib"], info["peak_memory_gib"]
+        res["stores"][store] = {
+            "warm": info,
+            "same_solves_as_headline": same,
+            "peak_memory_ratio": pw / pc if pc and pw is not None else None,
+        }
+        write()
+        print(f"{modes[0]}, warm_store {store}: {json.dumps(res['stores'][store])}", flush=True)
+    print_warm_tables(args, res)
+
+
+def _gib(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def print_warm_tables(args, res: dict) -> None:
+    """The warm-vs-cold table, the memory table and the points where warm and cold differ."""
+    import pandas as pd
+
     c = res["cold"]
     print(
         "| card | model | grid | examples | dtype | warm start | cold s | warm s | time ratio | "
@@ -436,6 +498,25 @@ def warm_vs_cold(args, model, dirs, X, y, ax, betas, device) -> None:
             f"{w['f_evals_per_point']:.2f} | {cmp['f_evals_ratio']:.3f} | "
             f"{c['converged_share']:.3f} | {w['converged_share']:.3f} | "
             f"{cmp['cold_converged_not_warm']} | {cmp['max_rel_loss_diff_both_converged']:.2e} |"
+        )
+    # peak allocated device memory (None on the CPU) and what the warm starts kept at most
+    print(
+        "| warm start | warm_store | peak GiB cold | peak GiB warm | warm / cold | "
+        "kept points | kept GiB | of it on the device GiB | s | f-evals/point | same solves |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [(mode, cmp["warm"], cmp["peak_memory_ratio"], "") for mode, cmp in res["modes"].items()]
+    first = next(iter(res["modes"]), "")
+    for st in res["stores"].values():
+        same = "yes" if st["same_solves_as_headline"]["identical"] else "NO"
+        rows.append((first, st["warm"], st["peak_memory_ratio"], same))
+    for mode, w, ratio, same in rows:
+        print(
+            f"| {mode} | {w.get('warm_store', '-')} | {_gib(c['peak_memory_gib'])} | "
+            f"{_gib(w['peak_memory_gib'])} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{w.get('warm_kept_peak_points', '-')} | {_gib(w.get('warm_kept_peak_gib'))} | "
+            f"{_gib(w.get('warm_device_peak_gib'))} | {w['seconds']:.2f} | "
+            f"{w['f_evals_per_point']:.2f} | {same or 'headline'} |"
         )
     for mode, cmp in res["modes"].items():
         big = cmp["points_above_threshold"]

@@ -23,6 +23,7 @@ from .warm_start import (
     visit_order,
     warm_candidates,
     warm_start_mode,
+    warm_store_mode,
 )
 
 
@@ -150,6 +151,7 @@ class _Grid:
         spec_norm: bool,
         warm_start: bool | str,
         warm_retry: bool,
+        warm_store: str = "auto",
     ) -> None:
         self.model, self.X, self.y, self.task = model, X, y, task
         self.dirs = list(directions)
@@ -164,7 +166,8 @@ class _Grid:
         self.mode = warm_start_mode(warm_start) if self.deq else "off"
         if self.mode == "centre" and (0.0 not in self.alphas or 0.0 not in self.betas):
             self.mode = "off"  # the centre is not on the grid
-        self.warm = _WarmStart(self.layers) if self.mode != "off" else None
+        store = warm_store_mode(warm_store, self.device)
+        self.warm = _WarmStart(self.layers, store) if self.mode != "off" else None
         self.warm_retry = warm_retry
         self.spec_names = _spec_weights(model) if spec_norm and self.deq else []
         self.base = _weights(model)

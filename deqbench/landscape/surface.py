@@ -37,9 +37,12 @@ a point's loss is the one a cold start gives, to within what the tolerance allow
   prediction from the fixed points of the neighbours in the same row and the row nearer the
   centre (``A + (A - A2)/2 + (B - C)/2``, ``A + B - C``, ``2A - A2``), else a neighbour's fixed
   point as it is, else -- no neighbour converged for that example -- the model's own initial
-  state. Only the fixed points of the rows still needed are kept (at most three rows: memory
-  ``3 x grid x examples x state``, e.g. 7.7 GB for ``conv_deq`` at 51 x 51 and 256 examples in
-  float32).
+  state. A solved point's fixed points are kept only until the last point that reads them is
+  solved: at most two rows and three points (``(2 x grid + 3) x examples x state``, e.g. 105 x
+  48 MiB = 4.9 GiB for ``conv_deq`` at 51 x 51 and 256 examples in float32). Where they live is
+  ``warm_store``: on an accelerator (``auto``) in host memory, pinned, with on the device only
+  the states of the at most five neighbours the point being solved reads and its own (0.28 GiB
+  there), copied exactly, so the solves are those of ``warm_store="device"`` bit for bit.
 * ``nearest``: the same sweep, starting from a neighbour's fixed point as it is (no prediction).
 * ``centre`` (``True``, the earlier boolean): every point from the centre's fixed point.
 * ``off`` (``False``, the default): every point from the model's own initial state, as the model
@@ -124,6 +127,9 @@ from .grid import (  # noqa: F401  (re-exported: the landscape API in one place)
 from .warm_start import (
     WARM_STARTS as WARM_STARTS,  # re-exported: the warm-start modes the analysis checks
 )
+from .warm_start import (
+    WARM_STORES as WARM_STORES,  # re-exported: where the warm starts keep fixed points
+)
 from .warm_start import (  # noqa: F401  (re-exported: the landscape API in one place)
     Combo,
     Index,
@@ -132,6 +138,7 @@ from .warm_start import (  # noqa: F401  (re-exported: the landscape API in one 
     visit_order,
     warm_candidates,
     warm_start_mode,
+    warm_store_mode,
 )
 
 __all__ = [
@@ -260,6 +267,7 @@ def evaluate_grid(
     progress: Callable[[int, int], None] | None = None,
     warm_start: bool | str = "off",
     warm_retry: bool = True,
+    warm_store: str = "auto",
     max_iter: int | None = None,
     tol: float | None = None,
 ) -> Any:
@@ -293,6 +301,10 @@ def evaluate_grid(
         warm_retry: solve a warm-started point that missed the tolerance again from the model's
             own initial state (its row is then that solve's, ``warm_retried`` True, ``f_nstep``
             the f-evaluations of both), so no point converges cold but not warm.
+        warm_store: where the warm starts keep the solved points' fixed points: ``device`` (on
+            the device of the solve), ``host`` (in host memory, pinned for CUDA: on the device
+            only the few the point being solved reads, copied exactly, so the solves are the
+            same), ``auto`` (the default: ``host`` on an accelerator, ``device`` on the CPU).
         max_iter, tol: forward budget / tolerance of the DEQ layers during the evaluation
             (None: the layers' own settings; they are restored afterwards).
 
@@ -307,7 +319,9 @@ def evaluate_grid(
         relative residual), f_abs_residual, f_converged_frac (fraction of examples whose
         residual is below the tolerance; the point counts as converged only when all are, the
         solvers' batch-max rule), f_tol, w_spec_norm. ``df.attrs`` holds the timing, the vmap
-        decision and ``warm_start`` (the mode used).
+        decision and ``warm_start`` (the mode used); with a warm start also
+        ``warm_store`` and what the warm starts held at most (``warm_kept_peak_points``,
+        ``warm_kept_peak_bytes``, ``warm_device_peak_bytes``: :class:`_WarmStart`).
     """
     import pandas as pd
 
@@ -331,6 +345,7 @@ def evaluate_grid(
         spec_norm=spec_norm,
         warm_start=warm_start,
         warm_retry=warm_retry,
+        warm_store=warm_store,
     )
     ppb = 1 if grid.deq else _points_per_batch(model, grid.device, points_per_batch)
     t0 = time.perf_counter()
@@ -354,6 +369,8 @@ def evaluate_grid(
             "batch_size": grid.bs,
         }
     )
+    if grid.warm is not None:
+        df.attrs.update(grid.warm.memory())
     return df
 
 

@@ -54,8 +54,9 @@ def visit_order(n_alpha: int, n_beta: int, start: Index) -> list[tuple[Index, li
     (same column), the point one column nearer the start column (same row), then the two
     diagonal neighbours in the nearer row (the one nearer the start column first). Every point
     but the start has at least one axis neighbour among its sources, and every source is visited
-    earlier. Only two rows of fixed points (three while the start row waits for the rows below
-    it) are ever needed at once."""
+    earlier. At most two rows and three points of fixed points are needed at once: the start
+    row waits for the rows below it while those above are swept, and a point of any other row
+    is dropped as soon as the row after it has read it."""
     if n_alpha < 1 or n_beta < 1:
         return []
     ca, cb = start
@@ -115,6 +116,27 @@ def warm_candidates(
     return out
 
 
+WARM_STORES = ("auto", "device", "host")
+
+
+def warm_store_mode(value: Any, device: torch.device) -> str:
+    """``device`` | ``host`` from a ``warm_store`` value: ``auto`` (the default) is ``host`` on
+    an accelerator (its memory is the scarce one) and ``device`` on the CPU (where the two are the
+    same memory)."""
+    v = "auto" if value is None else str(value).strip().lower()
+    if v not in WARM_STORES:
+        raise ConfigError(
+            f"landscape.warm_store: expected one of {', '.join(WARM_STORES)}, got {value!r}"
+        )
+    if v == "auto":
+        return "device" if device.type == "cpu" else "host"
+    return v
+
+
+def _nbytes(z: Tensor, m: Tensor) -> int:
+    return z.nbytes + m.nbytes
+
+
 class _WarmStart:
     """Hooks on every DEQ layer that give each layer call a warm initial iterate ``z0`` and
     record the fixed point it returns.
@@ -128,11 +150,23 @@ class _WarmStart:
     the model starts it) when none did. A stored state whose shape, dtype or device differs from the
     call's own initial state (or ``u`` when none is passed) is not used; a call that reports no
     solve (an unrolled layer: its ``z0`` is part of the network) is never recorded, so it always
-    starts as the model starts it."""
+    starts as the model starts it.
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    Where the kept fixed points live (``store``): ``device``, on the device of the solve;
+    ``host``, in host memory (pinned for CUDA), with only the states the point being solved
+    reads (at most five source points, plus its own new one, of the current evaluation batch)
+    copied to the device (``near``) -- the copies are exact, so the initial iterates, and with
+    them every solve, are the same either way. The keeper counts what it holds: ``peak_kept_*``
+    (every kept fixed point, wherever it lives) and ``peak_device_bytes`` (what of it is on the
+    solve's device at once)."""
+
+    def __init__(self, layers: Sequence[nn.Module], store: str = "device") -> None:
+        if store not in ("device", "host"):
+            raise ValueError(f"store must be 'device' or 'host', got {store!r}")
         self.layers = list(layers)
+        self.host = store == "host"
         self.store: dict[Any, dict[tuple[int, int], tuple[Tensor, Tensor]]] = {}
+        self.near: dict[tuple[Any, tuple[int, int]], Tensor] = {}  # device copies (host store)
         self.point: Any = None
         self.combos: list[Combo] = []
         self.record = False
@@ -143,6 +177,8 @@ class _WarmStart:
         self.predicted: Tensor | int = 0  # of which from a combination of several
         self.handles: list[Any] = []
         self._key = (0, 0)
+        self.kept_bytes = self.near_bytes = 0
+        self.peak_kept_bytes = self.peak_kept_points = self.peak_device_bytes = 0
 
     def __enter__(self) -> _WarmStart:
         for layer in self.layers:
@@ -155,6 +191,30 @@ class _WarmStart:
             h.remove()
         self.handles.clear()
         self.store.clear()
+        self.near.clear()
+        self.kept_bytes = self.near_bytes = 0
+
+    def memory(self) -> dict[str, Any]:
+        """What the keeper held at most: ``warm_store``, ``warm_kept_peak_points`` /
+        ``warm_kept_peak_bytes`` (kept fixed points, wherever they live) and
+        ``warm_device_peak_bytes`` (of the solve's device)."""
+        return {
+            "warm_store": "host" if self.host else "device",
+            "warm_kept_peak_points": self.peak_kept_points,
+            "warm_kept_peak_bytes": self.peak_kept_bytes,
+            "warm_device_peak_bytes": self.peak_device_bytes,
+        }
+
+    def _account(self) -> None:
+        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+        self.peak_kept_points = max(self.peak_kept_points, len(self.store))
+        on_device = self.near_bytes + (0 if self.host else self.kept_bytes)
+        self.peak_device_bytes = max(self.peak_device_bytes, on_device)
+
+    def _evict(self, keep: Any) -> None:
+        """Drops the device copies ``keep(point, key)`` rejects."""
+        for k in [k for k in self.near if not keep(*k)]:
+            self.near_bytes -= self.near.pop(k).nbytes
 
     def start_point(self, point: Any, combos: Sequence[Combo], record: bool) -> None:
         """Before the point's first evaluation batch: where it may start from, whether to keep
@@ -162,13 +222,18 @@ class _WarmStart:
         self.point, self.record = point, record
         self.combos = [c for c in combos if all(src in self.store for src, _ in c)]
         self.examples, self.warm, self.predicted = 0, 0, 0
+        reads = {src for c in self.combos for src, _ in c}
+        self._evict(lambda p, _: p in reads)
 
     def begin(self, batch: int) -> None:
         """Before every evaluation batch (forward) of the point."""
         self.batch, self.calls = batch, 0
+        self._evict(lambda _, key: key[0] == batch)
 
     def drop(self, point: Any) -> None:
-        self.store.pop(point, None)
+        for z, m in self.store.pop(point, {}).values():
+            self.kept_bytes -= _nbytes(z, m)
+        self._evict(lambda p, _: p != point)
 
     def warm_frac(self) -> tuple[float, float]:
         """Shares of the point's examples x layer calls started from stored fixed points, and
@@ -177,16 +242,32 @@ class _WarmStart:
             return 0.0, 0.0
         return float(self.warm) / self.examples, float(self.predicted) / self.examples
 
+    def _state(self, src: Any, key: tuple[int, int], ref: Tensor) -> Any:
+        """A stored fixed point and its mask, on the device of ``ref``; None when there is none
+        or it does not match ``ref`` (the mask lives on the device of the recorded solve)."""
+        entry = self.store[src].get(key)
+        if entry is None:
+            return None
+        z, m = entry
+        if (z.shape, z.dtype, m.device) != (ref.shape, ref.dtype, ref.device):
+            return None
+        if self.host:
+            zd = self.near.get((src, key))
+            if zd is None:
+                zd = z.to(m.device, non_blocking=True)
+                self.near[(src, key)] = zd
+                self.near_bytes += zd.nbytes
+                self._account()
+            z = zd
+        return z, m
+
     def _combo(self, combo: Combo, key: tuple[int, int], ref: Tensor) -> Any:
         parts = []
         for src, w in combo:
-            entry = self.store[src].get(key)
-            if entry is None:
+            got = self._state(src, key, ref)
+            if got is None:
                 return None
-            z, m = entry
-            if (z.shape, z.dtype, z.device) != (ref.shape, ref.dtype, ref.device):
-                return None
-            parts.append((z, m, w))
+            parts.append((*got, w))
         if len(parts) == 1 and parts[0][2] == 1.0:
             z = parts[0][0]  # as stored (never written: torch.where below makes z0)
         else:
@@ -247,4 +328,25 @@ class _WarmStart:
             mask = (r < stats.tol).reshape(-1).to(out.device)
         else:
             mask = torch.full((out.shape[0],), bool(stats.converged), device=out.device)
-        self.store.setdefault(self.point, {})[self._key] = (out.detach().clone(), mask)
+        z = out.detach()
+        kept = self.store.setdefault(self.point, {})
+        old = kept.pop(self._key, None)
+        if old is not None:  # solved again (the retry): its new fixed point replaces the old
+            self.kept_bytes -= _nbytes(*old)
+            del old  # freed before the new one is copied
+        if self.host:
+            cuda = z.device.type == "cuda"
+            host = torch.empty(z.shape, dtype=z.dtype, device="cpu", pin_memory=cuda)
+            host.copy_(z, non_blocking=cuda)
+            near = self.near.pop((self.point, self._key), None)
+            if near is not None:
+                self.near_bytes -= near.nbytes
+            # the next point is likely to start from it: a device copy stays while it reads it
+            self.near[(self.point, self._key)] = near = z.clone()
+            self.near_bytes += near.nbytes
+            z = host
+        else:
+            z = z.clone()
+        kept[self._key] = (z, mask)
+        self.kept_bytes += _nbytes(z, mask)
+        self._account()
