@@ -261,6 +261,44 @@ def test_digits_klr_corruption():
     assert set(X.unique().tolist()) <= {0.0, 1.0}
 
 
+def test_digits_klr_binarised_mnist_with_flipped_bits():
+    """source mnist5k: the 5,000 real 28x28 digits binarised at 1/2; corruption flip: exactly
+    int(784 * 0.3) bits of each image flipped in place (the paper's App. G corruption)."""
+    from deqbench.data.images import _mnist5k_arrays
+
+    d = load_data("digits_klr", split=0.5, corrupt=0.3, source="mnist5k", corruption="flip")
+    assert d.in_shape == (1, 28, 28) and d.num_outputs == 784
+    X = torch.cat([d.train[0], d.test[0]]).flatten(1)
+    Y = torch.cat([d.train[1], d.test[1]])
+    assert X.shape == (5000, 784) and set(X.unique().tolist()) == {0.0, 1.0}
+    assert int(784 * 0.3) == d.meta["corrupted_pixels"] == 235
+    assert ((X != Y).sum(1) == 235).all()
+    raw = torch.tensor(_mnist5k_arrays()[0].reshape(5000, -1).astype("float32")) / 255
+    clean = (raw > 0.5).float()  # every clean target is one of the digits, binarised at 1/2
+    assert {tuple(r) for r in Y[:50].int().tolist()} <= {tuple(r) for r in clean.int().tolist()}
+    with pytest.raises(ConfigError, match="data.source must be one of digits, mnist5k"):
+        load_data("digits_klr", source="cifar10")
+    with pytest.raises(ConfigError, match="data.corruption must be one of copy, flip"):
+        load_data("digits_klr", corruption="swap")
+
+
+def test_klr_agreement_fits_in_chunks_as_at_once(monkeypatch):
+    """The KLR reference fitted in chunks of images (memory) gives the probabilities of one fit."""
+    import deqbench.kglm.analysis as an
+
+    d = load_data("digits_klr", split=0.5, seed=2)
+    m = deqbench.models.create("kglm_deq", in_shape=d.in_shape, family="bernoulli").double()
+    deqbench.inits.get("kglm_informed")(m, seed=0, kernel=["se", {"name": "white"}], scale=0.5)
+    configure(m, SolverConfig("fixed_point", 100, 1e-15))
+    Y = d.test[0][:30]
+    one, _ = an.klr_agreement(m, Y, newton_steps=6)
+    monkeypatch.setattr(an, "KLR_CHUNK_BYTES", 2 * 64 * 64 * 8 * 7)  # 7 images a chunk: 5 chunks
+    chunked, _ = an.klr_agreement(m, Y, newton_steps=6)
+    assert chunked["float64"]["max_abs_dp"] == pytest.approx(one["float64"]["max_abs_dp"], abs=1e-15)
+    assert chunked["klr"]["last_step_norm"] == pytest.approx(one["klr"]["last_step_norm"], abs=1e-12)
+    assert chunked["float64"]["disagreeing_pixels"] == one["float64"]["disagreeing_pixels"] == 0
+
+
 def test_denoise_data(monkeypatch):
     import deqbench.data.kglm as data_mod
 

@@ -20,6 +20,10 @@ PAPER = suites_dir() / "paper"
 #: per paper-suite file: --set overrides that shrink it to seconds on CPU (same code path)
 TINY: dict[str, list[str]] = {
     "pcdeq": ["data.train_subset=32", "data.test_subset=16", "defaults.train.epochs=1"],
+    "kglm_klr": [
+        "analyses=[{klr_agreement: {dtypes: [float64], split: all, newton_steps: 5, "
+        "max_images: 4}}]",
+    ],
     "kglm_smooth": ["data.n_train=32", "data.n_test=8", "defaults.train.epochs=2"],
     "kglm_denoise": [
         "data.n_train=16",

