@@ -294,8 +294,12 @@ def test_klr_agreement_fits_in_chunks_as_at_once(monkeypatch):
     one, _ = an.klr_agreement(m, Y, newton_steps=6)
     monkeypatch.setattr(an, "KLR_CHUNK_BYTES", 2 * 64 * 64 * 8 * 7)  # 7 images a chunk: 5 chunks
     chunked, _ = an.klr_agreement(m, Y, newton_steps=6)
-    assert chunked["float64"]["max_abs_dp"] == pytest.approx(one["float64"]["max_abs_dp"], abs=1e-15)
-    assert chunked["klr"]["last_step_norm"] == pytest.approx(one["klr"]["last_step_norm"], abs=1e-12)
+    assert chunked["float64"]["max_abs_dp"] == pytest.approx(
+        one["float64"]["max_abs_dp"], abs=1e-15
+    )
+    assert chunked["klr"]["last_step_norm"] == pytest.approx(
+        one["klr"]["last_step_norm"], abs=1e-12
+    )
     assert chunked["float64"]["disagreeing_pixels"] == one["float64"]["disagreeing_pixels"] == 0
 
 

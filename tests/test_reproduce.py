@@ -320,7 +320,11 @@ def test_missing_measurement_is_not_run(tmp_path):
 def test_suite_files():
     assert suite_file("kglm_pcdeq_sigma", "cpu").name == "pcdeq_cpu.yaml"
     assert suite_file("kglm_klr", "cpu").name == "kglm_klr.yaml"
-    assert suite_file("kglm_klr", "paper") is None
+    assert (
+        suite_file("kglm_klr", "paper").relative_to(suites_dir()).as_posix()
+        == "paper/kglm_klr.yaml"
+    )
+    assert suite_file("kglm_init_cost", "paper") is None
     assert suite_file("pcdeq", "paper").relative_to(suites_dir()).as_posix() == "paper/pcdeq.yaml"
     # 002's accuracy and Lipschitz claims share the Table 1 run
     assert suite_file("pcdeq_gpu", "paper") == suite_file("kglm_pcdeq_sigma", "paper")
@@ -387,7 +391,7 @@ def test_absolute_claim_at_cpu_scale_runs_nothing(tmp_path):
 
 
 def test_paper_scale_without_suite(tmp_path):
-    out = reproduce(claim_ids=["001-klr-equivalence"], scale="paper", out=tmp_path / "r")
+    out = reproduce(claim_ids=["001-init-cost"], scale="paper", out=tmp_path / "r")
     with open(out / "reproduction.csv", newline="") as fh:
         (r,) = list(csv.DictReader(fh))
     assert (r["verdict"], r["reason"]) == ("not run", "no paper-scale suite")
@@ -581,3 +585,27 @@ def test_trajectory_complexity(tmp_path):
     (tmp_path / "b").mkdir()
     ex = extract("004-trajectory-complexity", write_run(tmp_path / "b", early))
     assert ex.kwargs is None and "after epoch 1" in ex.missing
+
+
+def test_report_total_is_the_runs_own_time(tmp_path):
+    """A re-judged report (its runs made earlier, elsewhere) says the runs' own wall time in
+    its header, not the few seconds of the call that judged them."""
+    import json
+
+    from deqbench.reproduce.run import write_report
+    from deqbench.reproduce.verdicts import SuiteRun
+
+    runs = {}
+    for name, (t0, t1) in {"a": ("12:00:00", "12:16:03"), "b": ("13:00:00", "13:03:12")}.items():
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        meta = {"started": f"2026-01-01T{t0}", "finished": f"2026-01-01T{t1}", "cells": ["x"]}
+        (d / "run.json").write_text(json.dumps(meta))
+        runs[tmp_path / f"{name}.yaml"] = SuiteRun(
+            tmp_path / f"{name}.yaml", run_dir=d, seconds=0.0
+        )
+    write_report(tmp_path, [], "paper", runs, seconds=4.0)
+    head = (tmp_path / "reproduction.md").read_text().splitlines()[2]
+    assert head.endswith("2 suite runs, 1155 s in total."), head  # 963 + 192
+    write_report(tmp_path, [], "paper", {}, seconds=4.0)
+    assert "0 suite runs, 4 s in total." in (tmp_path / "reproduction.md").read_text()

@@ -491,13 +491,18 @@ def write_report(
     runs: dict[Path, SuiteRun],
     seconds: float,
 ) -> None:
-    """``reproduction.csv`` (:data:`REPORT_COLUMNS`) and ``reproduction.md`` into ``out``."""
+    """``reproduction.csv`` (:data:`REPORT_COLUMNS`) and ``reproduction.md`` into ``out``;
+    ``seconds`` (this call's) is the total only where there are no runs: with runs, the total
+    is the sum of their own wall times (start to finish in each ``run.json``)."""
     with open(out / "reproduction.csv", "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=list(REPORT_COLUMNS))
         w.writeheader()
         w.writerows(rows)
     counts = {k: sum(r["verdict"] == k for r in rows) for k in ("reproduced", "not reproduced",
                                                                  "not run")}  # fmt: skip
+    # the runs' own wall times (a re-judged or resumed report: not this call's few seconds)
+    if runs:
+        seconds = sum(_provenance(sr)[2] for sr in runs.values())
     lines = [
         f"# Reproduction report (scale {scale})",
         "",
