@@ -20,6 +20,10 @@ PAPER = suites_dir() / "paper"
 #: per paper-suite file: --set overrides that shrink it to seconds on CPU (same code path)
 TINY: dict[str, list[str]] = {
     "pcdeq": ["data.train_subset=32", "data.test_subset=16", "defaults.train.epochs=1"],
+    "kglm_init_cost": [
+        "analyses=[{kglm_init_cost: {fc_widths: [8, 16], conv_channels: [1, 2], conv_size: 8, "
+        "repeats: 3}}]",
+    ],
     "kglm_klr": [
         "analyses=[{klr_agreement: {dtypes: [float64], split: all, newton_steps: 5, "
         "max_images: 4}}]",
@@ -105,7 +109,7 @@ def test_paper_suite_runs_tiny_on_cpu(stem: str, tmp_path: Path) -> None:
             assert r["reason"], r
         if stem == "kglm_denoise":
             assert "stand in for CIFAR-10" in r["data"], r
-        elif stem != "kglm_smooth":
+        elif stem not in ("kglm_smooth", "kglm_init_cost"):  # their own data / none
             assert "mnist5k" in r["data"] and (
                 "stand-in" in r["data"] or "stands in" in r["data"]
             ), r

@@ -324,7 +324,7 @@ def test_suite_files():
         suite_file("kglm_klr", "paper").relative_to(suites_dir()).as_posix()
         == "paper/kglm_klr.yaml"
     )
-    assert suite_file("kglm_init_cost", "paper") is None
+    assert suite_file("mondeq", "paper") is None
     assert suite_file("pcdeq", "paper").relative_to(suites_dir()).as_posix() == "paper/pcdeq.yaml"
     # 002's accuracy and Lipschitz claims share the Table 1 run
     assert suite_file("pcdeq_gpu", "paper") == suite_file("kglm_pcdeq_sigma", "paper")
@@ -391,7 +391,7 @@ def test_absolute_claim_at_cpu_scale_runs_nothing(tmp_path):
 
 
 def test_paper_scale_without_suite(tmp_path):
-    out = reproduce(claim_ids=["001-init-cost"], scale="paper", out=tmp_path / "r")
+    out = reproduce(claim_ids=["004-pr-fb"], scale="paper", out=tmp_path / "r")
     with open(out / "reproduction.csv", newline="") as fh:
         (r,) = list(csv.DictReader(fh))
     assert (r["verdict"], r["reason"]) == ("not run", "no paper-scale suite")
