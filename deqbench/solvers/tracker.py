@@ -9,12 +9,16 @@ import math
 from collections import deque
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from . import fused
 from .options import DEFAULT_STOP, GRAPH_STEPS_MAX, CommonOptions, option_error
 from .stats import EPS, SolverStats, batch_norm, check_output, make_stats
+
+#: dtypes whose CPU bookkeeping runs in numpy (Tracker.host)
+HOST_DTYPES = (torch.float32, torch.float64)
 
 
 # One class (over 400 lines): the eager record/stop path and the device mode of the CUDA-graph
@@ -108,6 +112,13 @@ class Tracker:
             )
             if self.keep_norm:
                 self.fro = torch.empty(2, self.B, dtype=rdtype, device=dev)
+        #: CPU, eager: the (B,)-sized bookkeeping of a step runs in numpy on views of the same
+        #: buffers (a numpy call costs a fraction of a torch op's dispatch; see record_host)
+        self.host = not self.cuda and not static and rdtype in HOST_DTYPES
+        if self.host:
+            self._tn = self.trace.numpy()
+            self._dn = self.dstats.numpy()
+            self._fn: Any = None if self.fro is None else self.fro.numpy()
         self.n, self.rdtype = n, rdtype
         self.bshape = (self.B,) + (1,) * (len(self.shape) - 1)
         self.k = 0  # steps recorded
@@ -160,6 +171,9 @@ class Tracker:
             slot = k % m
             F[:, :, slot].copy_(fz.reshape(self.B, -1, cd))
             d = torch.sub(F[:, :, slot], z.reshape(self.B, -1, cd), out=G[:, :, slot])
+        if self.host:
+            self._record_host(k, z, fz, d)
+            return
         tr = self.trace[k]
         batch_norm(fz - z if d is None else d, out=tr[0])
         if self.keep_norm:
@@ -188,6 +202,58 @@ class Tracker:
         if self.batch_rule:
             self._rule_summary(tr, st, nrm, better)
         self._host_copy(k, st)
+
+    def _record_host(self, k: int, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
+        """:meth:`record` on the CPU: the two norms in torch, the rest of the step in numpy on
+        views of the trace, the summary and the kept norms. The element-wise arithmetic (the
+        relative residual, the running lowest, ``res - lowest``, the maxima) is IEEE in both
+        libraries and the batch reductions of the stop rules stay torch's, so every value is
+        bitwise the one the torch code writes; about a quarter of its host time."""
+        a = batch_norm(fz - z if d is None else d).numpy()
+        nrm = batch_norm(fz).numpy()
+        row, st = self._tn[k], self._dn[k]
+        with np.errstate(all="ignore"):  # NaN/inf residuals are read by the stop test
+            row[0] = a
+            np.divide(a, nrm + EPS, out=row[1])
+            better = None
+            if not self.lowest:
+                self.best_z = z
+                row[:2].max(axis=1, out=st[:2])
+            elif k == 0:
+                self.best_z = z
+                row[2] = row[self.sel]
+                row[:3].max(axis=1, out=st[:3])
+            else:
+                res, prev = row[self.sel], self._tn[k - 1, 2]
+                if self.keep_norm:
+                    better = res <= prev  # as fmin's choice below (NaN never)
+                np.fmin(res, prev, out=row[2])  # NaN never becomes the lowest
+                np.subtract(res, row[2], out=row[3])
+                row.max(axis=1, out=st)
+                self.pending.append((k, z))
+            if self.batch_rule:
+                self._rule_summary_host(k, row, st, nrm, better)
+        self._host_copy(k, self.dstats[k])
+
+    def _rule_summary_host(self, k: int, row: Any, st: Any, nrm: Any, better: Any) -> None:
+        """:meth:`_rule_summary` of :meth:`_record_host`: the same values, the batch
+        reductions in torch (their summation order), the selections in numpy."""
+        if not self.keep_norm:
+            ret = self.trace[k, 2 if self.lowest else self.sel]
+            if self.rule == "batch_mean":
+                st[2] = float(torch.mean(ret))
+            else:  # batch_fro under abs: ||abs||_2 of the returned iterates
+                st[2] = float(torch.linalg.vector_norm(ret))
+            return
+        fro = self._fn
+        if better is None:
+            fro[0] = row[0]
+            fro[1] = nrm
+        else:
+            np.copyto(fro[0], row[0], where=better)
+            np.copyto(fro[1], nrm, where=better)
+        nn = torch.linalg.vector_norm(cast(Tensor, self.fro), dim=1).numpy()
+        np.divide(nn[:1], nn[1:] + EPS, out=st[2:3])  # arrays: in the trace's dtype
 
     def _rule_summary(
         self, row: Tensor, st: Tensor, nrm: Tensor | None, better: Tensor | None
@@ -409,7 +475,7 @@ class Tracker:
             return
         if self.cuda:
             self.events[upto - 1].synchronize()
-        rows = self.hstats[self.read : upto].tolist()
+        rows = (self._dn if self.host else self.hstats)[self.read : upto].tolist()
         for j, row in zip(range(self.read, upto), rows):
             cur_abs = row[0]
             cur = row[self.sel]
