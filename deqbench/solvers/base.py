@@ -85,6 +85,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -318,7 +319,9 @@ def solver(
                             cache.clear()
                         cache[key] = opts
             check_budget(sname, max_iter, tol, stop_mode)
-            with torch.no_grad():
+            # errstate: the CPU tracker's numpy arithmetic meets NaN/inf residuals silently,
+            # as torch's does (entered once a solve, not once a step)
+            with torch.no_grad(), np.errstate(all="ignore"):
                 return impl(f, z0, opts, max_iter=max_iter, tol=tol, stop_mode=stop_mode)
 
         functools.update_wrapper(solve, impl)

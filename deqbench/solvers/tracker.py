@@ -13,12 +13,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..core.triton_env import kernel_device
 from . import fused
 from .options import DEFAULT_STOP, GRAPH_STEPS_MAX, CommonOptions, option_error
 from .stats import EPS, SolverStats, batch_norm, check_output, make_stats
 
 #: dtypes whose CPU bookkeeping runs in numpy (Tracker.host)
 HOST_DTYPES = (torch.float32, torch.float64)
+
+
+def _norm(x: Tensor) -> Tensor:
+    """:func:`batch_norm` of ``x``; for a (B, D) tensor the one call it makes, without its
+    reshaping checks."""
+    return torch.linalg.vector_norm(x, dim=1) if x.dim() == 2 else batch_norm(x)
 
 
 # One class (over 400 lines): the eager record/stop path and the device mode of the CUDA-graph
@@ -114,7 +121,9 @@ class Tracker:
                 self.fro = torch.empty(2, self.B, dtype=rdtype, device=dev)
         #: CPU, eager: the (B,)-sized bookkeeping of a step runs in numpy on views of the same
         #: buffers (a numpy call costs a fraction of a torch op's dispatch; see record_host)
-        self.host = not self.cuda and not static and rdtype in HOST_DTYPES
+        self.host = (
+            not self.cuda and not static and rdtype in HOST_DTYPES and not kernel_device(dev)
+        )
         if self.host:
             self._tn = self.trace.numpy()
             self._dn = self.dstats.numpy()
@@ -157,6 +166,9 @@ class Tracker:
         k = self.k
         if k == 0:
             check_output(self.solver, z, fz)
+        if self.host and slots is None:
+            self._record_host(k, z, fz, d)
+            return
         ring = () if slots is None else slots[:2]
         if not self.batch_rule and z.shape == fz.shape and fused.usable(z, fz, self.trace, *ring):
             fused.record_eager(self, z, fz, k, slots=slots, eps=EPS)
@@ -209,31 +221,33 @@ class Tracker:
         relative residual, the running lowest, ``res - lowest``, the maxima) is IEEE in both
         libraries and the batch reductions of the stop rules stay torch's, so every value is
         bitwise the one the torch code writes; about a quarter of its host time."""
-        a = batch_norm(fz - z if d is None else d).numpy()
-        nrm = batch_norm(fz).numpy()
+        a = _norm(fz - z if d is None else d).numpy()
+        nrm = _norm(fz).numpy()
         row, st = self._tn[k], self._dn[k]
-        with np.errstate(all="ignore"):  # NaN/inf residuals are read by the stop test
-            row[0] = a
-            np.divide(a, nrm + EPS, out=row[1])
-            better = None
-            if not self.lowest:
-                self.best_z = z
-                row[:2].max(axis=1, out=st[:2])
-            elif k == 0:
-                self.best_z = z
-                row[2] = row[self.sel]
-                row[:3].max(axis=1, out=st[:3])
-            else:
-                res, prev = row[self.sel], self._tn[k - 1, 2]
-                if self.keep_norm:
-                    better = res <= prev  # as fmin's choice below (NaN never)
-                np.fmin(res, prev, out=row[2])  # NaN never becomes the lowest
-                np.subtract(res, row[2], out=row[3])
-                row.max(axis=1, out=st)
-                self.pending.append((k, z))
-            if self.batch_rule:
-                self._rule_summary_host(k, row, st, nrm, better)
-        self._host_copy(k, self.dstats[k])
+        # NaN/inf residuals are read by the stop test: no numpy warnings (the declared solvers
+        # run under np.errstate(all="ignore"), solvers.base.solver)
+        row[0] = a
+        np.divide(a, nrm + EPS, out=row[1])
+        better = None
+        if not self.lowest:
+            self.best_z = z
+            row[:2].max(axis=1, out=st[:2])
+        elif k == 0:
+            self.best_z = z
+            row[2] = row[self.sel]
+            row[:3].max(axis=1, out=st[:3])
+        else:
+            res, prev = row[self.sel], self._tn[k - 1, 2]
+            if self.keep_norm:
+                better = res <= prev  # as fmin's choice below (NaN never)
+            np.fmin(res, prev, out=row[2])  # NaN never becomes the lowest
+            np.subtract(res, row[2], out=row[3])
+            row.max(axis=1, out=st)
+            self.pending.append((k, z))
+        if self.batch_rule:
+            self._rule_summary_host(k, row, st, nrm, better)
+        self.k = k + 1
+        self.bounds.append(self.k)
 
     def _rule_summary_host(self, k: int, row: Any, st: Any, nrm: Any, better: Any) -> None:
         """:meth:`_rule_summary` of :meth:`_record_host`: the same values, the batch
