@@ -18,14 +18,21 @@ from . import fused
 from .options import DEFAULT_STOP, GRAPH_STEPS_MAX, CommonOptions, option_error
 from .stats import EPS, SolverStats, batch_norm, check_output, make_stats
 
-#: dtypes whose CPU bookkeeping runs in numpy (Tracker.host)
-HOST_DTYPES = (torch.float32, torch.float64)
+#: run the CPU bookkeeping in numpy (Tracker.host); tests switch it off to compare with the
+#: torch code, which stays the reference (and runs on CUDA, under Triton's interpreter and for
+#: other dtypes)
+HOST_ENABLED = True
+#: dtypes whose CPU bookkeeping runs in numpy (Tracker.host), with their numpy dtypes
+HOST_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _norm(x: Tensor) -> Tensor:
-    """:func:`batch_norm` of ``x``; for a (B, D) tensor the one call it makes, without its
-    reshaping checks."""
-    return torch.linalg.vector_norm(x, dim=1) if x.dim() == 2 else batch_norm(x)
+def _norm_into(x: Tensor, out: Tensor) -> None:
+    """:func:`batch_norm` of ``x`` into ``out``; for a (B, D) tensor the one call it makes,
+    without its reshaping checks."""
+    if x.dim() == 2:
+        torch.linalg.vector_norm(x, dim=1, out=out)
+    else:
+        batch_norm(x, out=out)
 
 
 # One class (over 400 lines): the eager record/stop path and the device mode of the CUDA-graph
@@ -110,7 +117,18 @@ class Tracker:
         self.events: list[Any] = [None] * n
         # events are recorded on this stream (looked up once: it costs ~10 us per call)
         self.stream = torch.cuda.current_stream(dev) if self.cuda else None
-        if not static:  # else enable_device_mode brings (cached) static buffers
+        #: CPU, eager: the (B,)-sized bookkeeping of a step runs in numpy on the same buffers
+        #: (a numpy call costs a fraction of a torch op's dispatch; see _record_host)
+        self.host = (
+            HOST_ENABLED
+            and not self.cuda
+            and not static
+            and rdtype in HOST_DTYPES
+            and not kernel_device(dev)
+        )
+        if self.host:
+            self._host_buffers(n, HOST_DTYPES[rdtype])
+        elif not static:  # else enable_device_mode brings (cached) static buffers
             # rows: abs, rel, running lowest (stop mode), res - lowest
             self.trace = torch.empty(n, 4, self.B, dtype=rdtype, device=dev)
             self.dstats = torch.empty(n, 4, dtype=rdtype, device=dev)  # unused entries never read
@@ -119,15 +137,6 @@ class Tracker:
             )
             if self.keep_norm:
                 self.fro = torch.empty(2, self.B, dtype=rdtype, device=dev)
-        #: CPU, eager: the (B,)-sized bookkeeping of a step runs in numpy on views of the same
-        #: buffers (a numpy call costs a fraction of a torch op's dispatch; see record_host)
-        self.host = (
-            not self.cuda and not static and rdtype in HOST_DTYPES and not kernel_device(dev)
-        )
-        if self.host:
-            self._tn = self.trace.numpy()
-            self._dn = self.dstats.numpy()
-            self._fn: Any = None if self.fro is None else self.fro.numpy()
         self.n, self.rdtype = n, rdtype
         self.bshape = (self.B,) + (1,) * (len(self.shape) - 1)
         self.k = 0  # steps recorded
@@ -146,6 +155,24 @@ class Tracker:
         self._inf: Tensor | None = None  # fused eager record: see inf_row, eager_part
         self._prepared: tuple[int, Tensor, Tensor, Tensor] | None = None  # _prepare_finish
         self._part: Tensor | None = None
+
+    def _host_buffers(self, n: int, dtype: Any) -> None:
+        """The CPU buffers as numpy arrays with torch tensors over the same memory: the trace
+        and the summaries (as the torch code's), the two norms of a step, the kept pair and its
+        norms (``batch_fro`` under rel); the torch reductions write into them (``out=``), the
+        numpy code reads them, and neither converts per step."""
+        B = self.B
+        self._tn = np.empty((n, 4, B), dtype)
+        self._dn = np.empty((n, 4), dtype)
+        self.trace = torch.from_numpy(self._tn)
+        self.dstats = self.hstats = torch.from_numpy(self._dn)
+        self._an = np.empty((2, B), dtype)  # a step's abs residual and ||f(x)||
+        self._an_t = (torch.from_numpy(self._an[0]), torch.from_numpy(self._an[1]))
+        if self.keep_norm:
+            self._fn = np.empty((2, B), dtype)
+            self.fro = torch.from_numpy(self._fn)
+            self._nn = np.empty(2, dtype)  # the kept pair's batch norms
+            self._nn_t = torch.from_numpy(self._nn)
 
     # -- per step ---------------------------------------------------------------------------
     def record(
@@ -221,8 +248,10 @@ class Tracker:
         relative residual, the running lowest, ``res - lowest``, the maxima) is IEEE in both
         libraries and the batch reductions of the stop rules stay torch's, so every value is
         bitwise the one the torch code writes; about a quarter of its host time."""
-        a = _norm(fz - z if d is None else d).numpy()
-        nrm = _norm(fz).numpy()
+        an, (a_t, n_t) = self._an, self._an_t
+        _norm_into(fz - z if d is None else d, a_t)
+        _norm_into(fz, n_t)
+        a, nrm = an[0], an[1]
         row, st = self._tn[k], self._dn[k]
         # NaN/inf residuals are read by the stop test: no numpy warnings (the declared solvers
         # run under np.errstate(all="ignore"), solvers.base.solver)
@@ -245,11 +274,11 @@ class Tracker:
             row.max(axis=1, out=st)
             self.pending.append((k, z))
         if self.batch_rule:
-            self._rule_summary_host(k, row, st, nrm, better)
+            self._rule_summary_host(k, st, better)
         self.k = k + 1
         self.bounds.append(self.k)
 
-    def _rule_summary_host(self, k: int, row: Any, st: Any, nrm: Any, better: Any) -> None:
+    def _rule_summary_host(self, k: int, st: Any, better: Any) -> None:
         """:meth:`_rule_summary` of :meth:`_record_host`: the same values, the batch
         reductions in torch (their summation order), the selections in numpy."""
         if not self.keep_norm:
@@ -259,14 +288,12 @@ class Tracker:
             else:  # batch_fro under abs: ||abs||_2 of the returned iterates
                 st[2] = float(torch.linalg.vector_norm(ret))
             return
-        fro = self._fn
-        if better is None:
-            fro[0] = row[0]
-            fro[1] = nrm
+        if better is None:  # (abs, ||f(x)||) of this step's iterates, kept for every sample
+            self._fn[...] = self._an
         else:
-            np.copyto(fro[0], row[0], where=better)
-            np.copyto(fro[1], nrm, where=better)
-        nn = torch.linalg.vector_norm(cast(Tensor, self.fro), dim=1).numpy()
+            np.copyto(self._fn, self._an, where=better)
+        torch.linalg.vector_norm(cast(Tensor, self.fro), dim=1, out=self._nn_t)
+        nn = self._nn
         np.divide(nn[:1], nn[1:] + EPS, out=st[2:3])  # arrays: in the trace's dtype
 
     def _rule_summary(
@@ -479,8 +506,11 @@ class Tracker:
         if allbetter:
             self.best_z = z
         else:
-            tr = self.trace[j]
-            take = (tr[self.sel] == tr[2]).view(self.bshape)
+            if self.host:
+                take = torch.from_numpy(self._tn[j, self.sel] == self._tn[j, 2]).view(self.bshape)
+            else:
+                tr = self.trace[j]
+                take = (tr[self.sel] == tr[2]).view(self.bshape)
             assert self.best_z is not None  # step 0 set it
             self.best_z = torch.where(take, z, self.best_z)
 
@@ -527,6 +557,24 @@ class Tracker:
         return lo > 0 and max(recent) / lo < ratio
 
     # -- end --------------------------------------------------------------------------------
+    def _returned_host(self, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+        """:meth:`finish`'s tensors on the host path, as the torch code builds them, from the
+        numpy buffers: the (abs, rel) traces, the returned iterates' (abs, rel), the step each
+        sample's returned iterate comes from and the latest of them."""
+        tk, B = self._tn[:k], self.B
+        if self.lowest and not self.last_allbetter:
+            match = tk[:, self.sel] == tk[:, 2]  # the last step matching the running lowest
+            steps = np.where(match, np.arange(k)[:, None], 0).max(0)
+            best = tk[steps, :2, np.arange(B)]  # (B, 2)
+            lowest_step = int(steps.max())
+            best_abs, best_rel = torch.from_numpy(best[:, 0]), torch.from_numpy(best[:, 1])
+        else:  # every sample's returned iterate is the last one
+            steps = np.full(B, k - 1, dtype=np.int64)
+            lowest_step = k - 1
+            best_abs, best_rel = torch.from_numpy(tk[k - 1, 0]), torch.from_numpy(tk[k - 1, 1])
+        return (torch.from_numpy(tk[:, 0]), torch.from_numpy(tk[:, 1]), best_abs, best_rel,
+                torch.from_numpy(steps), lowest_step)  # fmt: skip
+
     def _prepare_finish(self) -> None:
         """Queue what :meth:`finish` copies out of the static buffers (the trace, the lowest
         iterate, the all-improved ``lowest_steps``) behind the steps recorded so far, before
@@ -559,7 +607,9 @@ class Tracker:
             z = self.best_z
         assert z is not None, "finish() before record()"
         dev = trace.device
-        if self.lowest and not self.last_allbetter:
+        if self.host:
+            abs_tr, rel_tr, best_abs, best_rel, lowest_steps, lowest_step = self._returned_host(k)
+        elif self.lowest and not self.last_allbetter:
             # the step each sample's returned iterate comes from: the last that matched the
             # running lowest (exactly the masks used above)
             steps = torch.arange(k, device=dev).unsqueeze(1)
@@ -574,6 +624,8 @@ class Tracker:
             )
             best = trace[k - 1, :2]
             lowest_step = k - 1
+        if not self.host:
+            abs_tr, rel_tr, best_abs, best_rel = trace[:, 0], trace[:, 1], best[0], best[1]
         top = self.best_hist[-1]  # the returned residuals under the stop rule (stop mode)
         info = {"returned": "x", "lowest_steps": lowest_steps, "host_reads_exact": self.exact_reads}
         if self.conv_at is not None and self.conv_at < k:
@@ -582,10 +634,10 @@ class Tracker:
         stats = make_stats(
             self.solver,
             nstep,
-            trace[:, 0],
-            trace[:, 1],
-            best[0],
-            best[1],
+            abs_tr,
+            rel_tr,
+            best_abs,
+            best_rel,
             self.tol,
             self.stop_mode,
             diverged=self.status == "diverged",
