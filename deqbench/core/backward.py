@@ -90,7 +90,12 @@ def param_items(layer: Layer) -> tuple[list[str], list[Tensor]]:
 
 
 def f_graph(
-    layer: Layer, z: Tensor, u: Tensor, params: Sequence[Tensor], need_u: bool
+    layer: Layer,
+    z: Tensor,
+    u: Tensor,
+    params: Sequence[Tensor],
+    need_u: bool,
+    items: tuple[list[str], list[Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """f(z*, u) rebuilt with autograd for a backward: (out, z_, u_, p_) with fresh leaves z_, u_
     (requiring grad when ``need_u``) and the saved parameters p_, under the forward solve's
@@ -100,7 +105,7 @@ def f_graph(
     training step) and carry no gradient hooks, f is the cell's own call and p_ those
     parameters (the gradients asked of them are returned, not accumulated): the same graph
     without functional_call's rebinding of the module, a third of f's host time."""
-    names, own = param_items(layer)
+    names, own = param_items(layer) if items is None else items
     with torch.enable_grad():
         z_ = z.detach().requires_grad_()
         u_ = u.detach().requires_grad_(need_u)
@@ -445,14 +450,15 @@ class _ImplicitFunction(torch.autograd.Function):
 
         layer: Layer = ctx.layer
         z, u, *params = ctx.saved_tensors
-        names, _ = param_items(layer)
+        items = param_items(layer)
+        names = items[0]
         cell = layer.cell
         cfg = layer.backward_cfg
 
         create_graph = torch.is_grad_enabled()
         nvjp = 0
         ga = None
-        if not create_graph and layer.__dict__.get("direct_solver") is None:
+        if not create_graph and z.is_cuda and layer.__dict__.get("direct_solver") is None:
             ga = graph_adjoint(layer, names, list(params), z, u, cfg)
         if ga is not None:
             from ..solvers.base import GraphCaptureError
@@ -473,8 +479,7 @@ class _ImplicitFunction(torch.autograd.Function):
                     cfg.options.get("stop"),
                 )
                 verdict.record("adjoint", stats, cfg.max_iter, getattr(ctx, "ledger", None))
-                layer.last_backward_stats = stats
-                layer.vjp_bwd = nvjp + 1
+                _record(layer, last_backward_stats=stats, vjp_bwd=nvjp + 1)
                 return (None, None, grads[1], *grads[2:])
         if create_graph:
             # Double backward requested: partials by torch.func at (z*, u, theta) as independent
@@ -486,7 +491,7 @@ class _ImplicitFunction(torch.autograd.Function):
         else:
             # First order: one retained graph of f at (z*, u) with plain autograd (cheaper per
             # VJP than torch.func and avoids importing torch._dynamo on the first backward).
-            fz_out, z_, u_, p_ = f_graph(layer, z, u, params, u.requires_grad)
+            fz_out, z_, u_, p_ = f_graph(layer, z, u, params, u.requires_grad, items)
             inputs = [z_] + ([u_] if u.requires_grad else []) + p_
 
             def vjp_fn(w: Tensor) -> tuple[Tensor | None, ...]:
@@ -546,8 +551,7 @@ class _ImplicitFunction(torch.autograd.Function):
             stats, _adjoint_tol(stats, cfg), cfg.stop_mode, cfg.solver, cfg.options.get("stop")
         )
         verdict.record("adjoint", stats, cfg.max_iter, getattr(ctx, "ledger", None))
-        layer.last_backward_stats = stats
-        layer.vjp_bwd = nvjp
+        _record(layer, last_backward_stats=stats, vjp_bwd=nvjp)
         return (None, None, grads[1], *grads[2:])
 
 
@@ -641,10 +645,21 @@ class _AdjointFunction(torch.autograd.Function):
         return (None, None, v, *grads)
 
 
+def _record(layer: Layer, **values: Any) -> None:
+    """Set plain attributes of ``layer`` (a DEQ layer's per-pass records) through its
+    ``__dict__``: ``nn.Module.__setattr__`` checks for parameters, buffers and submodules
+    first, a few microseconds a call."""
+    if isinstance(layer, nn.Module):
+        layer.__dict__.update(values)
+    else:
+        for k, v in values.items():
+            setattr(layer, k, v)
+
+
 def implicit(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
     """z* of ``layer`` with the IFT backward (the ``ift`` mode, :mod:`deqbench.backward.ift`)."""
     _, params = param_items(layer)
-    layer.f_evals_grad = 0
+    _record(layer, f_evals_grad=0)
     return _ImplicitFunction.apply(layer, z0.detach(), u, *params)
 
 

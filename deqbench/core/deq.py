@@ -187,7 +187,7 @@ class DEQLayer(nn.Module):
         u, z0 = self.state_dtype(u), self.state_dtype(z0)
         # The solver's own arithmetic (history, least squares, residuals) never runs under an
         # enclosing autocast; the cell map turns ``runtime.amp`` on for each f-evaluation.
-        with torch.no_grad(), _autocast_off(u.device.type):
+        with _solve_context(u.device.type):
             z, stats = self._solve(fn, cfg, u, z0)
             # convergence is verified, not believed (deqbench.core.verdict)
             verdict.check_claim(stats, cfg.tol, cfg.stop_mode, cfg.name, cfg.options.get("stop"))
@@ -317,12 +317,19 @@ class DEQLayer(nn.Module):
         return f"solver={s.name}(max_iter={s.max_iter}, tol={s.tol}), backward={b.name}"
 
 
-def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast disabled on ``device_type`` (a null context where it is not on: entering a
-    disabled autocast costs a few microseconds per solve)."""
+def _solve_context(device_type: str) -> contextlib.AbstractContextManager:
+    """No gradients and autocast off on ``device_type`` (only what is not so already: a
+    forward solve in training runs inside the IFT Function's forward, under no_grad, and
+    entering each context costs a few microseconds per solve)."""
     if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
+        return _no_grad_no_autocast(device_type)
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _no_grad_no_autocast(device_type: str) -> Iterator[None]:
+    with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
+        yield
 
 
 #: static maps (hence captured solves) kept per layer
