@@ -492,14 +492,17 @@ class _ImplicitFunction(torch.autograd.Function):
             # First order: one retained graph of f at (z*, u) with plain autograd (cheaper per
             # VJP than torch.func and avoids importing torch._dynamo on the first backward).
             fz_out, z_, u_, p_ = f_graph(layer, z, u, params, u.requires_grad, items)
-            inputs = [z_] + ([u_] if u.requires_grad else []) + p_
+            # the backward returns the input's and the parameters' gradients: w^T df/dz is
+            # not asked for at the solution (a VJP through f's input op saved)
+            inputs = ([u_] if u.requires_grad else []) + p_
 
             def vjp_fn(w: Tensor) -> tuple[Tensor | None, ...]:
+                if not inputs:
+                    return (None, None)
                 gs = torch.autograd.grad(fz_out, inputs, w, retain_graph=True, allow_unused=True)
-                gz, rest = gs[0], list(gs[1:])
+                rest = list(gs)
                 gu = rest.pop(0) if u.requires_grad else None
-                gz = torch.zeros_like(w) if gz is None else gz
-                return (gz, gu, *rest)
+                return (None, gu, *rest)
 
         def vjp_z(w: Tensor) -> Tensor:
             """w^T df/dz alone: the adjoint iteration needs no input or parameter gradients
@@ -515,9 +518,17 @@ class _ImplicitFunction(torch.autograd.Function):
 
         with torch.no_grad():
             gd = g.detach()
+            if create_graph:
 
-            def adj_fn(w: Tensor) -> Tensor:
-                return vjp_z(w).detach() + gd
+                def adj_fn(w: Tensor) -> Tensor:
+                    return vjp_z(w).detach() + gd
+
+            else:  # vjp_z inlined (one VJP per step of the adjoint solve; no graph to detach)
+                zs = [z_]
+
+                def adj_fn(w: Tensor) -> Tensor:
+                    (gz,) = torch.autograd.grad(fz_out, zs, w, retain_graph=True, allow_unused=True)
+                    return (torch.zeros_like(w) if gz is None else gz) + gd
 
             adj_ng = AdjointMap(adj_fn, cell, z, u, gd)
             w0 = gd.clone() if cfg.b_init == "grad" else torch.zeros_like(gd)

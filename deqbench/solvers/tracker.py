@@ -272,11 +272,38 @@ class Tracker:
             np.fmin(res, prev, out=row[2])  # NaN never becomes the lowest
             np.subtract(res, row[2], out=row[3])
             row.max(axis=1, out=st)
-            self.pending.append((k, z))
         if self.batch_rule:
             self._rule_summary_host(k, st, better)
+        if self.check_every is None:  # the CPU reads every step: now, with no queue
+            self._read_host(k, z, st.tolist())
+            return
+        if self.lowest and k > 0:
+            self.pending.append((k, z))
         self.k = k + 1
         self.bounds.append(self.k)
+
+    def _read_host(self, k: int, z: Tensor, row: list[float]) -> None:
+        """What :meth:`stop` reads of step k (:meth:`_consume`), read as the step is recorded
+        on the host path: the step's iterate becomes the returned one where it is lowest
+        (:meth:`_resolve`) and the stop test runs on the step's summary ``row``."""
+        cur_abs, cur = row[0], row[self.sel]
+        if self.lowest and k > 0:
+            best, allbetter = row[2], row[3] <= 0
+            if allbetter:
+                self.best_z = z
+            else:
+                tn = self._tn
+                take = torch.from_numpy(tn[k, self.sel] == tn[k, 2]).view(self.bshape)
+                self.best_z = torch.where(take, z, cast(Tensor, self.best_z))
+        else:  # under a batch stop rule row 2 holds its value in either mode
+            best, allbetter = (row[2] if self.lowest or self.batch_rule else cur), True
+        self.cur_hist.append(cur)
+        self.best_hist.append(best)
+        self.last_allbetter = allbetter
+        self.k = self.read = k + 1
+        self.bounds.append(self.k)
+        if self.status is None:
+            self._judge(k, cur_abs, cur, best)
 
     def _rule_summary_host(self, k: int, st: Any, better: Any) -> None:
         """:meth:`_rule_summary` of :meth:`_record_host`: the same values, the batch
@@ -467,6 +494,8 @@ class Tracker:
 
     def stop(self) -> bool:
         """Whether to stop after the step just recorded (converged, diverged or stagnated)."""
+        if self.host and self.check_every is None:  # read as it was recorded
+            return self.status is not None
         k = self.k
         prev = self.bounds[-2] if len(self.bounds) > 1 else 0  # the chunk before the last
         if self.check_every is not None:
@@ -532,20 +561,23 @@ class Tracker:
             self.last_allbetter = allbetter
             if self.pending and self.pending[0][0] == j:
                 self._resolve(j, allbetter)
-            if self.status is not None:
-                continue
-            if j == 0:
-                self.abs0 = cur_abs
-            if not (math.isfinite(cur_abs) and math.isfinite(cur)):
-                self.status = "diverged"
-            elif self.abs0 and cur_abs > self.protect * self.abs0:
-                self.status = "diverged"
-            elif best < self.tol:
-                self.status = "converged"
-                self.conv_at = j + 1
-            elif self.stagnation is not None and self._stagnated(best):
-                self.status = "stagnated"
+            if self.status is None:
+                self._judge(j, cur_abs, cur, best)
         self.read = upto
+
+    def _judge(self, j: int, cur_abs: float, cur: float, best: float) -> None:
+        """The stop test of step j: diverged, converged, stagnated or on."""
+        if j == 0:
+            self.abs0 = cur_abs
+        if not (math.isfinite(cur_abs) and math.isfinite(cur)):
+            self.status = "diverged"
+        elif self.abs0 and cur_abs > self.protect * self.abs0:
+            self.status = "diverged"
+        elif best < self.tol:
+            self.status = "converged"
+            self.conv_at = j + 1
+        elif self.stagnation is not None and self._stagnated(best):
+            self.status = "stagnated"
 
     def _stagnated(self, best: float) -> bool:
         window, ratio, factor = self.stagnation  # type: ignore[misc]
