@@ -26,13 +26,8 @@ HOST_ENABLED = True
 HOST_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _norm_into(x: Tensor, out: Tensor) -> None:
-    """:func:`batch_norm` of ``x`` into ``out``; for a (B, D) tensor the one call it makes,
-    without its reshaping checks."""
-    if x.dim() == 2:
-        torch.linalg.vector_norm(x, dim=1, out=out)
-    else:
-        batch_norm(x, out=out)
+#: the row maxima of the host path (numpy's ufunc reduction, without ndarray.max's wrapper)
+_amax = np.maximum.reduce
 
 
 # One class (over 400 lines): the eager record/stop path and the device mode of the CUDA-graph
@@ -166,6 +161,7 @@ class Tracker:
         self._dn = np.empty((n, 4), dtype)
         self.trace = torch.from_numpy(self._tn)
         self.dstats = self.hstats = torch.from_numpy(self._dn)
+        self._eps = dtype(EPS)  # EPS as torch adds it to a tensor of this dtype
         self._an = np.empty((2, B), dtype)  # a step's abs residual and ||f(x)||
         self._an_t = (torch.from_numpy(self._an[0]), torch.from_numpy(self._an[1]))
         if self.keep_norm:
@@ -248,30 +244,35 @@ class Tracker:
         relative residual, the running lowest, ``res - lowest``, the maxima) is IEEE in both
         libraries and the batch reductions of the stop rules stay torch's, so every value is
         bitwise the one the torch code writes; about a quarter of its host time."""
-        an, (a_t, n_t) = self._an, self._an_t
-        _norm_into(fz - z if d is None else d, a_t)
-        _norm_into(fz, n_t)
-        a, nrm = an[0], an[1]
+        a_t, n_t = self._an_t
+        d = fz - z if d is None else d
+        if d.dim() == 2 and fz.dim() == 2:  # batch_norm's one call, without its checks
+            torch.linalg.vector_norm(d, dim=1, out=a_t)
+            torch.linalg.vector_norm(fz, dim=1, out=n_t)
+        else:
+            batch_norm(d, out=a_t)
+            batch_norm(fz, out=n_t)
+        a, nrm = self._an
         row, st = self._tn[k], self._dn[k]
         # NaN/inf residuals are read by the stop test: no numpy warnings (the declared solvers
         # run under np.errstate(all="ignore"), solvers.base.solver)
         row[0] = a
-        np.divide(a, nrm + EPS, out=row[1])
+        np.divide(a, nrm + self._eps, out=row[1])
         better = None
         if not self.lowest:
             self.best_z = z
-            row[:2].max(axis=1, out=st[:2])
+            _amax(row[:2], 1, out=st[:2])
         elif k == 0:
             self.best_z = z
             row[2] = row[self.sel]
-            row[:3].max(axis=1, out=st[:3])
+            _amax(row[:3], 1, out=st[:3])
         else:
             res, prev = row[self.sel], self._tn[k - 1, 2]
             if self.keep_norm:
                 better = res <= prev  # as fmin's choice below (NaN never)
             np.fmin(res, prev, out=row[2])  # NaN never becomes the lowest
             np.subtract(res, row[2], out=row[3])
-            row.max(axis=1, out=st)
+            _amax(row, 1, out=st)
         if self.batch_rule:
             self._rule_summary_host(k, st, better)
         if self.check_every is None:  # the CPU reads every step: now, with no queue
@@ -320,8 +321,8 @@ class Tracker:
         else:
             np.copyto(self._fn, self._an, where=better)
         torch.linalg.vector_norm(cast(Tensor, self.fro), dim=1, out=self._nn_t)
-        nn = self._nn
-        np.divide(nn[:1], nn[1:] + EPS, out=st[2:3])  # arrays: in the trace's dtype
+        n0, n1 = self._nn  # scalars of the trace's dtype: the division in it
+        st[2] = n0 / (n1 + self._eps)
 
     def _rule_summary(
         self, row: Tensor, st: Tensor, nrm: Tensor | None, better: Tensor | None
