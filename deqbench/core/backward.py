@@ -35,6 +35,7 @@ from torch.func import functional_call, vjp
 from ..solvers.base import SolverStats, make_stats, residuals
 from . import verdict
 from .config import BackwardConfig, Runtime, SolverConfig
+from .registry import solvers as solver_registry
 
 
 def _quiet_jvp_import() -> None:
@@ -446,8 +447,6 @@ class _ImplicitFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        from .. import solvers
-
         layer: Layer = ctx.layer
         z, u, *params = ctx.saved_tensors
         items = param_items(layer)
@@ -532,7 +531,7 @@ class _ImplicitFunction(torch.autograd.Function):
 
             adj_ng = AdjointMap(adj_fn, cell, z, u, gd)
             w0 = gd.clone() if cfg.b_init == "grad" else torch.zeros_like(gd)
-            solve = solvers.get(cfg.solver)
+            solve = solver_registry.get(cfg.solver)
             direct = _direct(layer, names, z, u, params, gd, adj_fn, cfg, transpose=True)
 
             def run() -> tuple[Tensor, SolverStats]:

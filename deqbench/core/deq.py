@@ -35,6 +35,7 @@ from .config import (  # noqa: F401 - re-exported (deqbench.deq)
     Runtime,
     SolverConfig,
 )
+from .registry import solvers as solver_registry
 from .weights import cell_weights
 
 
@@ -180,10 +181,8 @@ class DEQLayer(nn.Module):
 
         On CUDA with ``runtime.cuda_graph == "auto"`` and a solver that supports it, the solve
         is captured once per static key and replayed (``stats.path == "graph"``)."""
-        from .. import solvers
-
         cfg = cfg or self.solver_cfg
-        fn = solvers.get(cfg.name)
+        fn = solver_registry.get(cfg.name)
         u, z0 = self.state_dtype(u), self.state_dtype(z0)
         # The solver's own arithmetic (history, least squares, residuals) never runs under an
         # enclosing autocast; the cell map turns ``runtime.amp`` on for each f-evaluation.
