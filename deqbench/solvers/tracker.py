@@ -67,6 +67,13 @@ class Tracker:
     against tol, so stopping, the trend prediction and ``converged`` follow the rule with no
     extra host read. The fused record kernels compute the ``sample_max`` summary only: under
     another rule the torch code serves the step (the same iterates, a few more small kernels).
+
+    On the CPU (float32/float64, eager; ``host``) the buffers are numpy arrays with torch
+    tensors over the same memory: a step's two norms and the stop rule's batch reductions are
+    torch calls writing into them, the per-sample arithmetic and the summary are numpy, and the
+    step is read as it is recorded (:meth:`stop` returns its status). The values are bitwise the
+    torch code's (IEEE element-wise arithmetic, torch's reductions); four torch calls a step
+    instead of about twenty. :data:`HOST_ENABLED` switches it off.
     """
 
     #: exact read when the predicted residual is within this factor of tol. On the recorded
