@@ -35,6 +35,7 @@ from torch.func import functional_call, vjp
 from ..solvers.base import SolverStats, make_stats, residuals
 from . import verdict
 from .config import BackwardConfig, Runtime, SolverConfig
+from .registry import solvers as solver_registry
 
 
 def _quiet_jvp_import() -> None:
@@ -90,22 +91,43 @@ def param_items(layer: Layer) -> tuple[list[str], list[Tensor]]:
 
 
 def f_graph(
-    layer: Layer, z: Tensor, u: Tensor, params: Sequence[Tensor], need_u: bool
+    layer: Layer,
+    z: Tensor,
+    u: Tensor,
+    params: Sequence[Tensor],
+    need_u: bool,
+    items: tuple[list[str], list[Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """f(z*, u) rebuilt with autograd for a backward: (out, z_, u_, p_) with fresh leaves z_, u_
     (requiring grad when ``need_u``) and the saved parameters p_, under the forward solve's
     autocast, out in z's dtype. f runs at the saved parameters, not the cell's attributes: under
     ``torch.func.functional_call`` the forward ran with substituted tensors that the module no
-    longer holds when the backward runs."""
-    names, _ = param_items(layer)
+    longer holds when the backward runs. Where the saved parameters are the cell's own (a
+    training step) and carry no gradient hooks, f is the cell's own call and p_ those
+    parameters (the gradients asked of them are returned, not accumulated): the same graph
+    without functional_call's rebinding of the module, a third of f's host time."""
+    names, own = param_items(layer) if items is None else items
     with torch.enable_grad():
         z_ = z.detach().requires_grad_()
         u_ = u.detach().requires_grad_(need_u)
-        p_ = [p.detach().requires_grad_() for p in params]
-        with layer.runtime.autocast(z_.device):  # the f of the forward solve
-            out = functional_call(layer.cell, dict(zip(names, p_)), (z_, u_))
+        if _own_parameters(own, params):
+            p_ = list(params)
+            with layer.runtime.autocast(z_.device):  # the f of the forward solve
+                out = layer.cell(z_, u_)
+        else:
+            p_ = [p.detach().requires_grad_() for p in params]
+            with layer.runtime.autocast(z_.device):
+                out = functional_call(layer.cell, dict(zip(names, p_)), (z_, u_))
         out = out.to(z_.dtype)
     return out, z_, u_, p_
+
+
+def _own_parameters(own: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
+    """Whether ``params`` are the tensors ``own`` themselves and none has a gradient hook
+    (``register_hook``: it would also run on the partial gradients taken of them)."""
+    return len(own) == len(params) and all(
+        a is b and not b._backward_hooks for a, b in zip(own, params)
+    )
 
 
 class _Thunk(nn.Module):
@@ -425,18 +447,17 @@ class _ImplicitFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        from .. import solvers
-
         layer: Layer = ctx.layer
         z, u, *params = ctx.saved_tensors
-        names, _ = param_items(layer)
+        items = param_items(layer)
+        names = items[0]
         cell = layer.cell
         cfg = layer.backward_cfg
 
         create_graph = torch.is_grad_enabled()
         nvjp = 0
         ga = None
-        if not create_graph and layer.__dict__.get("direct_solver") is None:
+        if not create_graph and z.is_cuda and layer.__dict__.get("direct_solver") is None:
             ga = graph_adjoint(layer, names, list(params), z, u, cfg)
         if ga is not None:
             from ..solvers.base import GraphCaptureError
@@ -457,8 +478,7 @@ class _ImplicitFunction(torch.autograd.Function):
                     cfg.options.get("stop"),
                 )
                 verdict.record("adjoint", stats, cfg.max_iter, getattr(ctx, "ledger", None))
-                layer.last_backward_stats = stats
-                layer.vjp_bwd = nvjp + 1
+                _record(layer, last_backward_stats=stats, vjp_bwd=nvjp + 1)
                 return (None, None, grads[1], *grads[2:])
         if create_graph:
             # Double backward requested: partials by torch.func at (z*, u, theta) as independent
@@ -470,15 +490,18 @@ class _ImplicitFunction(torch.autograd.Function):
         else:
             # First order: one retained graph of f at (z*, u) with plain autograd (cheaper per
             # VJP than torch.func and avoids importing torch._dynamo on the first backward).
-            fz_out, z_, u_, p_ = f_graph(layer, z, u, params, u.requires_grad)
-            inputs = [z_] + ([u_] if u.requires_grad else []) + p_
+            fz_out, z_, u_, p_ = f_graph(layer, z, u, params, u.requires_grad, items)
+            # the backward returns the input's and the parameters' gradients: w^T df/dz is
+            # not asked for at the solution (a VJP through f's input op saved)
+            inputs = ([u_] if u.requires_grad else []) + p_
 
             def vjp_fn(w: Tensor) -> tuple[Tensor | None, ...]:
+                if not inputs:
+                    return (None, None)
                 gs = torch.autograd.grad(fz_out, inputs, w, retain_graph=True, allow_unused=True)
-                gz, rest = gs[0], list(gs[1:])
+                rest = list(gs)
                 gu = rest.pop(0) if u.requires_grad else None
-                gz = torch.zeros_like(w) if gz is None else gz
-                return (gz, gu, *rest)
+                return (None, gu, *rest)
 
         def vjp_z(w: Tensor) -> Tensor:
             """w^T df/dz alone: the adjoint iteration needs no input or parameter gradients
@@ -494,13 +517,21 @@ class _ImplicitFunction(torch.autograd.Function):
 
         with torch.no_grad():
             gd = g.detach()
+            if create_graph:
 
-            def adj_fn(w: Tensor) -> Tensor:
-                return vjp_z(w).detach() + gd
+                def adj_fn(w: Tensor) -> Tensor:
+                    return vjp_z(w).detach() + gd
+
+            else:  # vjp_z inlined (one VJP per step of the adjoint solve; no graph to detach)
+                zs = [z_]
+
+                def adj_fn(w: Tensor) -> Tensor:
+                    (gz,) = torch.autograd.grad(fz_out, zs, w, retain_graph=True, allow_unused=True)
+                    return (torch.zeros_like(w) if gz is None else gz) + gd
 
             adj_ng = AdjointMap(adj_fn, cell, z, u, gd)
             w0 = gd.clone() if cfg.b_init == "grad" else torch.zeros_like(gd)
-            solve = solvers.get(cfg.solver)
+            solve = solver_registry.get(cfg.solver)
             direct = _direct(layer, names, z, u, params, gd, adj_fn, cfg, transpose=True)
 
             def run() -> tuple[Tensor, SolverStats]:
@@ -530,8 +561,7 @@ class _ImplicitFunction(torch.autograd.Function):
             stats, _adjoint_tol(stats, cfg), cfg.stop_mode, cfg.solver, cfg.options.get("stop")
         )
         verdict.record("adjoint", stats, cfg.max_iter, getattr(ctx, "ledger", None))
-        layer.last_backward_stats = stats
-        layer.vjp_bwd = nvjp
+        _record(layer, last_backward_stats=stats, vjp_bwd=nvjp)
         return (None, None, grads[1], *grads[2:])
 
 
@@ -625,10 +655,21 @@ class _AdjointFunction(torch.autograd.Function):
         return (None, None, v, *grads)
 
 
+def _record(layer: Layer, **values: Any) -> None:
+    """Set plain attributes of ``layer`` (a DEQ layer's per-pass records) through its
+    ``__dict__``: ``nn.Module.__setattr__`` checks for parameters, buffers and submodules
+    first, a few microseconds a call."""
+    if isinstance(layer, nn.Module):
+        layer.__dict__.update(values)
+    else:
+        for k, v in values.items():
+            setattr(layer, k, v)
+
+
 def implicit(layer: Layer, u: Tensor, z0: Tensor) -> Tensor:
     """z* of ``layer`` with the IFT backward (the ``ift`` mode, :mod:`deqbench.backward.ift`)."""
     _, params = param_items(layer)
-    layer.f_evals_grad = 0
+    _record(layer, f_evals_grad=0)
     return _ImplicitFunction.apply(layer, z0.detach(), u, *params)
 
 

@@ -35,6 +35,7 @@ from .config import (  # noqa: F401 - re-exported (deqbench.deq)
     Runtime,
     SolverConfig,
 )
+from .registry import solvers as solver_registry
 from .weights import cell_weights
 
 
@@ -180,14 +181,12 @@ class DEQLayer(nn.Module):
 
         On CUDA with ``runtime.cuda_graph == "auto"`` and a solver that supports it, the solve
         is captured once per static key and replayed (``stats.path == "graph"``)."""
-        from .. import solvers
-
         cfg = cfg or self.solver_cfg
-        fn = solvers.get(cfg.name)
+        fn = solver_registry.get(cfg.name)
         u, z0 = self.state_dtype(u), self.state_dtype(z0)
         # The solver's own arithmetic (history, least squares, residuals) never runs under an
         # enclosing autocast; the cell map turns ``runtime.amp`` on for each f-evaluation.
-        with torch.no_grad(), torch.autocast(device_type=u.device.type, enabled=False):
+        with _solve_context(u.device.type):
             z, stats = self._solve(fn, cfg, u, z0)
             # convergence is verified, not believed (deqbench.core.verdict)
             verdict.check_claim(stats, cfg.tol, cfg.stop_mode, cfg.name, cfg.options.get("stop"))
@@ -317,6 +316,21 @@ class DEQLayer(nn.Module):
         return f"solver={s.name}(max_iter={s.max_iter}, tol={s.tol}), backward={b.name}"
 
 
+def _solve_context(device_type: str) -> contextlib.AbstractContextManager:
+    """No gradients and autocast off on ``device_type`` (only what is not so already: a
+    forward solve in training runs inside the IFT Function's forward, under no_grad, and
+    entering each context costs a few microseconds per solve)."""
+    if torch.is_autocast_enabled(device_type):
+        return _no_grad_no_autocast(device_type)
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _no_grad_no_autocast(device_type: str) -> Iterator[None]:
+    with torch.no_grad(), torch.autocast(device_type=device_type, enabled=False):
+        yield
+
+
 #: static maps (hence captured solves) kept per layer
 STATIC_MAPS = 8
 #: captures per layer after which its solves stay eager (static keys that keep changing)
@@ -411,13 +425,13 @@ def watch_own_solves(model: nn.Module) -> bool:
     return own_solves.watch(model)
 
 
-def last_stats(model: nn.Module) -> dict[str, float]:
+def last_stats(model: nn.Module, layers: list[DEQLayer] | None = None) -> dict[str, float]:
     """Forward/backward f-evaluations and residuals of the last pass, summed over DEQ layers
     (counts) and maxed (residuals); for a model without DEQ layers that runs its own solver,
     what it reports (:func:`own_solve_stats`), under the same keys. Empty dict for other models
-    (and before any solve)."""
+    (and before any solve). ``layers``: ``model``'s DEQ layers where the caller has them."""
     out: dict[str, float] = {}
-    layers = list(deq_layers(model))
+    layers = list(deq_layers(model)) if layers is None else layers
     if layers:
         fw = [ly.last_forward_stats for ly in layers if ly.last_forward_stats is not None]
         bw = [ly.last_backward_stats for ly in layers if ly.last_backward_stats is not None]

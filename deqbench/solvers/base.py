@@ -85,6 +85,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -318,8 +319,13 @@ def solver(
                             cache.clear()
                         cache[key] = opts
             check_budget(sname, max_iter, tol, stop_mode)
-            with torch.no_grad():
-                return impl(f, z0, opts, max_iter=max_iter, tol=tol, stop_mode=stop_mode)
+            # errstate: the CPU tracker's numpy arithmetic meets NaN/inf residuals silently,
+            # as torch's does (entered once a solve, not once a step)
+            with np.errstate(all="ignore"):
+                if not torch.is_grad_enabled():  # a DEQ layer's solves: no_grad already
+                    return impl(f, z0, opts, max_iter=max_iter, tol=tol, stop_mode=stop_mode)
+                with torch.no_grad():
+                    return impl(f, z0, opts, max_iter=max_iter, tol=tol, stop_mode=stop_mode)
 
         functools.update_wrapper(solve, impl)
         solve.__signature__ = _contract_signature(max_iter_default, tol_default)  # type: ignore[attr-defined]

@@ -9,12 +9,25 @@ import math
 from collections import deque
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from ..core.triton_env import kernel_device
 from . import fused
 from .options import DEFAULT_STOP, GRAPH_STEPS_MAX, CommonOptions, option_error
 from .stats import EPS, SolverStats, batch_norm, check_output, make_stats
+
+#: run the CPU bookkeeping in numpy (Tracker.host); tests switch it off to compare with the
+#: torch code, which stays the reference (and runs on CUDA, under Triton's interpreter and for
+#: other dtypes)
+HOST_ENABLED = True
+#: dtypes whose CPU bookkeeping runs in numpy (Tracker.host), with their numpy dtypes
+HOST_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+#: the row maxima of the host path (numpy's ufunc reduction, without ndarray.max's wrapper)
+_amax = np.maximum.reduce
 
 
 # One class (over 400 lines): the eager record/stop path and the device mode of the CUDA-graph
@@ -54,6 +67,13 @@ class Tracker:
     against tol, so stopping, the trend prediction and ``converged`` follow the rule with no
     extra host read. The fused record kernels compute the ``sample_max`` summary only: under
     another rule the torch code serves the step (the same iterates, a few more small kernels).
+
+    On the CPU (float32/float64, eager; ``host``) the buffers are numpy arrays with torch
+    tensors over the same memory: a step's two norms and the stop rule's batch reductions are
+    torch calls writing into them, the per-sample arithmetic and the summary are numpy, and the
+    step is read as it is recorded (:meth:`stop` returns its status). The values are bitwise the
+    torch code's (IEEE element-wise arithmetic, torch's reductions); four torch calls a step
+    instead of about twenty. :data:`HOST_ENABLED` switches it off.
     """
 
     #: exact read when the predicted residual is within this factor of tol. On the recorded
@@ -99,7 +119,18 @@ class Tracker:
         self.events: list[Any] = [None] * n
         # events are recorded on this stream (looked up once: it costs ~10 us per call)
         self.stream = torch.cuda.current_stream(dev) if self.cuda else None
-        if not static:  # else enable_device_mode brings (cached) static buffers
+        #: CPU, eager: the (B,)-sized bookkeeping of a step runs in numpy on the same buffers
+        #: (a numpy call costs a fraction of a torch op's dispatch; see _record_host)
+        self.host = (
+            HOST_ENABLED
+            and not self.cuda
+            and not static
+            and rdtype in HOST_DTYPES
+            and not kernel_device(dev)
+        )
+        if self.host:
+            self._host_buffers(n, HOST_DTYPES[rdtype])
+        elif not static:  # else enable_device_mode brings (cached) static buffers
             # rows: abs, rel, running lowest (stop mode), res - lowest
             self.trace = torch.empty(n, 4, self.B, dtype=rdtype, device=dev)
             self.dstats = torch.empty(n, 4, dtype=rdtype, device=dev)  # unused entries never read
@@ -127,6 +158,25 @@ class Tracker:
         self._prepared: tuple[int, Tensor, Tensor, Tensor] | None = None  # _prepare_finish
         self._part: Tensor | None = None
 
+    def _host_buffers(self, n: int, dtype: Any) -> None:
+        """The CPU buffers as numpy arrays with torch tensors over the same memory: the trace
+        and the summaries (as the torch code's), the two norms of a step, the kept pair and its
+        norms (``batch_fro`` under rel); the torch reductions write into them (``out=``), the
+        numpy code reads them, and neither converts per step."""
+        B = self.B
+        self._tn = np.empty((n, 4, B), dtype)
+        self._dn = np.empty((n, 4), dtype)
+        self.trace = torch.from_numpy(self._tn)
+        self.dstats = self.hstats = torch.from_numpy(self._dn)
+        self._eps = dtype(EPS)  # EPS as torch adds it to a tensor of this dtype
+        self._an = np.empty((2, B), dtype)  # a step's abs residual and ||f(x)||
+        self._an_t = (torch.from_numpy(self._an[0]), torch.from_numpy(self._an[1]))
+        if self.keep_norm:
+            self._fn = np.empty((2, B), dtype)
+            self.fro = torch.from_numpy(self._fn)
+            self._nn = np.empty(2, dtype)  # the kept pair's batch norms
+            self._nn_t = torch.from_numpy(self._nn)
+
     # -- per step ---------------------------------------------------------------------------
     def record(
         self,
@@ -146,6 +196,9 @@ class Tracker:
         k = self.k
         if k == 0:
             check_output(self.solver, z, fz)
+        if self.host and slots is None:
+            self._record_host(k, z, fz, d)
+            return
         ring = () if slots is None else slots[:2]
         if not self.batch_rule and z.shape == fz.shape and fused.usable(z, fz, self.trace, *ring):
             fused.record_eager(self, z, fz, k, slots=slots, eps=EPS)
@@ -160,6 +213,9 @@ class Tracker:
             slot = k % m
             F[:, :, slot].copy_(fz.reshape(self.B, -1, cd))
             d = torch.sub(F[:, :, slot], z.reshape(self.B, -1, cd), out=G[:, :, slot])
+        if self.host:
+            self._record_host(k, z, fz, d)
+            return
         tr = self.trace[k]
         batch_norm(fz - z if d is None else d, out=tr[0])
         if self.keep_norm:
@@ -188,6 +244,92 @@ class Tracker:
         if self.batch_rule:
             self._rule_summary(tr, st, nrm, better)
         self._host_copy(k, st)
+
+    def _record_host(self, k: int, z: Tensor, fz: Tensor, d: Tensor | None) -> None:
+        """:meth:`record` on the CPU: the two norms in torch, the rest of the step in numpy on
+        views of the trace, the summary and the kept norms. The element-wise arithmetic (the
+        relative residual, the running lowest, ``res - lowest``, the maxima) is IEEE in both
+        libraries and the batch reductions of the stop rules stay torch's, so every value is
+        bitwise the one the torch code writes; about a quarter of its host time."""
+        a_t, n_t = self._an_t
+        d = fz - z if d is None else d
+        if d.dim() == 2 and fz.dim() == 2:  # batch_norm's one call, without its checks
+            torch.linalg.vector_norm(d, dim=1, out=a_t)
+            torch.linalg.vector_norm(fz, dim=1, out=n_t)
+        else:
+            batch_norm(d, out=a_t)
+            batch_norm(fz, out=n_t)
+        a, nrm = self._an
+        row, st = self._tn[k], self._dn[k]
+        # NaN/inf residuals are read by the stop test: no numpy warnings (the declared solvers
+        # run under np.errstate(all="ignore"), solvers.base.solver)
+        row[0] = a
+        np.divide(a, nrm + self._eps, out=row[1])
+        better = None
+        if not self.lowest:
+            self.best_z = z
+            _amax(row[:2], 1, out=st[:2])
+        elif k == 0:
+            self.best_z = z
+            row[2] = row[self.sel]
+            _amax(row[:3], 1, out=st[:3])
+        else:
+            res, prev = row[self.sel], self._tn[k - 1, 2]
+            if self.keep_norm:
+                better = res <= prev  # as fmin's choice below (NaN never)
+            np.fmin(res, prev, out=row[2])  # NaN never becomes the lowest
+            np.subtract(res, row[2], out=row[3])
+            _amax(row, 1, out=st)
+        if self.batch_rule:
+            self._rule_summary_host(k, st, better)
+        if self.check_every is None:  # the CPU reads every step: now, with no queue
+            self._read_host(k, z, st.tolist())
+            return
+        if self.lowest and k > 0:
+            self.pending.append((k, z))
+        self.k = k + 1
+        self.bounds.append(self.k)
+
+    def _read_host(self, k: int, z: Tensor, row: list[float]) -> None:
+        """What :meth:`stop` reads of step k (:meth:`_consume`), read as the step is recorded
+        on the host path: the step's iterate becomes the returned one where it is lowest
+        (:meth:`_resolve`) and the stop test runs on the step's summary ``row``."""
+        cur_abs, cur = row[0], row[self.sel]
+        if self.lowest and k > 0:
+            best, allbetter = row[2], row[3] <= 0
+            if allbetter:
+                self.best_z = z
+            else:
+                tn = self._tn
+                take = torch.from_numpy(tn[k, self.sel] == tn[k, 2]).view(self.bshape)
+                self.best_z = torch.where(take, z, cast(Tensor, self.best_z))
+        else:  # under a batch stop rule row 2 holds its value in either mode
+            best, allbetter = (row[2] if self.lowest or self.batch_rule else cur), True
+        self.cur_hist.append(cur)
+        self.best_hist.append(best)
+        self.last_allbetter = allbetter
+        self.k = self.read = k + 1
+        self.bounds.append(self.k)
+        if self.status is None:
+            self._judge(k, cur_abs, cur, best)
+
+    def _rule_summary_host(self, k: int, st: Any, better: Any) -> None:
+        """:meth:`_rule_summary` of :meth:`_record_host`: the same values, the batch
+        reductions in torch (their summation order), the selections in numpy."""
+        if not self.keep_norm:
+            ret = self.trace[k, 2 if self.lowest else self.sel]
+            if self.rule == "batch_mean":
+                st[2] = float(torch.mean(ret))
+            else:  # batch_fro under abs: ||abs||_2 of the returned iterates
+                st[2] = float(torch.linalg.vector_norm(ret))
+            return
+        if better is None:  # (abs, ||f(x)||) of this step's iterates, kept for every sample
+            self._fn[...] = self._an
+        else:
+            np.copyto(self._fn, self._an, where=better)
+        torch.linalg.vector_norm(cast(Tensor, self.fro), dim=1, out=self._nn_t)
+        n0, n1 = self._nn  # scalars of the trace's dtype: the division in it
+        st[2] = n0 / (n1 + self._eps)
 
     def _rule_summary(
         self, row: Tensor, st: Tensor, nrm: Tensor | None, better: Tensor | None
@@ -360,6 +502,8 @@ class Tracker:
 
     def stop(self) -> bool:
         """Whether to stop after the step just recorded (converged, diverged or stagnated)."""
+        if self.host and self.check_every is None:  # read as it was recorded
+            return self.status is not None
         k = self.k
         prev = self.bounds[-2] if len(self.bounds) > 1 else 0  # the chunk before the last
         if self.check_every is not None:
@@ -399,8 +543,11 @@ class Tracker:
         if allbetter:
             self.best_z = z
         else:
-            tr = self.trace[j]
-            take = (tr[self.sel] == tr[2]).view(self.bshape)
+            if self.host:
+                take = torch.from_numpy(self._tn[j, self.sel] == self._tn[j, 2]).view(self.bshape)
+            else:
+                tr = self.trace[j]
+                take = (tr[self.sel] == tr[2]).view(self.bshape)
             assert self.best_z is not None  # step 0 set it
             self.best_z = torch.where(take, z, self.best_z)
 
@@ -409,7 +556,7 @@ class Tracker:
             return
         if self.cuda:
             self.events[upto - 1].synchronize()
-        rows = self.hstats[self.read : upto].tolist()
+        rows = (self._dn if self.host else self.hstats)[self.read : upto].tolist()
         for j, row in zip(range(self.read, upto), rows):
             cur_abs = row[0]
             cur = row[self.sel]
@@ -422,20 +569,23 @@ class Tracker:
             self.last_allbetter = allbetter
             if self.pending and self.pending[0][0] == j:
                 self._resolve(j, allbetter)
-            if self.status is not None:
-                continue
-            if j == 0:
-                self.abs0 = cur_abs
-            if not (math.isfinite(cur_abs) and math.isfinite(cur)):
-                self.status = "diverged"
-            elif self.abs0 and cur_abs > self.protect * self.abs0:
-                self.status = "diverged"
-            elif best < self.tol:
-                self.status = "converged"
-                self.conv_at = j + 1
-            elif self.stagnation is not None and self._stagnated(best):
-                self.status = "stagnated"
+            if self.status is None:
+                self._judge(j, cur_abs, cur, best)
         self.read = upto
+
+    def _judge(self, j: int, cur_abs: float, cur: float, best: float) -> None:
+        """The stop test of step j: diverged, converged, stagnated or on."""
+        if j == 0:
+            self.abs0 = cur_abs
+        if not (math.isfinite(cur_abs) and math.isfinite(cur)):
+            self.status = "diverged"
+        elif self.abs0 and cur_abs > self.protect * self.abs0:
+            self.status = "diverged"
+        elif best < self.tol:
+            self.status = "converged"
+            self.conv_at = j + 1
+        elif self.stagnation is not None and self._stagnated(best):
+            self.status = "stagnated"
 
     def _stagnated(self, best: float) -> bool:
         window, ratio, factor = self.stagnation  # type: ignore[misc]
@@ -447,6 +597,24 @@ class Tracker:
         return lo > 0 and max(recent) / lo < ratio
 
     # -- end --------------------------------------------------------------------------------
+    def _returned_host(self, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+        """:meth:`finish`'s tensors on the host path, as the torch code builds them, from the
+        numpy buffers: the (abs, rel) traces, the returned iterates' (abs, rel), the step each
+        sample's returned iterate comes from and the latest of them."""
+        tk, B = self._tn[:k], self.B
+        if self.lowest and not self.last_allbetter:
+            match = tk[:, self.sel] == tk[:, 2]  # the last step matching the running lowest
+            steps = np.where(match, np.arange(k)[:, None], 0).max(0)
+            best = tk[steps, :2, np.arange(B)]  # (B, 2)
+            lowest_step = int(steps.max())
+            best_abs, best_rel = torch.from_numpy(best[:, 0]), torch.from_numpy(best[:, 1])
+        else:  # every sample's returned iterate is the last one
+            steps = np.full(B, k - 1, dtype=np.int64)
+            lowest_step = k - 1
+            best_abs, best_rel = torch.from_numpy(tk[k - 1, 0]), torch.from_numpy(tk[k - 1, 1])
+        return (torch.from_numpy(tk[:, 0]), torch.from_numpy(tk[:, 1]), best_abs, best_rel,
+                torch.from_numpy(steps), lowest_step)  # fmt: skip
+
     def _prepare_finish(self) -> None:
         """Queue what :meth:`finish` copies out of the static buffers (the trace, the lowest
         iterate, the all-improved ``lowest_steps``) behind the steps recorded so far, before
@@ -479,7 +647,9 @@ class Tracker:
             z = self.best_z
         assert z is not None, "finish() before record()"
         dev = trace.device
-        if self.lowest and not self.last_allbetter:
+        if self.host:
+            abs_tr, rel_tr, best_abs, best_rel, lowest_steps, lowest_step = self._returned_host(k)
+        elif self.lowest and not self.last_allbetter:
             # the step each sample's returned iterate comes from: the last that matched the
             # running lowest (exactly the masks used above)
             steps = torch.arange(k, device=dev).unsqueeze(1)
@@ -494,6 +664,8 @@ class Tracker:
             )
             best = trace[k - 1, :2]
             lowest_step = k - 1
+        if not self.host:
+            abs_tr, rel_tr, best_abs, best_rel = trace[:, 0], trace[:, 1], best[0], best[1]
         top = self.best_hist[-1]  # the returned residuals under the stop rule (stop mode)
         info = {"returned": "x", "lowest_steps": lowest_steps, "host_reads_exact": self.exact_reads}
         if self.conv_at is not None and self.conv_at < k:
@@ -502,10 +674,10 @@ class Tracker:
         stats = make_stats(
             self.solver,
             nstep,
-            trace[:, 0],
-            trace[:, 1],
-            best[0],
-            best[1],
+            abs_tr,
+            rel_tr,
+            best_abs,
+            best_rel,
             self.tol,
             self.stop_mode,
             diverged=self.status == "diverged",
