@@ -465,9 +465,23 @@ def test_ntk_lambda_min():
 def test_trajectory_init():
     f = ck.check_trajectory_init
     assert f(iterations={"small": [3, 4, 3], "standard": [100, 100, 90]}).verdict == R
-    # both at the budget: no effect, not reproduced
+    # both at the budget and no budget given: no effect, not reproduced
     assert f(iterations={"small": [100] * 3, "standard": [100] * 3}).verdict == NR
     assert f(iterations={"small": [3], "standard": [100]}).verdict == NRUN
+    # both at the budget it states: censored, not run, with the residuals' direction
+    at_budget = {"iterations": {"small": [100] * 3, "standard": [100] * 3}, "budget": [100] * 3}
+    res = {"small": [0.006, 0.005, 0.007], "standard": [0.13, 0.12, 0.14]}
+    v = f(**at_budget, residual=res)
+    assert (v.verdict, v.direction) == (NRUN, "with the paper") and v.reason.startswith("censored")
+    assert "small 0.006 vs standard 0.13" in v.measured and "f-evals to tol" in v.measured
+    v = f(**at_budget, residual={"small": res["standard"], "standard": res["small"]})
+    assert (v.verdict, v.direction) == (NRUN, "against the paper")
+    assert f(**at_budget).verdict == NRUN  # no residuals: still censored
+    # one init settles within the budget: the count orders them
+    v = f(iterations={"small": [40, 100, 38], "standard": [100] * 3}, budget=[100] * 3)
+    assert v.verdict == NR  # seed 1's small init used the whole budget: not faster there
+    assert f(iterations={"small": [40, 39, 38], "standard": [100] * 3}, budget=[100] * 3,
+             residual=res).verdict == R  # fmt: skip
 
 
 def test_trajectory_separation():

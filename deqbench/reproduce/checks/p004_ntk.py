@@ -186,20 +186,53 @@ def check_ntk_lambda_min(
     return v
 
 
-def _trajectory_init(cid: str, iterations: Mapping[str, Sequence[float]]) -> Verdict:
+def _trajectory_init(
+    cid: str,
+    iterations: Mapping[str, Sequence[float]],
+    budget: Sequence[float] | None = None,
+    residual: Mapping[str, Sequence[float]] | None = None,
+) -> Verdict:
     if "small" not in iterations or "standard" not in iterations:
         return _verdict(cid, NOT_RUN, "data: 'small' and 'standard' inits both needed", "")
     sm, st = iterations["small"], iterations["standard"]
-    return pair_trend(
+    v = pair_trend(
         cid, sm, st, lambda a, b: _log_ratio(b, a),
         lambda t: f"f-evals to tol at init: small {_g(_med(sm))} vs standard {_g(_med(st))} "
         f"(log ratio {t.text()})",
         "small init not faster to settle in every seed",
     )  # fmt: skip
+    censored = budget is not None and all(
+        float(a) >= float(n) and float(b) >= float(n) for a, b, n in zip(sm, st, budget)
+    )
+    if not censored or budget is None:
+        return v
+    # Both inits' probe solves used the whole budget in every seed: a count censored at the
+    # budget orders nothing. The residual each reached says which is nearer to settling.
+    n = _g(_med(budget))
+    why = (
+        f"censored: in every seed the median probe input of both inits used the whole budget "
+        f"({n} f-evaluations) without reaching the recording tolerance, so f-evaluations to "
+        "tolerance cannot order them"
+    )
+    if residual and "small" in residual and "standard" in residual:
+        rs, rt = residual["small"], residual["standard"]
+        by_res = pair_trend(
+            cid, rs, rt, lambda a, b: _log_ratio(b, a),
+            lambda t: f"rel residual after {n} f-evals at init: small {_g(_med(rs))} vs "
+            f"standard {_g(_med(rt))} (log ratio {t.text()})",
+            "small init's residual not below the standard init's in every seed",
+        )  # fmt: skip
+        return gated(by_res, why, v.measured)
+    return gated(v, why)
 
 
 @_checker("004-trajectory-init")
-def check_trajectory_init(*, iterations: Mapping[str, Sequence[float]]) -> Verdict:
+def check_trajectory_init(
+    *,
+    iterations: Mapping[str, Sequence[float]],
+    budget: Sequence[float] | None = None,
+    residual: Mapping[str, Sequence[float]] | None = None,
+) -> Verdict:
     """004-trajectory-init: small init N(0, 0.01) read as **std 0.01** settles quickly, N(0, 1)
     does not (at init, before training).
 
@@ -207,18 +240,29 @@ def check_trajectory_init(*, iterations: Mapping[str, Sequence[float]]) -> Verdi
         iterations: ``{"small": per seed, "standard": per seed}``: median over the probe inputs
             of the forward f-evaluations until the relative residual fell below the recording
             tolerance, an input that never did counting the whole budget.
+        budget: per seed, the recording's f-evaluation budget (optional).
+        residual: ``{"small": per seed, "standard": per seed}``: median relative residual
+            the probe inputs reached (optional).
 
-    Per seed effect ``log(standard / small)`` must be positive in every seed (both at the
-    budget: no effect).
+    Per seed effect ``log(standard / small)`` must be positive in every seed. Where both inits
+    used the whole ``budget`` in every seed the count is censored and orders nothing: ``not
+    run`` (reason ``censored: ...``), with the direction of ``log(standard / small)`` of the
+    residuals they reached (both at the budget used to read as "no effect", a ``not
+    reproduced`` that rested on solves that missed their tolerance).
     """
-    return _trajectory_init("004-trajectory-init", iterations)
+    return _trajectory_init("004-trajectory-init", iterations, budget, residual)
 
 
 @_checker("004-trajectory-init-var")
-def check_trajectory_init_var(*, iterations: Mapping[str, Sequence[float]]) -> Verdict:
+def check_trajectory_init_var(
+    *,
+    iterations: Mapping[str, Sequence[float]],
+    budget: Sequence[float] | None = None,
+    residual: Mapping[str, Sequence[float]] | None = None,
+) -> Verdict:
     """004-trajectory-init-var: :func:`check_trajectory_init` with N(0, 0.01) read as a
     **variance** (std 0.1), the second reading of the thesis's notation."""
-    return _trajectory_init("004-trajectory-init-var", iterations)
+    return _trajectory_init("004-trajectory-init-var", iterations, budget, residual)
 
 
 def _trajectory_separation(

@@ -169,12 +169,23 @@ def _trajectory_init(df: Any, reading: str) -> Extracted:
             "(cell_weight_std rows)"
         )
     seeds = seeds_of(df)
-    out = {}
+    out: dict[str, list[float]] = {}
+    res: dict[str, list[float]] = {}
+    budget: list[float] = []
     for key, c in (("standard", standard), ("small", small)):
-        d = _rows(df[df["cell_id"] == c], "trajectory", "iterations_median")
-        d = d[d["step"].notna()]
-        out[key] = [_curve_first(d, s) for s in seeds]
-    return Extracted({"iterations": out})
+        cell = df[df["cell_id"] == c]
+        first = {}
+        for metric in ("iterations_median", "rel_residual_final_median", "nstep"):
+            d = _rows(cell, "trajectory", metric)
+            first[metric] = [_curve_first(d[d["step"].notna()], s) for s in seeds]
+        out[key], res[key] = first["iterations_median"], first["rel_residual_final_median"]
+        budget = budget or first["nstep"]
+    kwargs: dict[str, Any] = {"iterations": out}
+    if budget and all(math.isfinite(b) for b in budget):
+        kwargs["budget"] = budget
+    if all(math.isfinite(r) for v in res.values() for r in v):
+        kwargs["residual"] = res
+    return Extracted(kwargs)
 
 
 @_extractor("004-trajectory-init")
