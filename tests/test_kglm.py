@@ -282,6 +282,21 @@ def test_digits_klr_binarised_mnist_with_flipped_bits():
         load_data("digits_klr", corruption="swap")
 
 
+def test_kglm_deq_output_activation_is_the_bernoulli_mean():
+    """output_activation sigmoid: the output is sigmoid of the linear readout (App. G's greyscale
+    prediction), same parameters and fixed point as without it."""
+    x = torch.rand(5, 1, 8, 8)
+    a = deqbench.models.create("kglm_deq", in_shape=(1, 8, 8), family="bernoulli")
+    b = deqbench.models.create(
+        "kglm_deq", in_shape=(1, 8, 8), family="bernoulli", output_activation="sigmoid"
+    )
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        la, pb = a(x), b(x)
+    assert torch.allclose(torch.sigmoid(la), pb, atol=1e-6)
+    assert float(pb.min()) > 0 and float(pb.max()) < 1 and float(la.min()) < 0
+
+
 def test_klr_agreement_fits_in_chunks_as_at_once(monkeypatch):
     """The KLR reference fitted in chunks of images (memory) gives the probabilities of one fit."""
     import deqbench.kglm.analysis as an

@@ -24,6 +24,12 @@ TINY: dict[str, list[str]] = {
         "analyses=[{kglm_init_cost: {fc_widths: [8, 16], conv_channels: [1, 2], conv_size: 8, "
         "repeats: 3}}]",
     ],
+    "kglm_klr_finetune": [
+        "data.source=digits",
+        "defaults.train.max_steps=4",
+        "defaults.train.epochs=2",
+        "defaults.train.eval_batch_size=64",
+    ],
     "kglm_klr": [
         "analyses=[{klr_agreement: {dtypes: [float64], split: all, newton_steps: 5, "
         "max_images: 4}}]",
@@ -109,6 +115,8 @@ def test_paper_suite_runs_tiny_on_cpu(stem: str, tmp_path: Path) -> None:
             assert r["reason"], r
         if stem == "kglm_denoise":
             assert "stand in for CIFAR-10" in r["data"], r
+        elif stem == "kglm_klr_finetune":  # the tiny size swaps mnist5k for the 8x8 digits
+            assert "stands in" in r["data"], r
         elif stem not in ("kglm_smooth", "kglm_init_cost"):  # their own data / none
             assert "mnist5k" in r["data"] and (
                 "stand-in" in r["data"] or "stands in" in r["data"]

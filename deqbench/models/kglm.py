@@ -130,9 +130,11 @@ class KGLMDEQ(_SkipReadoutDEQ):
         act: str = "tanh",
         rho: str | None = None,
         bias: bool = True,
+        output_act: str | None = None,
     ) -> None:
         super().__init__()
         self.in_shape = tuple(int(s) for s in in_shape)
+        self.output_act = get_activation(output_act) if output_act else None
         n = numel(self.in_shape)
         self.width = n
         self.num_outputs = int(num_outputs)
@@ -154,11 +156,13 @@ class KGLMDEQ(_SkipReadoutDEQ):
         return self.W2(y)
 
     def readout(self, z: Tensor, x: Tensor | None = None) -> Tensor:
-        """V1 (z + rho(z)) + V2 y; ``x`` defaults to the input of the last :meth:`inject`."""
+        """V1 (z + rho(z)) + V2 y (through ``output_act`` where given); ``x`` defaults to the
+        input of the last :meth:`inject`."""
         y = self._readout_input(x)
         cell: KGLMCell = self.deq.cell  # type: ignore[assignment]
         h = z + cell.rho(z) if cell.rho is not None else z
-        return self.V1(h) + self.V2(y)
+        out = self.V1(h) + self.V2(y)
+        return self.output_act(out) if self.output_act is not None else out
 
 
 class KGLMConvCell(nn.Module):
@@ -241,6 +245,7 @@ def kglm_deq(
     activation: str | None = None,
     rho: str | None = None,
     bias: bool = True,
+    output_activation: str | None = None,
 ) -> KGLMDEQ:
     """kGLM DEQ of Theorem 3 (Tsuchida et al. 2022): z = sigma(W1 z + W2 y + W3 rho(z) + b), output
     V1 (z + rho(z)) + V2 y + c; width = number of inputs.
@@ -252,9 +257,13 @@ def kglm_deq(
         activation: overrides the family's sigma = A' (e.g. relu).
         rho: optional activation for rho (adds W3); None (the Gaussian-prior case) by default.
         bias: hidden and readout biases (zero at init).
+        output_activation: applied to the output (e.g. ``sigmoid``: the Bernoulli mean, the
+            greyscale prediction App. G trains with the squared loss); None: the linear output
+            (logits for ``bernoulli``).
     """
     n_out = numel(in_shape) if num_outputs is None else int(num_outputs)
-    return KGLMDEQ(in_shape, n_out, _resolve_activation(family, activation), rho, bias)
+    act = _resolve_activation(family, activation)
+    return KGLMDEQ(in_shape, n_out, act, rho, bias, output_activation)
 
 
 @models.register("kglm_deq_tiny")

@@ -182,9 +182,8 @@ def check_gp_naive_init(
 
 #: what App. G's fine-tuning claim needs and no suite provides
 KLR_FINETUNE_MISSING = (
-    "no suite: App. G's model is a kernel DEQ over the 784 pixel coordinates of each binarised "
-    "MNIST image, trained with Adam (3000 steps at batch 100) on the squared loss of its "
-    "greyscale (sigmoid) output; kglm_klr measures the untrained identity only"
+    "data: a run of the kernel DEQ trained with Adam on binarised, corrupted images "
+    "(kglm_klr_finetune: a kernel-initialised and a random cell, test MSE after training)"
 )
 
 

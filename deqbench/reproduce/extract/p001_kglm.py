@@ -169,8 +169,7 @@ def gp_naive_init(df: Any, run_dir: Path, scale: str) -> Extracted:
 def klr_finetune(df: Any, run_dir: Path, scale: str) -> Extracted:
     """Per seed the last ``metrics`` test ``mse`` of the kernel-initialised (``kglm_informed``)
     and random (``kglm_random``) cells of a run that trained (last epoch >= 1) on binarised,
-    corrupted images (``digits_klr``); no suite runs it yet (the claim is listed with
-    ``suite=None``)."""
+    corrupted images (``digits_klr``: the kglm_klr_finetune suites)."""
     if data_name(run_dir) != "digits_klr":
         return _missing("a run of the kernel DEQ trained on binarised, corrupted images")
     seeds = seeds_of(df)
