@@ -537,6 +537,11 @@ def test_klr_finetune():
     assert f(kernel=[0.05], random=[0.09]).verdict == NRUN
     v = f()
     assert v.verdict == NRUN and "kglm_klr_finetune" in v.reason
+    # the test MSE rests on the forward solves: below the bar, not run, direction kept
+    ok = {"kernel": [0.05, 0.06, 0.05], "random": [0.09, 0.1, 0.08]}
+    assert f(**ok, converged=[1.0, 0.99, 1.0]).verdict == R
+    v = f(**ok, converged=[1.0, 0.9, 1.0])
+    assert (v.verdict, v.direction) == (NRUN, "with the paper") and "convergence" in v.reason
 
 
 def test_hsi_denoise():

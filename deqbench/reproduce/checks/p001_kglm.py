@@ -193,6 +193,7 @@ def check_klr_finetune(
     kernel: Sequence[float] | None = None,
     random: Sequence[float] | None = None,
     scale: str = "cpu",
+    converged: Sequence[float] | None = None,
 ) -> Verdict:
     """001-klr-finetune: the kernel-initialised DEQ, trained with Adam, ends below the randomly
     initialised one in test MSE (App. G, Fig. 14).
@@ -202,12 +203,21 @@ def check_klr_finetune(
             measured (``not run``, reason names the missing suite).
         random: the same for the randomly initialised DEQ (same seeds, same order).
         scale: ``"cpu"`` or ``"paper"`` (the step budget is the runner's gate, not this one's).
+        converged: optional, per seed, the share of both models' forward solves (training and
+            evaluation batches) that converged; below the bar the verdict is ``not run``
+            (the test MSE rests on those solves).
 
     The per-seed effect ``log(random / kernel)`` must be a trend.
     """
     cid = "001-klr-finetune"
     if kernel is None or random is None:
         return _verdict(cid, NOT_RUN, KLR_FINETUNE_MISSING, "not measured")
+    gate = _converged(cid, "the fine-tuned models' forward solves", converged)
+    return _after_gate(_finetune_trend(cid, kernel, random), gate)
+
+
+def _finetune_trend(cid: str, kernel: Sequence[float], random: Sequence[float]) -> Verdict:
+    """001-klr-finetune's trend, before any gate."""
     return pair_trend(
         cid, kernel, random, lambda k, r: _log_ratio(r, k),
         lambda t: f"final test MSE: kernel {_g(_med(kernel))} vs random {_g(_med(random))}, "

@@ -186,6 +186,18 @@ def check_ntk_lambda_min(
     return v
 
 
+def _small_below_standard(
+    cid: str, small: Sequence[float], standard: Sequence[float], what: str, fail: str
+) -> Verdict:
+    """Per seed ``log(standard / small)`` of ``what`` must be positive in every seed."""
+    return pair_trend(
+        cid, small, standard, lambda a, b: _log_ratio(b, a),
+        lambda t: f"{what}: small {_g(_med(small))} vs standard {_g(_med(standard))} "
+        f"(log ratio {t.text()})",
+        fail,
+    )  # fmt: skip
+
+
 def _trajectory_init(
     cid: str,
     iterations: Mapping[str, Sequence[float]],
@@ -195,12 +207,9 @@ def _trajectory_init(
     if "small" not in iterations or "standard" not in iterations:
         return _verdict(cid, NOT_RUN, "data: 'small' and 'standard' inits both needed", "")
     sm, st = iterations["small"], iterations["standard"]
-    v = pair_trend(
-        cid, sm, st, lambda a, b: _log_ratio(b, a),
-        lambda t: f"f-evals to tol at init: small {_g(_med(sm))} vs standard {_g(_med(st))} "
-        f"(log ratio {t.text()})",
-        "small init not faster to settle in every seed",
-    )  # fmt: skip
+    v = _small_below_standard(
+        cid, sm, st, "f-evals to tol at init", "small init not faster to settle in every seed"
+    )
     censored = budget is not None and all(
         float(a) >= float(n) and float(b) >= float(n) for a, b, n in zip(sm, st, budget)
     )
@@ -215,11 +224,9 @@ def _trajectory_init(
         "tolerance cannot order them"
     )
     if residual and "small" in residual and "standard" in residual:
-        rs, rt = residual["small"], residual["standard"]
-        by_res = pair_trend(
-            cid, rs, rt, lambda a, b: _log_ratio(b, a),
-            lambda t: f"rel residual after {n} f-evals at init: small {_g(_med(rs))} vs "
-            f"standard {_g(_med(rt))} (log ratio {t.text()})",
+        by_res = _small_below_standard(
+            cid, residual["small"], residual["standard"],
+            f"rel residual after {n} f-evals at init",
             "small init's residual not below the standard init's in every seed",
         )  # fmt: skip
         return gated(by_res, why, v.measured)

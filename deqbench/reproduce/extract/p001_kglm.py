@@ -179,7 +179,14 @@ def klr_finetune(df: Any, run_dir: Path, scale: str) -> Extracted:
     kg, rd = (_mse_by_epoch(df, cells[s], seeds) for s in ("informed", "random"))
     if not kg or not rd or max(kg) < 1 or max(rd) < 1:
         return _missing("no test mse after training (the kglm_klr suite trains 0 epochs)")
-    return Extracted({"kernel": kg[max(kg)], "random": rd[max(rd)], "scale": scale})
+    kw: dict[str, Any] = {"kernel": kg[max(kg)], "random": rd[max(rd)], "scale": scale}
+    conv = [
+        min(_converged_share(df, cells["informed"], s), _converged_share(df, cells["random"], s))
+        for s in seeds
+    ]
+    if not all(math.isnan(c) for c in conv):
+        kw["converged"] = conv
+    return Extracted(kw)
 
 
 @_extractor("001-hsi-denoise")
