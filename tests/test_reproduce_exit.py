@@ -75,7 +75,7 @@ def test_every_suite_complete_exits_0(tmp_path):
     def runner(path: Path, *a: Any) -> SuiteRun:
         return SuiteRun(path, error="")  # ran, wrote nothing: the claim is not run, no failure
 
-    _, code = reproduce_run(claim_ids=["001-klr-equivalence"], scale="paper",
+    _, code = reproduce_run(claim_ids=["004-pr-fb"], scale="paper",
                             out=tmp_path / "r", runner=runner, log=io.StringIO())  # fmt: skip
     assert code == 0  # no paper-scale suite: nothing ran, nothing failed
 

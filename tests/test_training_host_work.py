@@ -108,21 +108,19 @@ def test_a_cpu_solver_step_dispatches_four_torch_ops_besides_f():
 # -- the optimiser ------------------------------------------------------------------------------
 
 
-def test_adam_steps_with_the_fused_kernel_and_sgd_with_foreach():
+def test_every_optimizer_steps_with_foreach_and_bumps_the_parameter_versions():
+    """One call over all parameters (foreach), never torch's fused Adam kernel: that one leaves
+    the parameters' version counters where they were, and caches keyed by the version (OptEq's
+    norm scale) would then serve the weights before the step."""
     model = torch.nn.Linear(3, 2)
-    for name in ("adam", "adamw"):
+    for name in ("adam", "adamw", "sgd"):
         opt = make_optimizer(model, TrainConfig(optimizer=name))
-        assert opt.param_groups[0]["fused"] is True, name
-    sgd = make_optimizer(model, TrainConfig(optimizer="sgd"))
-    assert sgd.param_groups[0]["foreach"] is True
-
-    class Complex(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
-
-    opt = make_optimizer(Complex(), TrainConfig(optimizer="adamw"))  # no fused kernel: foreach
-    assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]
+        assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0].get("fused")
+        before = [p._version for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert all(p._version > v for p, v in zip(model.parameters(), before)), name
 
 
 # -- the IFT backward's f graph ----------------------------------------------------------------
