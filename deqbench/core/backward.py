@@ -517,17 +517,10 @@ class _ImplicitFunction(torch.autograd.Function):
 
         with torch.no_grad():
             gd = g.detach()
-            if create_graph:
 
-                def adj_fn(w: Tensor) -> Tensor:
-                    return vjp_z(w).detach() + gd
-
-            else:  # vjp_z inlined (one VJP per step of the adjoint solve; no graph to detach)
-                zs = [z_]
-
-                def adj_fn(w: Tensor) -> Tensor:
-                    (gz,) = torch.autograd.grad(fz_out, zs, w, retain_graph=True, allow_unused=True)
-                    return (torch.zeros_like(w) if gz is None else gz) + gd
+            def adj_fn(w: Tensor) -> Tensor:
+                gz = vjp_z(w)
+                return (gz.detach() if create_graph else gz) + gd
 
             adj_ng = AdjointMap(adj_fn, cell, z, u, gd)
             w0 = gd.clone() if cfg.b_init == "grad" else torch.zeros_like(gd)

@@ -500,9 +500,10 @@ def write_report(
         w.writerows(rows)
     counts = {k: sum(r["verdict"] == k for r in rows) for k in ("reproduced", "not reproduced",
                                                                  "not run")}  # fmt: skip
+    prov = {f: _provenance(sr) for f, sr in runs.items()}  # each run.json read once
     # the runs' own wall times (a re-judged or resumed report: not this call's few seconds)
     if runs:
-        seconds = sum(_provenance(sr)[2] for sr in runs.values())
+        seconds = sum(p[2] for p in prov.values())
     lines = [
         f"# Reproduction report (scale {scale})",
         "",
@@ -542,7 +543,7 @@ def write_report(
         ]
         for f, sr in runs.items():
             rd = _rel(sr.run_dir, out) if sr.run_dir else ""
-            device, commit, secs, cells, sharing = _provenance(sr)
+            device, commit, secs, cells, sharing = prov[f]
             lines.append(
                 f"| {f.stem} | {secs:.1f} | {_md(device)} | {_md(cells)} | {_md(sharing)} | "
                 f"{_md(commit)} | {_md(rd)} | {_md(sr.error)} |"

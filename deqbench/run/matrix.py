@@ -391,7 +391,7 @@ def expand(
         id_parts: list[str] = []
         # a case's ``id`` replaces the generated id: no model-solver-backward head, and the
         # other axes of those sections name their value instead
-        case_id = next(
+        named_case = next(
             (
                 norm[ax][2][idx]
                 for ax, idx in enumerate(combo)
@@ -433,7 +433,7 @@ def expand(
                     axes[ax][1][idx],
                     ("matrix", key, idx),
                 )
-            named = names_by_axis[ax][idx] if case_id is not None else []
+            named = names_by_axis[ax][idx] if named_case is not None else []
             for k, v in named + parts_by_axis[ax][idx]:
                 label = k if not k or short_count.get(k, 0) <= 1 else f"{section}.{k}"
                 id_parts.append(_clean(f"{label}={fmt_value(v)}" if label else fmt_value(v)))
@@ -450,8 +450,8 @@ def expand(
         ]
         if id_head is not None:
             head = [_clean(h) for h in id_head(head, sections)]
-        if case_id is not None:
-            skip = _case_runtime_keys(case_id)
+        if named_case is not None:
+            skip = _case_runtime_keys(named_case)
             cid = "-".join(id_parts + id_suffix(sections, suffix_defaults, skip))
         else:
             cid = "-".join(head + id_parts + id_suffix(sections, suffix_defaults))

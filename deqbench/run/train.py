@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,26 +90,18 @@ class TrainResult:
         return self.tallies.flags()
 
 
-def implementation(params: Sequence[Tensor]) -> dict[str, Any]:
-    """How Adam and AdamW step ``params``: ``foreach=True`` (one call over every parameter
-    tensor, the single-tensor loop's arithmetic). Not torch's ``fused=True`` kernel, though its
-    host time is lower: it updates the parameters without bumping their version counters, and
-    deqbench's caches of parameter-derived values (OptEq's norm scale and singular vectors, the
-    captured solver graphs) see a change by the version."""
-    return {"foreach": True}
-
-
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The suite's optimiser, stepping with ``foreach=True`` (one call over every parameter
+    tensor, the single-tensor loop's arithmetic). Not torch's ``fused=True`` Adam kernel, though
+    its host time is lower: it updates the parameters without bumping their version counters,
+    and deqbench's caches of parameter-derived values (OptEq's norm scale and singular vectors)
+    see a change by the version."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(
-            params, lr=cfg.lr, weight_decay=cfg.weight_decay, **implementation(params)
-        )
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, weight_decay=cfg.weight_decay, **implementation(params)
-        )
-    if cfg.optimizer == "sgd":  # foreach: the single-tensor loop's arithmetic, one call
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+    if cfg.optimizer == "sgd":
         return torch.optim.SGD(
             params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
             foreach=True,

@@ -122,8 +122,9 @@ class SolverStats:
         }
 
 
-#: dtypes whose CPU maxima :func:`batch_max` reads through numpy
-_NUMPY_MAX = (torch.float32, torch.float64)
+#: CPU float dtypes read and kept through numpy (:func:`batch_max`, the tracker's host path),
+#: with their numpy dtypes
+NUMPY_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def batch_max(t: Tensor) -> float:
@@ -132,7 +133,7 @@ def batch_max(t: Tensor) -> float:
     torch calls' host time; the solver stats read a few per training step."""
     if not t.numel():
         return float("nan")
-    if t.device.type == "cpu" and t.dtype in _NUMPY_MAX and not t.requires_grad:
+    if t.device.type == "cpu" and t.dtype in NUMPY_DTYPES and not t.requires_grad:
         return float(_max_reduce(t.numpy(), axis=None))
     return float(t.max())
 

@@ -16,14 +16,12 @@ from torch import Tensor
 from ..core.triton_env import kernel_device
 from . import fused
 from .options import DEFAULT_STOP, GRAPH_STEPS_MAX, CommonOptions, option_error
-from .stats import EPS, SolverStats, batch_norm, check_output, make_stats
+from .stats import EPS, NUMPY_DTYPES, SolverStats, batch_norm, check_output, make_stats
 
 #: run the CPU bookkeeping in numpy (Tracker.host); tests switch it off to compare with the
 #: torch code, which stays the reference (and runs on CUDA, under Triton's interpreter and for
 #: other dtypes)
 HOST_ENABLED = True
-#: dtypes whose CPU bookkeeping runs in numpy (Tracker.host), with their numpy dtypes
-HOST_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 #: the row maxima of the host path (numpy's ufunc reduction, without ndarray.max's wrapper)
@@ -125,11 +123,11 @@ class Tracker:
             HOST_ENABLED
             and not self.cuda
             and not static
-            and rdtype in HOST_DTYPES
+            and rdtype in NUMPY_DTYPES
             and not kernel_device(dev)
         )
         if self.host:
-            self._host_buffers(n, HOST_DTYPES[rdtype])
+            self._host_buffers(n, NUMPY_DTYPES[rdtype])
         elif not static:  # else enable_device_mode brings (cached) static buffers
             # rows: abs, rel, running lowest (stop mode), res - lowest
             self.trace = torch.empty(n, 4, self.B, dtype=rdtype, device=dev)
@@ -297,12 +295,7 @@ class Tracker:
         cur_abs, cur = row[0], row[self.sel]
         if self.lowest and k > 0:
             best, allbetter = row[2], row[3] <= 0
-            if allbetter:
-                self.best_z = z
-            else:
-                tn = self._tn
-                take = torch.from_numpy(tn[k, self.sel] == tn[k, 2]).view(self.bshape)
-                self.best_z = torch.where(take, z, cast(Tensor, self.best_z))
+            self._take_lowest(k, z, allbetter)
         else:  # under a batch stop rule row 2 holds its value in either mode
             best, allbetter = (row[2] if self.lowest or self.batch_rule else cur), True
         self.cur_hist.append(cur)
@@ -540,16 +533,20 @@ class Tracker:
         the newer iterate, NaN never), i.e. when it equals the running lowest after step j.
         """
         _, z = self.pending.popleft()
+        self._take_lowest(j, z, allbetter)
+
+    def _take_lowest(self, j: int, z: Tensor, allbetter: bool) -> None:
+        """Step j's iterate ``z`` becomes the returned one for every sample where it is lowest."""
         if allbetter:
             self.best_z = z
+            return
+        if self.host:
+            take = torch.from_numpy(self._tn[j, self.sel] == self._tn[j, 2]).view(self.bshape)
         else:
-            if self.host:
-                take = torch.from_numpy(self._tn[j, self.sel] == self._tn[j, 2]).view(self.bshape)
-            else:
-                tr = self.trace[j]
-                take = (tr[self.sel] == tr[2]).view(self.bshape)
-            assert self.best_z is not None  # step 0 set it
-            self.best_z = torch.where(take, z, self.best_z)
+            tr = self.trace[j]
+            take = (tr[self.sel] == tr[2]).view(self.bshape)
+        assert self.best_z is not None  # step 0 set it
+        self.best_z = torch.where(take, z, self.best_z)
 
     def _consume(self, upto: int) -> None:
         if upto <= self.read:
