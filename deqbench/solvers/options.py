@@ -131,11 +131,14 @@ class GraphOptions(CommonOptions):
         "later solves with the same f object, shapes and options. f must be capturable (no host "
         "syncs, fixed shapes). On CPU the static step runs eagerly. See deqbench.solvers.base.",
     )
-    graph_steps: Literal["auto"] | Annotated[int, Ge(1), Le(GRAPH_STEPS_MAX)] = Field(
+    graph_steps: Literal["auto", "loop"] | Annotated[int, Ge(1), Le(GRAPH_STEPS_MAX)] = Field(
         "auto",
         description="steps per captured graph ('auto': 2 for states of at most 2M elements, "
         "else 1); the host reads the residuals once per replay, so up to graph_steps - 1 steps "
-        "past convergence may be made (extra['nstep_to_tol']).",
+        "past convergence may be made (extra['nstep_to_tol']). 'loop': the whole solve in one "
+        "graph, a loop on the device whose stop test runs there too (CUDA graph conditional "
+        "nodes, CUDA >= 12.4; else 'auto'): one launch and one host read per solve, the eager "
+        "path's steps.",
     )
 
 

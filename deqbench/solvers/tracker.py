@@ -410,11 +410,18 @@ class Tracker:
                     self.B * fused.splits(z0[0].numel()) * 2, dtype=rdtype, device=dev
                 ),
                 "flag": torch.empty(self.B, dtype=torch.int32, device=dev),
+                # the device loop's stop test (device_judge): stop flag, first abs residual,
+                # the loop predicate, and the step count read back at the end
+                "halt": torch.zeros((), dtype=torch.bool, device=dev),
+                "abs0": torch.zeros((), dtype=torch.float64, device=dev),
+                "go": torch.zeros((), dtype=torch.bool, device=dev),
+                "k_host": torch.zeros(1, dtype=torch.long, pin_memory=self.cuda),
             }
         if self.keep_norm and "fro" not in bufs:
             bufs["fro"] = torch.empty(2, self.B, dtype=rdtype, device=dev)
         bufs["low"].fill_(math.inf)
         bufs["k"].zero_()
+        bufs["halt"].zero_()
         bufs["best"].copy_(z0)
         self.device_mode = True
         self.trace, self.dstats, self.hstats = bufs["trace"], bufs["dstats"], bufs["hstats"]
@@ -422,6 +429,8 @@ class Tracker:
         self.dev_k, self.dev_nf, self.best_z = bufs["k"], bufs["nf"], bufs["best"]
         self.dev_part, self.dev_flag = bufs["part"], bufs["flag"]
         self.fro = bufs.get("fro")
+        self.dev_halt, self.dev_abs0, self.dev_go = bufs["halt"], bufs["abs0"], bufs["go"]
+        self.k_host = bufs["k_host"]
         self.dev_j = 0  # row of dev_st the next device_record writes (the step in its chunk)
         return bufs
 
@@ -478,6 +487,61 @@ class Tracker:
         self.dev_k.add_(1)
         if copy_to is not None:
             copy_to.copy_(fz)
+
+    # -- the device loop (graph_steps="loop"): the stop test on the device ------------------
+    def device_judge(self) -> None:
+        """The stop test of the step :meth:`device_record` just made, on the device (capturable):
+        its summary is kept in ``dstats`` at its step, and ``dev_halt`` is set where the host's
+        test (:meth:`_judge`) would stop there: a non-finite or blown-up residual, the stop
+        rule's value below tol, or stagnation. The comparisons are made in float64 with the
+        host's constants, so the device stops at the step the host would."""
+        st = self.dev_st[self.dev_j]
+        k = self.dev_k  # steps made, this one included
+        self.dstats.index_copy_(0, k - 1, st.unsqueeze(0))
+        s = st.double()
+        cur_abs, cur = s[0], s[self.sel]
+        best = s[2] if self.lowest or self.batch_rule else cur
+        first = k[0] == 1
+        torch.where(first, cur_abs, self.dev_abs0, out=self.dev_abs0)
+        a0 = self.dev_abs0
+        bad = ~(torch.isfinite(cur_abs) & torch.isfinite(cur))
+        bad |= (a0 != 0) & (cur_abs > self.protect * a0)
+        halt = bad | (best < self.tol)
+        if self.stagnation is not None:
+            window, ratio, factor = self.stagnation
+            idx = (k - window + torch.arange(window, device=k.device)).clamp_(min=0)
+            recent = self.dstats.index_select(0, idx)[:, self.sel].double()
+            lo, hi = recent.amin(), recent.amax()
+            halt |= (k[0] > window) & (best < factor * self.tol) & (lo > 0) & (hi < ratio * lo)
+        self.dev_halt |= halt
+
+    def device_go(self, limit: int) -> Tensor:
+        """The device loop's predicate (capturable): no stop yet and fewer than ``limit``
+        steps made; written into one static boolean."""
+        torch.logical_and(~self.dev_halt, self.dev_k[0] < limit, out=self.dev_go)
+        return self.dev_go
+
+    def device_loop_read(self, start: int) -> int:
+        """After a replay of the device loop: copy the summaries of the steps it made (from
+        step ``start`` on) and the step count to pinned memory, wait once, and make them the
+        steps the host has recorded. Returns the steps made in all."""
+        n = self.n
+        if self.cuda:
+            self.hstats[start:n].copy_(self.dstats[start:n], non_blocking=True)
+            self.k_host.copy_(self.dev_k, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            ev.synchronize()
+            k = int(self.k_host[0])
+            if k > start:
+                self.events[k - 1] = ev
+        else:
+            k = int(self.dev_k[0])
+        if k > self.k:
+            self.k = k
+            self.bounds.append(k)
+        self._consume(k)
+        return k
 
     def commit(self, steps: int = 1) -> None:
         """Host side of ``steps`` steps made by :meth:`device_record` (eagerly or by one graph
