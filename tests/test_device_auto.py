@@ -287,6 +287,48 @@ def test_dask_pool_leaves_the_gpu_workers_their_cores(monkeypatch):
     assert DaskExecutor(scheduler="tcp://127.0.0.1:1").placement_pool(S()) is None
 
 
+def test_dask_cpu_workers_join_a_gpu_cluster_with_their_own_slot(monkeypatch):
+    pytest.importorskip("distributed")
+    from deqbench.run.executors import dask_cluster
+    from deqbench.run.executors.dask import DaskExecutor
+    from deqbench.run.executors.dask_cluster import CPU_SLOT, GPU_SLOT, THREADS_ENV
+
+    monkeypatch.setattr(dask_cluster, "gpu_ids", lambda device: ["0"])
+    ex = DaskExecutor()
+    specs, layout = ex.worker_specs("cuda", None)
+    assert [s["options"]["resources"] for s in specs.values()] == [{GPU_SLOT: 1}]
+    assert ex.add_cpu_workers(3, 1) == 0  # no local cluster yet
+
+    class Cluster:  # what add_cpu_workers touches of a SpecCluster
+        worker_spec: dict = {}
+        loop = type("Loop", (), {"add_callback": lambda self, fn: None})()
+
+        def _correct_state(self):
+            pass
+
+    ex.cluster = Cluster()
+    assert ex.add_cpu_workers(3, 2) == 3 and ex.add_cpu_workers(3, 2) == 0  # once
+    cpu = {k: v for k, v in ex._specs.items() if k.startswith("deqbench-cpu-")}
+    assert sorted(cpu) == ["deqbench-cpu-0", "deqbench-cpu-1", "deqbench-cpu-2"]
+    assert set(cpu) <= set(Cluster.worker_spec)
+    for spec in cpu.values():
+        opts = spec["options"]
+        assert opts["resources"] == {CPU_SLOT: 1} and opts["nthreads"] == 1
+        assert opts["env"][THREADS_ENV] == "2" and "CUDA_VISIBLE_DEVICES" not in opts["env"]
+    assert ex.layout["cpu_workers"] == 3 and ex.uses_local_cores
+    assert len(ex._gpu_specs()) == 1
+
+    class Client:  # two CPU workers and the GPU worker joined
+        def scheduler_info(self):
+            ws = [{CPU_SLOT: 1}, {CPU_SLOT: 1}, {GPU_SLOT: 1}]
+            return {"workers": {i: {"resources": r, "nthreads": 1} for i, r in enumerate(ws)}}
+
+    ex.client = Client()
+    assert ex.slots_by_kind() == {GPU_SLOT: 1, CPU_SLOT: 2}
+    ex.client = None  # none joined yet: one each, the scheduler holds the cells meanwhile
+    assert ex.slots_by_kind() == {GPU_SLOT: 1, CPU_SLOT: 1}
+
+
 # -- on CUDA ---------------------------------------------------------------------------------
 
 
