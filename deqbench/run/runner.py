@@ -37,6 +37,7 @@ from ..core.errors import ConfigError
 from . import results as res
 from .interrupts import Interrupted, is_interruption, marking, plugin_fault
 from .lock import RunLock
+from .placement import place_run
 from .task import (
     Listener,
     Task,
@@ -431,7 +432,8 @@ def _run_suite(
             describe = getattr(executor, "describe", None)
             if callable(describe):  # e.g. the Dask cluster's layout
                 meta["executor"] = describe()
-            device = suite.resolved_device()
+            devices, placed = place_run(suite, meta, executor, resume is not None)  # cell: device
+            notes += placed
             meta["tasks_total"] = len(suite.cells) * len(suite.seeds)  # planned (cells x seeds)
             res.write_json(run_dir / "run.json", meta)
             writer = res.ResultsWriter(run_dir)
@@ -444,7 +446,7 @@ def _run_suite(
             _say(f"note: {line}")
             _log(run_dir, line)
         tasks = [
-            Task(suite, c, s, device, meta["run_id"], str(run_dir))
+            Task(suite, c, s, devices[c.id], meta["run_id"], str(run_dir))
             for c in suite.cells
             for s in suite.seeds
             if (c.id, s) not in done
@@ -452,7 +454,8 @@ def _run_suite(
         summary = RunSummary(run_dir, meta["run_id"], len(tasks), len(done))
         _log(
             run_dir,
-            f"{'resume' if resume else 'start'}: {len(tasks)} tasks on {device} "
+            f"{'resume' if resume else 'start'}: {len(tasks)} tasks on "
+            f"{'/'.join(sorted(set(devices.values())))} "
             f"({len(done)} already finished)",
         )
         written = 0
@@ -619,6 +622,7 @@ def canonical_order(run_dir: Path, order: Sequence[tuple[str, int]]) -> bool:
 TIMELINE_COLUMNS = [
     "cell_id", "seed", "status", "wall_time", "worker", "pid", "attempts", "submitted",
     "worker_received", "start", "end", "received", "process_start", "warmup_start", "warmup_end",
+    "device",
 ]  # fmt: skip
 
 

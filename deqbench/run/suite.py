@@ -4,7 +4,7 @@ A suite file (DESIGN.md "Suite YAML")::
 
     schema: 1
     name: smoke
-    device: auto            # auto | cpu | cuda | cuda:1
+    device: auto            # auto (per cell: GPU or CPU cores, deqbench.run.placement) | cpu | cuda | cuda:1
     dtype: float32          # float32 | float64
     seeds: [0, 1]
     data: {name: digits, train_subset: 256}
@@ -127,7 +127,7 @@ class SuiteFile(_Strict):
     schema_: Literal[1] = Field(1, alias="schema")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
-    device: str = "auto"
+    device: str = "auto"  # auto: each cell on the GPU or on CPU cores, the faster (measured) | cpu | cuda | cuda:N
     dtype: Literal["float32", "float64"] = "float32"
     seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1)
     threads: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None

@@ -449,7 +449,8 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
     wall = time.perf_counter() - t0
     out.add(RUNNER, Row("wall_time", wall, unit="s", status=status, note=note))
     series = ctx.extra.get("_series", {}) if ctx is not None else {}
-    timing = {"start": started, "end": time.time(), "pid": os.getpid(), "worker": _where()}
+    timing = {"start": started, "end": time.time(), "pid": os.getpid(), "worker": _where(),
+              "device": task.device}  # fmt: skip
     return TaskResult(cell.id, task.seed, out.rows, status, note, tb, wall, series, timing)
 
 

@@ -86,7 +86,7 @@ def _tasks(run_dir: Path, since: float) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8", newline="") as fh:
         for r in csv.DictReader(fh):
             t: dict[str, Any] = {
-                k: _float(v) if k not in ("cell_id", "status", "worker") else v
+                k: _float(v) if k not in ("cell_id", "status", "worker", "device") else v
                 for k, v in r.items()
             }
             received = t.get("received")

@@ -73,7 +73,7 @@ from ..task import Listener, Task, TaskResult
 from .dask_cell import PINNED_ENV as PINNED_ENV  # re-exported
 from .dask_cell import gpu_memory as gpu_memory  # re-exported
 from .dask_cell import run_cell
-from .dask_cluster import DaskCluster, _one_line
+from .dask_cluster import CPU_SLOT, GPU_SLOT, DaskCluster, _one_line
 from .dask_cluster import gpu_ids as gpu_ids  # re-exported
 
 __all__ = ["DaskExecutor", "run_cell", "failed_result", "gpu_ids", "INSTALL_HINT"]
@@ -202,16 +202,26 @@ class _Dispatch:
         queue.extend(again + [fresh[k] for k in order])
 
     def fill(
-        self, client: Any, slots: int, retries: int, submitted: list[tuple[str, int, int]]
+        self,
+        client: Any,
+        slots: int | dict[str, int],
+        retries: int,
+        submitted: list[tuple[str, int, int]],
     ) -> None:
         """Submit waiting tasks until ``slots`` are in flight; ``submitted`` gets (cell id,
-        seed, priority) of each."""
-        while self.queue and len(self.inflight) < slots:
-            i, t, attempt, t0 = self.queue.popleft()
+        seed, priority) of each. ``slots`` by worker kind (``{GPU_SLOT: n, CPU_SLOT: m}``, a
+        ``device: auto`` run with CPU workers): each task asks for its kind's Dask resource
+        and the first waiting task of a kind with room goes next."""
+        while self.queue:
+            pick = self._next(slots)
+            if pick is None:
+                return
+            i, t, attempt, t0 = pick
             wire = dataclasses.replace(t, suite=self.slim[id(t.suite)])
             # Dask's priority (higher first) follows the submission order, for a scheduler
             # that holds several of our tasks at once (max_in_flight, a cluster of yours)
             priority = len(self.tasks) - len(submitted)
+            kind = {"resources": {slot_of(t): 1}} if isinstance(slots, dict) else {}
             fut = client.submit(
                 run_cell,
                 wire,
@@ -219,11 +229,26 @@ class _Dispatch:
                 retries=retries,
                 pure=False,
                 priority=priority,
+                **kind,
             )
             submitted.append((t.cell.id, t.seed, priority))
             self.submitted_at[(i, attempt)] = time.time()
             self.inflight[fut] = (i, t, attempt, time.perf_counter() if t0 is None else t0)
             self.keys[str(fut.key)] = t
+
+    def _next(self, slots: int | dict[str, int]) -> tuple[int, Task, int, float | None] | None:
+        """The next waiting task to submit (taken off the queue), or None: no room."""
+        if isinstance(slots, int):
+            return self.queue.popleft() if len(self.inflight) < slots else None
+        busy = {k: 0 for k in slots}
+        for _, t, _, _ in self.inflight.values():
+            busy[slot_of(t)] = busy.get(slot_of(t), 0) + 1
+        for q in self.queue:
+            k = slot_of(q[1])
+            if busy.get(k, 0) < slots.get(k, 0):
+                self.queue.remove(q)
+                return q
+        return None
 
     def log_lost(self) -> None:
         """One ``log.txt`` line per cell a removed worker was running (its remove-worker
@@ -241,6 +266,12 @@ class _Dispatch:
                 self.keys[key],
                 f"worker {worker} {how} running this cell (Dask remove-worker event); {again}",
             )
+
+
+def slot_of(task: Task) -> str:
+    """The Dask resource a task of a ``device: auto`` run asks for: a CPU worker's slot for a
+    cell placed on CPU, else a GPU worker's."""
+    return CPU_SLOT if task.device == "cpu" else GPU_SLOT
 
 
 class _FirstCells:
@@ -353,12 +384,16 @@ class DaskExecutor(DaskCluster):
         self.timeline: dict[str, float] = {}
         #: (cell id, seed, priority) of every submission of the last :meth:`run`, in order
         self.submitted: list[tuple[str, int, int]] = []
+        #: the last :meth:`run` routes cells by kind (CPU workers beside the GPU workers)
+        self.mixed = False
 
     #: the cells run in other processes: the coordinator may prepare its plots meanwhile
     remote = True
 
     # -- running --------------------------------------------------------------------------
-    def _slots(self) -> int:
+    def _slots(self) -> int | dict[str, int]:
+        if self.mixed:
+            return self.slots_by_kind()
         if self.max_in_flight is not None:
             return max(1, self.max_in_flight)
         try:
@@ -379,10 +414,19 @@ class DaskExecutor(DaskCluster):
 
         owned = self.client is None and self._starting is None
         if owned:
-            task0 = tasks[0]
-            self.start(task0.device, task0.suite.threads, dtype=task0.suite.dtype)
+            s0 = tasks[0].suite
+            self.start(s0.resolved_device(), s0.threads, dtype=s0.dtype)
         self._ready()
         client = self.client
+        # device: auto placed some cells on CPU: CPU workers join beside the GPU workers
+        on_cpu = sum(t.device == "cpu" for t in tasks)
+        pool = (
+            self.placement_pool(tasks[0].suite) if on_cpu and getattr(self, "_gpus", None) else None
+        )
+        self.mixed = pool is not None and (
+            self.add_cpu_workers(min(on_cpu, pool.cpu_workers), pool.cpu_threads) > 0
+            or bool(self.layout.get("cpu_workers"))
+        )
         # Our local scheduler gives up on a task at its first dead worker; the cell is then
         # submitted again here, once a worker is free (never queued behind a busy one).
         resubmit = self.allowed_failures if self.cluster is not None else 0
@@ -391,7 +435,7 @@ class DaskExecutor(DaskCluster):
         # A scheduler of yours runs the cell of a worker that died again by itself (its
         # allowed-failures): its remove-worker events name the keys the worker was running.
         watch = self.cluster is None and _watch_removed_workers(client, d.keys, d.lost)
-        first = _FirstCells(len(self._specs)) if self._may_add_workers() else None
+        first = _FirstCells(len(self._gpu_specs())) if self._may_add_workers() else None
 
         def fill() -> None:
             d.fill(client, self._slots(), self.retries, self.submitted)
@@ -412,8 +456,10 @@ class DaskExecutor(DaskCluster):
                 # The freed workers get their next cells before the caller writes these results
                 # (a worker never idles while the coordinator writes results.csv).
                 fill()
-                if first is not None and first.observe(results, len(tasks), bool(d.queue)):
-                    self.add_gpu_workers(first.walls, len(d.queue), busy=first.busy or None)
+                on_gpu = [r for r in results if r.timing.get("device") != "cpu"]
+                if first is not None and first.observe(on_gpu, len(tasks) - on_cpu, bool(d.queue)):
+                    waiting = sum(q[1].device != "cpu" for q in d.queue)
+                    self.add_gpu_workers(first.walls, waiting, busy=first.busy or None)
                     first = None
                 yield from results
         finally:
@@ -456,6 +502,7 @@ class DaskExecutor(DaskCluster):
                 continue
             r = self._collect(fut, t, time.perf_counter() - t0, attempt + 1)
             r.timing.update(submitted=d.submitted_at.get((i, attempt)), attempts=attempt + 1)
+            r.timing.setdefault("device", t.device)  # a cell that never returned: as placed
             if r.status in TIMED:
                 d.observe(t, r.wall_time)
             results.append(r)

@@ -1,7 +1,7 @@
 """The worker side of the Dask executor: :func:`run_cell` runs one (cell, seed) on a worker
-(``device: auto`` resolved there, a pinned worker's GPU, its thread count, the timing of where
-and when), :func:`gpu_memory` reports the worker's GPU memory and :func:`_pinned_gpu` the GPU it
-is pinned to. :mod:`deqbench.run.executors.dask` submits them.
+(its placed device, or ``device: auto`` resolved there on a cluster of yours, a pinned worker's
+GPU, its thread count, the timing of where and when), :func:`gpu_memory` reports the worker's
+GPU memory and :func:`_pinned_gpu` the GPU it is pinned to. :mod:`deqbench.run.executors.dask` submits them.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ _TASKS_RUN = [0]  # cells this worker process ran
 
 
 def run_cell(task: Task) -> TaskResult:
-    """Worker side: run one (cell, seed). ``device: auto`` is resolved on the worker (the
-    coordinator may have no GPU); a worker pinned to one GPU runs ``cuda``/``cuda:N`` on it."""
+    """Worker side: run one (cell, seed). On a local worker a cell runs on the device it was
+    placed on (``device: auto``: :mod:`deqbench.run.placement`); on a worker of a cluster of
+    yours ``device: auto`` is resolved there (the coordinator may have no GPU). A worker pinned
+    to one GPU runs ``cuda``/``cuda:N`` on it."""
     device = task.device
-    if task.suite.device == "auto":
+    if task.suite.device == "auto" and not os.environ.get(THREADS_ENV):
         from ..env import resolve_device
 
         device = resolve_device("auto")

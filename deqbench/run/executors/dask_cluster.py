@@ -27,6 +27,13 @@ CONTEXT_BYTES = 1 << 30
 #: seconds of estimated remaining work per worker above which a second worker joins each GPU
 MIN_REMAINING_S = 20.0
 
+#: Dask resources of the local workers: a GPU worker has one GPU slot, a CPU worker one CPU slot
+#: (a ``device: auto`` run routes each cell to its kind; other runs request none)
+GPU_SLOT = "deqbench-gpu"
+CPU_SLOT = "deqbench-cpu"
+#: name prefix of the CPU workers a ``device: auto`` run adds beside the GPU workers
+CPU_WORKER = "deqbench-cpu-"
+
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
@@ -160,9 +167,11 @@ class DaskCluster:
 
     @property
     def uses_local_cores(self) -> bool:
-        """A local cluster on CPU: its workers use this machine's cores (no plot pool beside
-        them)."""
-        return self.scheduler is None and not self.layout.get("gpus")
+        """A local cluster on CPU, or with CPU workers beside its GPU workers: its workers use
+        this machine's cores (no plot pool beside them)."""
+        return self.scheduler is None and (
+            not self.layout.get("gpus") or bool(self.layout.get("cpu_workers"))
+        )
 
     #: set by :func:`~deqbench.run.executors.open_executor` (``deqbench run``), whose executor
     #: serves one run: the runner then calls :meth:`release` once the last task returned
@@ -265,10 +274,10 @@ class DaskCluster:
         }
         return specs, layout
 
-    def _spec(self, gpu: str | None) -> dict[str, Any]:
+    def _spec(self, gpu: str | None, omp: str | None = None, memory: Any = None) -> dict[str, Any]:
         from distributed import Nanny
 
-        omp = self._omp
+        omp = omp or self._omp
         env = {
             "OMP_NUM_THREADS": omp,
             "MKL_NUM_THREADS": omp,
@@ -287,7 +296,8 @@ class DaskCluster:
                 "host": "127.0.0.1",
                 "env": env,
                 "preload": ["deqbench.run.executors._worker", *self.preload],
-                "memory_limit": self._memory,
+                "memory_limit": self._memory if memory is None else memory,
+                "resources": {GPU_SLOT if gpu is not None else CPU_SLOT: 1},
                 "dashboard": False,
                 "silence_logs": self.silence_logs,
             },
@@ -326,6 +336,66 @@ class DaskCluster:
             workers=specs, scheduler=scheduler, silence_logs=self.silence_logs, name="deqbench"
         )
 
+    # -- CPU workers beside the GPU workers (device: auto) ---------------------------------
+    def placement_pool(self, suite: Any) -> Any:
+        """The :class:`~deqbench.run.placement.Pool` a ``device: auto`` suite is placed for:
+        the visible GPUs, and the CPU workers this local cluster adds beside its GPU workers
+        (:meth:`add_cpu_workers`): the cores less one per GPU worker (``max_per_gpu`` per GPU,
+        or ``--workers``) and one for the coordinator, divided by the suite's ``threads``
+        (default 1). None on a cluster of yours: its workers resolve ``auto`` each on their
+        own."""
+        from ..placement import Pool
+
+        if self.scheduler is not None:
+            return None
+        gpus = gpu_ids("cuda")
+        threads = suite.threads or 1
+        gpu_workers = self.workers or len(gpus) * self.max_per_gpu
+        spare = max(0, (os.cpu_count() or 1) - gpu_workers - 1)
+        return Pool(gpus=len(gpus), cpu_workers=spare // threads, cpu_threads=threads)
+
+    def add_cpu_workers(self, n: int, threads: int) -> int:
+        """Add ``n`` single-threaded (``threads`` torch threads) CPU workers to the local GPU
+        cluster, for the cells placed on CPU; they join once warm. Returns how many were
+        added (0 without a local cluster or GPU workers, or where they were added before)."""
+        if self.cluster is None or not getattr(self, "_gpus", None) or n < 1:
+            return 0
+        if any(k.startswith(CPU_WORKER) for k in self._specs):
+            return 0
+        from distributed.worker_memory import parse_memory_limit
+
+        # every worker's share of the memory once these join
+        share = len(self._specs) + n
+        memory = parse_memory_limit("auto", 1, share, logger=logging.getLogger(__name__))
+        for i in range(n):
+            name = f"{CPU_WORKER}{i}"
+            spec = self._spec(None, str(threads), memory)
+            self._specs[name] = self.cluster.worker_spec[name] = spec
+        self.cluster.loop.add_callback(self.cluster._correct_state)
+        self.layout.update(cpu_workers=n, cpu_threads=threads)
+        return n
+
+    def _gpu_specs(self) -> dict[str, Any]:
+        return {k: v for k, v in self._specs.items() if not k.startswith(CPU_WORKER)}
+
+    def slots_by_kind(self) -> dict[str, int]:
+        """Threads of the joined workers by kind (``GPU_SLOT`` / ``CPU_SLOT``), at least 1 for
+        a kind whose workers were asked for (they may still be starting: the scheduler holds
+        their cells meanwhile)."""
+        out = {GPU_SLOT: 0, CPU_SLOT: 0}
+        try:
+            for w in self.client.scheduler_info()["workers"].values():
+                for kind in out:
+                    if (w.get("resources") or {}).get(kind):
+                        out[kind] += int(w.get("nthreads", 1))
+        except Exception:
+            pass
+        asked = {
+            CPU_SLOT: len(self._specs) - len(self._gpu_specs()),
+            GPU_SLOT: len(self._gpu_specs()),
+        }
+        return {k: max(v, 1 if asked[k] else 0) for k, v in out.items()}
+
     # -- grouping short cells -------------------------------------------------------------
     def _may_add_workers(self) -> bool:
         return (
@@ -363,7 +433,7 @@ class DaskCluster:
         # miss tolerance run to max_iter and take several times the median (a 4x H100 run
         # of kglm_denoise_gpu: median 1.89 s, flagged cells 6-11 s), so the median underestimated it 2x.
         per_cell = max(median, statistics.fmean(first_walls))
-        per_worker = len(self._specs)
+        per_worker = len(self._gpu_specs())
         # A worker starts in the background (~10-20 s) while the others keep working, so adding
         # one costs little: worth it once the remaining work per worker outlasts that start.
         if median >= self.short_task or remaining * per_cell / per_worker < MIN_REMAINING_S:
@@ -387,12 +457,12 @@ class DaskCluster:
             need = max(mem[a]["peak"] for a in here) + CONTEXT_BYTES
             if min(mem[a]["free"] for a in here) < 2 * need:
                 continue
-            name = f"deqbench-{len(self._specs)}"
+            name = f"deqbench-{len(self._gpu_specs())}"
             self._specs[name] = self.cluster.worker_spec[name] = self._spec(gpu)
             added.append(gpu)
         if added:
             self.cluster.loop.add_callback(self.cluster._correct_state)
-            self.layout["workers"] = len(self._specs)
+            self.layout["workers"] = len(self._gpu_specs())
             self.layout["gpus"] = list(self.layout.get("gpus", [])) + added
         self.layout["grouping"] = {
             "median_first_cell_s": round(median, 3),
