@@ -67,7 +67,10 @@ def _main(
 
 
 DeviceOpt = Annotated[
-    str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N (overrides the suite).")
+    str | None,
+    typer.Option(
+        "--device", help="cuda_if_available | auto | cpu | cuda | cuda:N (overrides the suite)."
+    ),
 ]
 SeedsOpt = Annotated[
     str | None, typer.Option("--seeds", help="Seeds, e.g. 0,1,2 or 0-4 (overrides the suite).")
@@ -296,7 +299,7 @@ def run_one_cell(
             name,
             model=model,
             analyses=analyses,
-            device=device or "auto",
+            device=device or "cuda_if_available",
             seeds=parse_seeds(seeds, set_ or ()) or [0],
             output=str(out) if out else "results",
             overrides=set_ or (),

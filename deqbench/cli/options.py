@@ -48,7 +48,9 @@ Dtype = Annotated[
         "eigenvalues need it), float32 elsewhere.",
     ),
 ]
-Device = Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
+Device = Annotated[
+    str | None, typer.Option("--device", help="cuda_if_available | cpu | cuda | cuda:N.")
+]
 Seeds = Annotated[str | None, typer.Option("--seeds", help="Run seeds, e.g. 0,1,2 or 0-4.")]
 Out = Annotated[Path | None, typer.Option("--out", help="Results root (default results/).")]
 Set = Annotated[

@@ -95,7 +95,7 @@ def ntk(
         ),
     ] = "float64",
     device: Annotated[
-        str | None, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")
+        str | None, typer.Option("--device", help="cuda_if_available | cpu | cuda | cuda:N.")
     ] = None,
     seeds: Annotated[str | None, typer.Option("--seeds", help="Seeds, e.g. 0,1,2 or 0-4.")] = None,
     out: Annotated[

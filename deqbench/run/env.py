@@ -23,21 +23,31 @@ from typing import Any
 PLUGIN_GROUPS = ("deqbench.models", "deqbench.solvers", "deqbench.inits", "deqbench.analyses")
 
 
+#: device values that mean "the GPU where one is visible, else the CPU" for a whole suite
+#: (``auto`` then also places each cell on the GPU or on CPU cores: deqbench.run.placement)
+DEFAULT_DEVICE = "cuda_if_available"
+GPU_IF_VISIBLE = (DEFAULT_DEVICE, "auto")
+
+
 def check_device(requested: str) -> str | None:
     """Why ``requested`` cannot be used here, or None."""
-    if requested in ("auto", "cpu"):
+    if requested in (*GPU_IF_VISIBLE, "cpu"):
         return None
     import torch
 
     if requested == "mps":
         ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-        return None if ok else "MPS is not available on this machine; use device: cpu or auto"
+        return (
+            None
+            if ok
+            else "MPS is not available on this machine; use device: cpu, cuda_if_available or auto"
+        )
     m = re.fullmatch(r"cuda(?::(\d+))?", requested)
     if m is None:
-        return f"unknown device {requested!r}; use auto, cpu, cuda or cuda:N"
+        return f"unknown device {requested!r}; use cuda_if_available, auto, cpu, cuda or cuda:N"
     if not torch.cuda.is_available():
         why = "torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
-        return f"CUDA is not available on this machine ({why}); use device: cpu or auto"
+        return f"CUDA is not available on this machine ({why}); use device: cpu, cuda_if_available or auto"
     n = torch.cuda.device_count()
     if m.group(1) is not None and int(m.group(1)) >= n:
         return f"{requested} does not exist: {n} GPU(s) visible (cuda:0..cuda:{n - 1})"
@@ -45,11 +55,12 @@ def check_device(requested: str) -> str | None:
 
 
 def resolve_device(requested: str, *, quick: bool = False) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; others unchanged.
+    """``cuda_if_available`` and ``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``;
+    others unchanged (``auto``'s per-cell placement is :mod:`deqbench.run.placement`'s).
     ``quick``: answer from the driver (:func:`visible_gpu_count`) without importing torch where
     it can (a guess: torch may still find CUDA unusable), as a Dask cluster started before the
     suite is validated does."""
-    if requested != "auto":
+    if requested not in GPU_IF_VISIBLE:
         return requested
     if quick:
         n = visible_gpu_count(torch_fallback=False)

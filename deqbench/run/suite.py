@@ -4,7 +4,8 @@ A suite file (DESIGN.md "Suite YAML")::
 
     schema: 1
     name: smoke
-    device: auto            # auto (per cell: GPU or CPU cores, deqbench.run.placement) | cpu | cuda | cuda:1
+    device: cuda_if_available  # (the default) | auto (per cell: GPU or CPU cores,
+                            # deqbench.run.placement) | cpu | cuda | cuda:1
     dtype: float32          # float32 | float64
     seeds: [0, 1]
     data: {name: digits, train_subset: 256}
@@ -127,7 +128,9 @@ class SuiteFile(_Strict):
     schema_: Literal[1] = Field(1, alias="schema")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
-    device: str = "auto"  # auto: each cell on the GPU or on CPU cores, the faster (measured) | cpu | cuda | cuda:N
+    # cuda_if_available | auto (each cell on the GPU or on CPU cores, the faster, measured) |
+    # cpu | cuda | cuda:N
+    device: str = "cuda_if_available"
     dtype: Literal["float32", "float64"] = "float32"
     seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1)
     threads: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
@@ -177,8 +180,10 @@ class SuiteFile(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {v!r}")
+        if not re.fullmatch(r"cuda_if_available|auto|cpu|mps|cuda(:\d+)?", v):
+            raise ValueError(
+                f"device must be cuda_if_available, auto, cpu, cuda or cuda:N, got {v!r}"
+            )
         return v
 
 
@@ -255,7 +260,7 @@ class Suite:
     cells: list[Cell]
     analyses: list[tuple[str, dict[str, Any]]]
     seeds: list[int]
-    device: str  # as requested (auto | cpu | cuda[:i])
+    device: str  # as requested (cuda_if_available | auto | cpu | cuda[:i])
     dtype: str = "float32"
     threads: int | None = None
     description: str = ""
@@ -488,7 +493,7 @@ def one_cell_suite(
     init: str | dict[str, Any] | None = None,
     train: dict[str, Any] | None = None,
     seeds: Sequence[int] = (0,),
-    device: str = "auto",
+    device: str = "cuda_if_available",
     dtype: str = "float32",
     output: str = "results",
     overrides: Sequence[str] = (),

@@ -31,7 +31,7 @@ def run_cell(task: Task) -> TaskResult:
     if task.suite.device == "auto" and not os.environ.get(THREADS_ENV):
         from ..env import resolve_device
 
-        device = resolve_device("auto")
+        device = resolve_device("cuda_if_available")
     elif device.startswith("cuda") and os.environ.get(PINNED_ENV):
         device = "cuda"
     if device != task.device:
