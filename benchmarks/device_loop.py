@@ -116,6 +116,7 @@ def main() -> None:
                             "solver": name,
                             "tol": tol,
                             "graph_steps": str(mode),
+                            "ran": str(st.extra.get("graph_steps", "")),
                             "ms": round(ms, 4),
                             "nstep": st.nstep,
                             "nstep_to_tol": to_tol,
@@ -132,12 +133,16 @@ def main() -> None:
         f"# device loop vs chunked graphs ({env['device']}, torch {env['torch']}, "
         f"CUDA {env['cuda']}, float32, TF32 off)",
         "",
-        "| cell | solver | tol | graph_steps | ms | nstep (to tol) | overhead | same as 1 |",
+        f"Device loop available in this torch: {env['loop_supported']} (where not, 'loop' runs "
+        "what 'auto' runs: the 'ran' column).",
+        "",
+        "| cell | solver | tol | graph_steps (ran) | ms | nstep (to tol) | overhead | same as 1 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['cell']} | {r['solver']} | {r['tol']:g} | {r['graph_steps']} | {r['ms']:.3f} "
+            f"| {r['cell']} | {r['solver']} | {r['tol']:g} | {r['graph_steps']} ({r['ran']}) "
+            f"| {r['ms']:.3f} "
             f"| {r['nstep']} ({r['nstep_to_tol']}) | {r['overhead']:.2f} | {r['same_as_1']} |"
         )
     (out / "summary.md").write_text("\n".join(lines) + "\n")
