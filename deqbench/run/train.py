@@ -26,6 +26,8 @@ from ..core.evaluation import evaluate, loss_function
 from ..core.runtime import autocast, for_loss, model_runtime
 from ..core.verdict import solve_ledger, verify_solves
 from ..data.base import DataBundle
+from .checkpoints import Suspended, TaskCheckpoint, rng_states, set_rng_states
+from .interrupts import held_signals
 from .solves import BF16_TOL, MISSED_SHARE, SolveTally, Tallies  # noqa: F401 - train's API
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -61,6 +63,9 @@ class TrainConfig:
     #: ones, so eval mode normalises differently from training (conv_deq_tiny after 4 steps:
     #: every evaluation solve at max_iter, accuracy 0.39; with this: converged, 0.73)
     precise_bn: bool = False
+    checkpoint_every: float | None = (
+        60.0  # seconds of training between a task's checkpoints in its run directory, at step boundaries (--resume continues from the last; null: none, also at a signal or --stop-after); not part of the suite hash
+    )
 
 
 @dataclass
@@ -208,13 +213,6 @@ def recompute_batchnorm(
     return len(bns)
 
 
-@torch.no_grad()
-def _batches(n: int, bs: int, gen: torch.Generator, device) -> Iterable[Tensor]:
-    perm = torch.randperm(n, generator=gen).to(device)
-    for i in range(0, n, bs):
-        yield perm[i : i + bs]
-
-
 def _emit(
     emit: Callable[[Any, Iterable[Row]], None] | None, analysis: Any, rows: Iterable[Row] | None
 ) -> None:
@@ -237,6 +235,7 @@ def train(
     progress: Callable[[int, int], None] | None = None,
     runtime: Runtime | None = None,
     tallies: Tallies | None = None,
+    checkpoint: TaskCheckpoint | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``data`` (tensors already on the target device/dtype).
 
@@ -248,7 +247,11 @@ def train(
     optimiser stay in the model's dtype. ``tallies`` (default: new) receives every DEQ solve of
     the training batches, the evaluation passes and the analyses' hooks, by phase
     (:mod:`deqbench.run.solves`); the evaluation passes and the last training batch of each
-    epoch verify their forward solves (one more f-evaluation each).
+    epoch verify their forward solves (one more f-evaluation each). ``checkpoint``
+    (:class:`~deqbench.run.checkpoints.TaskCheckpoint`): continue from its loaded state, write
+    one at step boundaries where due, on a SIGINT/SIGTERM that came during a step (then
+    :class:`~deqbench.run.interrupts.Interrupted` is raised) and at its deadline (then
+    :class:`~deqbench.run.checkpoints.Suspended`).
     """
     if runtime is None:
         runtime = model_runtime(model)
@@ -289,65 +292,172 @@ def train(
         for cb in callbacks:
             hook(phase if epoch == 0 else "probe", cb, "on_epoch", info)
 
-    if cfg.eval_before:
-        with result.tallies.counting("init"):
-            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime, data_range)
-        epoch_end(0, ev)
-
-    step = 0
     own = own_solver(model) is not None  # a model that reports its own solves
     layers = list(deq_layers(model))  # looked up once: the model's structure stays
     has_deq = own or bool(layers)
     after_step = post_step_hooks(model)
-    for epoch in range(1, cfg.epochs + 1):
-        model.train()
-        sums: dict[str, float] = {}
-        count = 0
-        for i, idx in enumerate(_batches(n, bs, gen, Xtr.device)):
-            xb, yb = Xtr[idx], ytr[idx]
-            opt.zero_grad(set_to_none=True)
-            # the last batch of an epoch (or of training) is verified: its forward solves'
-            # residuals are recomputed with one more f-evaluation
-            last = i == steps_per_epoch - 1 or (
-                cfg.max_steps is not None and step + 1 >= cfg.max_steps
-            )
-            out, lv, fwd, records = _forward_backward(
-                model, xb, yb, loss_fn, runtime, verify=last, layers=layers, own=own
-            )
-            if fwd is not None:
-                result.status, result.note = _stopped(lv, fwd, f"epoch {epoch} step {step + 1}")
-                result.steps = step
-                return result
-            result.tallies.add("train", records)
-            if cfg.grad_clip:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            for fn in after_step:
-                fn()
-            if sched is not None and per_batch:
-                sched.step()
-            step += 1
-            st = last_stats(model, layers) if has_deq else {}
-            for k, v in _step_record(lv, st, out, yb, data.task).items():
-                sums[k] = sums.get(k, 0.0) + v
-            count += 1
-            info = StepInfo(epoch, step, lv, st, (xb, yb))
-            for cb in callbacks:
-                hook("probe", cb, "on_step", info)
-            if progress is not None:
-                progress(epoch, step)
-            if cfg.max_steps is not None and step >= cfg.max_steps:
-                break
-        if sched is not None and not per_batch:
+    loop = _Loop()
+    if checkpoint is not None and checkpoint.loaded is not None:
+        loop = _resume(checkpoint, model, opt, sched, gen, result)
+    elif cfg.eval_before:
+        with result.tallies.counting("init"):
+            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime, data_range)
+        epoch_end(0, ev)
+
+    def capped() -> bool:
+        return cfg.max_steps is not None and loop.step >= cfg.max_steps
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint.save(_state(model, opt, sched, gen, loop, result), loop.step)
+
+    def step_once(epoch: int, perm: Tensor) -> None:
+        """One optimiser step on the loop's next batch, its records and hooks; raises
+        :class:`_Failed` where training must stop (status and note in ``result``)."""
+        i = loop.batch
+        idx = perm[i * bs : (i + 1) * bs]
+        xb, yb = Xtr[idx], ytr[idx]
+        opt.zero_grad(set_to_none=True)
+        # the last batch of an epoch (or of training) is verified: its forward solves'
+        # residuals are recomputed with one more f-evaluation
+        last = i == steps_per_epoch - 1 or (
+            cfg.max_steps is not None and loop.step + 1 >= cfg.max_steps
+        )
+        out, lv, fwd, records = _forward_backward(
+            model, xb, yb, loss_fn, runtime, verify=last, layers=layers, own=own
+        )
+        if fwd is not None:
+            result.status, result.note = _stopped(lv, fwd, f"epoch {epoch} step {loop.step + 1}")
+            result.steps = loop.step
+            raise _Failed
+        result.tallies.add("train", records)
+        if cfg.grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        for fn in after_step:
+            fn()
+        if sched is not None and per_batch:
             sched.step()
-        if cfg.precise_bn:
-            with result.tallies.counting("train"):
-                recompute_batchnorm(model, Xtr, bs, runtime)
-        epoch_end(epoch, {k: v / max(count, 1) for k, v in sums.items()})
-        result.steps = step
-        if cfg.max_steps is not None and step >= cfg.max_steps:
-            break
+        loop.step += 1
+        loop.batch += 1
+        st = last_stats(model, layers) if has_deq else {}
+        for k, v in _step_record(lv, st, out, yb, data.task).items():
+            loop.sums[k] = loop.sums.get(k, 0.0) + v
+        loop.count += 1
+        info = StepInfo(epoch, loop.step, lv, st, (xb, yb))
+        for cb in callbacks:
+            hook("probe", cb, "on_step", info)
+        if progress is not None:
+            progress(epoch, loop.step)
+
+    # a training loop that a checkpoint can stop and continue at every step boundary
+    while loop.epoch <= cfg.epochs and not (capped() and loop.batch == 0):
+        epoch = loop.epoch
+        model.train()
+        if loop.perm is None:
+            loop.perm = torch.randperm(n, generator=gen)
+        perm = loop.perm.to(Xtr.device)
+        while loop.batch < steps_per_epoch and not capped():
+            try:
+                with held_signals(save):  # a signal stops training between two steps
+                    step_once(epoch, perm)
+            except _Failed:
+                return result
+            _boundary(checkpoint, save, loop.step)
+        with held_signals(save):
+            if sched is not None and not per_batch:
+                sched.step()
+            if cfg.precise_bn:
+                with result.tallies.counting("train"):
+                    recompute_batchnorm(model, Xtr, bs, runtime)
+            epoch_end(epoch, {k: v / max(loop.count, 1) for k, v in loop.sums.items()})
+            result.steps = loop.step
+            loop.next_epoch()
+        _boundary(checkpoint, save, loop.step)
     return result
+
+
+class _Failed(Exception):
+    """A training step that stopped training (a non-finite loss, a diverged solve)."""
+
+
+def _boundary(checkpoint: TaskCheckpoint | None, save: Callable[[], None], step: int) -> None:
+    """Between two steps: the periodic checkpoint where one is due; at the deadline a checkpoint
+    and :class:`~deqbench.run.checkpoints.Suspended`."""
+    if checkpoint is None:
+        return
+    stop = checkpoint.deadline_passed()
+    if stop or checkpoint.due():
+        save()
+    if stop:
+        kept = checkpoint.saved_step == step
+        raise Suspended(
+            f"stopped by --stop-after at step {step}; "
+            + ("--resume continues it from its checkpoint" if kept
+               else "no checkpoint: --resume runs it from scratch")
+        )  # fmt: skip
+
+
+@dataclass
+class _Loop:
+    """Where the training loop is: the epoch (from 1), the batches done in it, the optimiser
+    steps done, the epoch's sums of the step records, and the epoch's batch order (a CPU
+    permutation; None before the epoch draws it)."""
+
+    epoch: int = 1
+    batch: int = 0
+    step: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    count: int = 0
+    perm: Tensor | None = None
+
+    def next_epoch(self) -> None:
+        self.epoch, self.batch, self.sums, self.count, self.perm = self.epoch + 1, 0, {}, 0, None
+
+
+def _state(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    gen: torch.Generator,
+    loop: _Loop,
+    result: TrainResult,
+) -> dict[str, Any]:
+    """The training loop's part of a checkpoint (:mod:`deqbench.run.checkpoints`)."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict() if sched is not None else None,
+        "data_order": gen.get_state(),
+        "rng": rng_states(),
+        "loop": dict(vars(loop)),
+        "history": result.history,
+        "status": (result.status, result.note, result.steps),
+    }
+
+
+def _resume(
+    checkpoint: TaskCheckpoint,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    gen: torch.Generator,
+    result: TrainResult,
+) -> _Loop:
+    """Put the training loop's state of ``checkpoint`` back (then the task's part), and return
+    where the loop goes on."""
+    assert checkpoint.loaded is not None
+    st = checkpoint.loaded["train"]
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    if sched is not None and st["scheduler"] is not None:
+        sched.load_state_dict(st["scheduler"])
+    gen.set_state(st["data_order"])
+    result.history = list(st["history"])
+    result.status, result.note, result.steps = st["status"]
+    checkpoint.resume_task()
+    set_rng_states(st["rng"])  # last: nothing after it draws
+    return _Loop(**st["loop"])
 
 
 def _forward_backward(
