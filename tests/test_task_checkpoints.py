@@ -270,3 +270,47 @@ def test_fingerprint_ignores_checkpoint_every_only():
     assert checkpoints.task_fingerprint(cell2, "c", 0, {"dtype": "float64"}, "cpu") == fp
     assert checkpoints.task_fingerprint(cell, "c", 1, {"dtype": "float64"}, "cpu") != fp
     assert checkpoints.task_fingerprint(cell, "c", 0, {"dtype": "float32"}, "cpu") != fp
+
+
+LONG = """\
+schema: 1
+name: ckpt_long
+device: cpu
+dtype: float64
+threads: 1
+seeds: [0]
+data: {name: digits, train_subset: 256, test_subset: 64}
+defaults:
+  model: {name: fc_deq_tiny, width: 16}
+  solver: {name: anderson, max_iter: 20, tol: 1.0e-4}
+  backward: {name: ift, max_iter: 20, tol: 1.0e-4}
+  train: {epochs: 40, batch_size: 16, lr: 1.0e-2}
+analyses: [metrics, solver_stats]
+output: results
+"""
+
+
+@pytest.mark.slow  # about 15 s on 2 shared cores: a local Dask cluster and a 5 s task, twice
+def test_dask_worker_stops_at_the_deadline_and_resumes_from_its_checkpoint(tmp_path):
+    pytest.importorskip("distributed")
+    import dask
+
+    from deqbench.run.executors._forkserver import use_method
+    from deqbench.run.executors.dask import DaskExecutor
+
+    suite = load_suite(write_suite(tmp_path, LONG))
+    straight = run_suite(suite, out=tmp_path / "inline", progress=False, plots=False)
+    with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
+        use_method("forkserver")
+        with DaskExecutor(workers=1) as ex:  # the task runs in a worker process's thread
+            ex.start("cpu", 1, dtype="float64")  # up and warm before the deadline's clock starts
+            first = run_suite(suite, executor=ex, progress=False, plots=False, stop_after=2.0)
+        assert first.exit_code == STOPPED_EXIT, first.stopped
+        ((cell, seed, note),) = first.stopped
+        assert "--resume continues it from its checkpoint" in note
+        assert checkpoint_path(first.run_dir, cell, seed).exists()
+        with DaskExecutor(workers=1) as ex:
+            again = run_suite(suite, executor=ex, resume=first.run_dir, progress=False, plots=False)
+    assert again.exit_code in (0, 1) and not checkpoint_path(first.run_dir, cell, seed).exists()
+    assert "continued from its checkpoint" in (first.run_dir / "log.txt").read_text()
+    pd.testing.assert_frame_equal(_rows(again.run_dir), _rows(straight.run_dir), check_exact=True)
