@@ -244,7 +244,8 @@ def test_cli_stop_after_exits_75_with_the_resume_line(tmp_path):
         app, ["run", str(p), "--stop-after", "0", "--no-progress", "--no-check"]
     )
     assert res.exit_code == STOPPED_EXIT, res.output
-    assert "stopped by --stop-after" in res.output and "--resume" in res.output
+    assert "interrupted by --stop-after: 2 tasks unfinished; resume with" in res.output
+    assert "not started: the --stop-after deadline had passed" in res.output
 
 
 def test_held_signal_is_not_lost_when_the_step_raises():

@@ -251,18 +251,27 @@ def execute(
                 f"; resume with: {esc(again)}",
                 markup=True,
             )
-        elif summary.interrupted and summary.signal is None and summary.stopped:
-            n = len(summary.stopped)
-            con.print(
-                f"[yellow]stopped by --stop-after[/yellow]: {n} task{'s' * (n != 1)} unfinished "
-                f"(a running task continues from its checkpoint); resume with: {esc(again)}",
-                markup=True,
-            )
         elif summary.interrupted:
             import signal
 
-            how = f" ({signal.Signals(summary.signal).name})" if summary.signal else ""
-            con.print(f"[yellow]interrupted{how}[/yellow]; resume with: {esc(again)}", markup=True)
+            from ..run.checkpoints import FOLDER
+
+            n = len(list((summary.run_dir / FOLDER).glob("*.pt")))
+            kept = (
+                f" ({n} task{'s' * (n != 1)} continue{'s' * (n == 1)} from a checkpoint)"
+                if n
+                else ""
+            )
+            if summary.signal is None and summary.stopped:
+                for cell, seed, note in summary.stopped:
+                    con.print(f"[yellow]unfinished[/yellow] {esc(f'{cell} seed={seed}: {note}')}",
+                              markup=True)  # fmt: skip
+                n = len(summary.stopped)
+                how = f" by --stop-after: {n} task{'s' * (n != 1)} unfinished"
+            else:
+                how = f" ({signal.Signals(summary.signal).name})" if summary.signal else ""
+            con.print(f"[yellow]interrupted{how}[/yellow]{kept}; resume with: {esc(again)}",
+                      markup=True)  # fmt: skip
         print(f"run directory: {summary.run_dir}")
     return summary.exit_code
 

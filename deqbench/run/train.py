@@ -253,128 +253,163 @@ def train(
     :class:`~deqbench.run.interrupts.Interrupted` is raised) and at its deadline (then
     :class:`~deqbench.run.checkpoints.Suspended`).
     """
-    if runtime is None:
-        runtime = model_runtime(model)
-    callbacks = list(callbacks)
-    Xtr, ytr = data.train
-    Xte, yte = data.test
-    loss_fn = loss_function(data.task)
-    opt = make_optimizer(model, cfg)
-    if ctx is not None:
-        ctx.optimizer, ctx.loss_fn = opt, loss_fn
-    n = Xtr.shape[0]
-    bs = n if cfg.full_batch else min(cfg.batch_size, n)
-    steps_per_epoch = math.ceil(n / bs)
-    sched, per_batch = make_schedule(opt, cfg, steps_per_epoch)
-    gen = torch.Generator().manual_seed(seed)
-    result = TrainResult(
-        steps_per_epoch=steps_per_epoch, tallies=Tallies() if tallies is None else tallies
-    )
-    result.tallies.amp, result.tallies.device = runtime.amp, Xtr.device.type
-    data_range = float((data.meta or {}).get("data_range", 1.0))  # PSNR/SSIM of image targets
+    t = _Trainer(model, data, cfg, ctx, list(callbacks), emit, seed, runtime, tallies)
+    t.progress, t.checkpoint = progress, checkpoint
+    return t.run()
 
-    def hook(phase: str, cb: Any, method: str, info: Any) -> None:
+
+class _Trainer:
+    """One call of :func:`train`: its optimiser, schedule, data order and result, and the loop
+    that a checkpoint can stop and continue at every step boundary."""
+
+    progress: Callable[[int, int], None] | None = None
+    checkpoint: TaskCheckpoint | None = None
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: DataBundle,
+        cfg: TrainConfig,
+        ctx: CellContext | None,
+        callbacks: list[Any],
+        emit: Callable[[Any, Iterable[Row]], None] | None,
+        seed: int,
+        runtime: Runtime | None,
+        tallies: Tallies | None,
+    ) -> None:
+        self.model, self.data, self.cfg, self.ctx = model, data, cfg, ctx
+        self.callbacks, self.emit = callbacks, emit
+        self.runtime = model_runtime(model) if runtime is None else runtime
+        self.X, self.y = data.train
+        self.loss_fn = loss_function(data.task)
+        self.opt = make_optimizer(model, cfg)
+        if ctx is not None:
+            ctx.optimizer, ctx.loss_fn = self.opt, self.loss_fn
+        n = self.X.shape[0]
+        self.bs = n if cfg.full_batch else min(cfg.batch_size, n)
+        self.steps_per_epoch = math.ceil(n / self.bs)
+        self.sched, self.per_batch = make_schedule(self.opt, cfg, self.steps_per_epoch)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.result = TrainResult(
+            steps_per_epoch=self.steps_per_epoch,
+            tallies=Tallies() if tallies is None else tallies,
+        )
+        self.result.tallies.amp, self.result.tallies.device = self.runtime.amp, self.X.device.type
+        # PSNR/SSIM of image targets
+        self.data_range = float((data.meta or {}).get("data_range", 1.0))
+        self.own = own_solver(model) is not None  # a model that reports its own solves
+        self.layers = list(deq_layers(model))  # looked up once: the model's structure stays
+        self.has_deq = self.own or bool(self.layers)
+        self.after_step = post_step_hooks(model)
+        self.loop = _Loop()
+
+    def hook(self, phase: str, cb: Any, method: str, info: Any) -> None:
         """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
-        with result.tallies.counting(phase, cb):
-            _emit(emit, cb, getattr(cb, method)(ctx, info))
+        with self.result.tallies.counting(phase, cb):
+            _emit(self.emit, cb, getattr(cb, method)(self.ctx, info))
 
-    def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
+    def evaluate(self, X: Tensor, y: Tensor) -> dict[str, float]:
+        c = self.cfg
+        return evaluate(
+            self.model, X, y, self.data.task, c.eval_batch_size, self.runtime, self.data_range
+        )
+
+    def epoch_end(self, epoch: int, train_stats: dict[str, float]) -> None:
         phase = "init" if epoch == 0 else "eval"
-        with result.tallies.counting(phase):  # evaluate verifies its solves
-            test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime, data_range)
+        with self.result.tallies.counting(phase):  # evaluate verifies its solves
+            test = self.evaluate(*self.data.test)
         rec = {
             "epoch": float(epoch),
             **{f"train_{k}": v for k, v in train_stats.items()},
             **{f"test_{k}": v for k, v in test.items()},
         }
-        result.history.append(rec)
+        self.result.history.append(rec)
         info = EpochInfo(epoch, train_stats, test)
-        for cb in callbacks:
-            hook(phase if epoch == 0 else "probe", cb, "on_epoch", info)
+        for cb in self.callbacks:
+            self.hook(phase if epoch == 0 else "probe", cb, "on_epoch", info)
 
-    own = own_solver(model) is not None  # a model that reports its own solves
-    layers = list(deq_layers(model))  # looked up once: the model's structure stays
-    has_deq = own or bool(layers)
-    after_step = post_step_hooks(model)
-    loop = _Loop()
-    if checkpoint is not None and checkpoint.loaded is not None:
-        loop = _resume(checkpoint, model, opt, sched, gen, result)
-    elif cfg.eval_before:
-        with result.tallies.counting("init"):
-            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime, data_range)
-        epoch_end(0, ev)
+    def capped(self) -> bool:
+        return self.cfg.max_steps is not None and self.loop.step >= self.cfg.max_steps
 
-    def capped() -> bool:
-        return cfg.max_steps is not None and loop.step >= cfg.max_steps
+    def save(self) -> None:
+        if self.checkpoint is not None:
+            state = _state(self.model, self.opt, self.sched, self.gen, self.loop, self.result)
+            self.checkpoint.save(state, self.loop.step)
 
-    def save() -> None:
-        if checkpoint is not None:
-            checkpoint.save(_state(model, opt, sched, gen, loop, result), loop.step)
+    def run(self) -> TrainResult:
+        cfg, loop, result, ck = self.cfg, self.loop, self.result, self.checkpoint
+        if ck is not None and ck.loaded is not None:
+            self.loop = loop = _resume(ck, self.model, self.opt, self.sched, self.gen, result)
+        elif cfg.eval_before:
+            with result.tallies.counting("init"):
+                ev = self.evaluate(self.X, self.y)
+            self.epoch_end(0, ev)
+        while loop.epoch <= cfg.epochs and not (self.capped() and loop.batch == 0):
+            epoch = loop.epoch
+            self.model.train()
+            if loop.perm is None:
+                loop.perm = torch.randperm(self.X.shape[0], generator=self.gen)
+            perm = loop.perm.to(self.X.device)
+            while loop.batch < self.steps_per_epoch and not self.capped():
+                try:
+                    with held_signals(self.save):  # a signal stops training between two steps
+                        self.step(epoch, perm)
+                except _Failed:
+                    return result
+                _boundary(ck, self.save, loop.step)
+            with held_signals(self.save):
+                if self.sched is not None and not self.per_batch:
+                    self.sched.step()
+                if cfg.precise_bn:
+                    with result.tallies.counting("train"):
+                        recompute_batchnorm(self.model, self.X, self.bs, self.runtime)
+                self.epoch_end(epoch, {k: v / max(loop.count, 1) for k, v in loop.sums.items()})
+                result.steps = loop.step
+                loop.next_epoch()
+            _boundary(ck, self.save, loop.step)
+        return result
 
-    def step_once(epoch: int, perm: Tensor) -> None:
+    def step(self, epoch: int, perm: Tensor) -> None:
         """One optimiser step on the loop's next batch, its records and hooks; raises
         :class:`_Failed` where training must stop (status and note in ``result``)."""
+        cfg, loop, model, opt = self.cfg, self.loop, self.model, self.opt
         i = loop.batch
-        idx = perm[i * bs : (i + 1) * bs]
-        xb, yb = Xtr[idx], ytr[idx]
+        idx = perm[i * self.bs : (i + 1) * self.bs]
+        xb, yb = self.X[idx], self.y[idx]
         opt.zero_grad(set_to_none=True)
         # the last batch of an epoch (or of training) is verified: its forward solves'
         # residuals are recomputed with one more f-evaluation
-        last = i == steps_per_epoch - 1 or (
+        last = i == self.steps_per_epoch - 1 or (
             cfg.max_steps is not None and loop.step + 1 >= cfg.max_steps
         )
         out, lv, fwd, records = _forward_backward(
-            model, xb, yb, loss_fn, runtime, verify=last, layers=layers, own=own
-        )
+            model, xb, yb, self.loss_fn, self.runtime, verify=last, layers=self.layers,
+            own=self.own,
+        )  # fmt: skip
         if fwd is not None:
-            result.status, result.note = _stopped(lv, fwd, f"epoch {epoch} step {loop.step + 1}")
-            result.steps = loop.step
+            where = f"epoch {epoch} step {loop.step + 1}"
+            self.result.status, self.result.note = _stopped(lv, fwd, where)
+            self.result.steps = loop.step
             raise _Failed
-        result.tallies.add("train", records)
+        self.result.tallies.add("train", records)
         if cfg.grad_clip:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        for fn in after_step:
+        for fn in self.after_step:
             fn()
-        if sched is not None and per_batch:
-            sched.step()
+        if self.sched is not None and self.per_batch:
+            self.sched.step()
         loop.step += 1
         loop.batch += 1
-        st = last_stats(model, layers) if has_deq else {}
-        for k, v in _step_record(lv, st, out, yb, data.task).items():
+        st = last_stats(model, self.layers) if self.has_deq else {}
+        for k, v in _step_record(lv, st, out, yb, self.data.task).items():
             loop.sums[k] = loop.sums.get(k, 0.0) + v
         loop.count += 1
         info = StepInfo(epoch, loop.step, lv, st, (xb, yb))
-        for cb in callbacks:
-            hook("probe", cb, "on_step", info)
-        if progress is not None:
-            progress(epoch, loop.step)
-
-    # a training loop that a checkpoint can stop and continue at every step boundary
-    while loop.epoch <= cfg.epochs and not (capped() and loop.batch == 0):
-        epoch = loop.epoch
-        model.train()
-        if loop.perm is None:
-            loop.perm = torch.randperm(n, generator=gen)
-        perm = loop.perm.to(Xtr.device)
-        while loop.batch < steps_per_epoch and not capped():
-            try:
-                with held_signals(save):  # a signal stops training between two steps
-                    step_once(epoch, perm)
-            except _Failed:
-                return result
-            _boundary(checkpoint, save, loop.step)
-        with held_signals(save):
-            if sched is not None and not per_batch:
-                sched.step()
-            if cfg.precise_bn:
-                with result.tallies.counting("train"):
-                    recompute_batchnorm(model, Xtr, bs, runtime)
-            epoch_end(epoch, {k: v / max(loop.count, 1) for k, v in loop.sums.items()})
-            result.steps = loop.step
-            loop.next_epoch()
-        _boundary(checkpoint, save, loop.step)
-    return result
+        for cb in self.callbacks:
+            self.hook("probe", cb, "on_step", info)
+        if self.progress is not None:
+            self.progress(epoch, loop.step)
 
 
 class _Failed(Exception):
