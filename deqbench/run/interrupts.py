@@ -14,6 +14,11 @@ in place (an embedding application's), a plain ``KeyboardInterrupt`` on the main
 for Ctrl-C, as before; off the main thread, where Python never delivers a signal, it is always
 code's own.
 
+A training step holds a signal until it ends (:func:`held_signals`): the loop writes its
+checkpoint at that step boundary, then raises :class:`Interrupted`. ``--stop-after`` sets this
+process's deadline (:func:`stop_after`, :func:`deadline`), at which the runner's tasks stop at
+their next step boundary (:mod:`deqbench.run.checkpoints`).
+
 Example:
     >>> from deqbench.run.interrupts import is_interruption, marked_signals
     >>> with marked_signals():

@@ -6,7 +6,11 @@ The coordinator (:func:`run_suite`) alone writes the run directory: ``run.json``
 ``log.txt`` (tracebacks of failed tasks) and ``plots/``. It holds ``run.lock``
 (:mod:`deqbench.run.lock`) while it lives, so a run directory has one writer. SIGINT and SIGTERM
 stop it cleanly (finished tasks on disk, ``run.json`` ``interrupted``, exit 130 / 143); a signal
-after the last task finished leaves it ``complete``. Nothing else interrupts it: a ``SystemExit``,
+after the last task finished leaves it ``complete``; a training task stopped by one writes its
+checkpoint first (``checkpoints/``, :mod:`deqbench.run.checkpoints`), which ``--resume``
+continues and the coordinator deletes once the task's rows are written. ``stop_after``
+(``--stop-after``) stops the tasks at their next step boundary (exit 75). Nothing else
+interrupts it: a ``SystemExit``,
 ``KeyboardInterrupt`` or ``GeneratorExit`` raised by plugin code is the failure of the task (or
 analysis) that ran it (:mod:`deqbench.run.interrupts`), and the run goes on. Tasks (:class:`deqbench.run.task.Task`) are
 picklable and independent; an :class:`Executor` runs them and yields their

@@ -36,7 +36,14 @@ SCHEDULES = (None, "none", "step", "multistep", "cosine")
 
 @dataclass
 class TrainConfig:
-    """Training hyperparameters (the suite's ``train:`` block)."""
+    """Training hyperparameters (the suite's ``train:`` block).
+
+    Attributes:
+        checkpoint_every: seconds of training between the checkpoints a task of a run writes
+            into its run directory, at step boundaries (``--resume`` continues an unfinished
+            task from its last one; a SIGINT/SIGTERM or ``--stop-after`` writes one too); null:
+            none at all. How a run saves, not what it computes: not part of the suite hash.
+    """
 
     epochs: int = 2
     batch_size: int = 64
@@ -63,9 +70,8 @@ class TrainConfig:
     #: ones, so eval mode normalises differently from training (conv_deq_tiny after 4 steps:
     #: every evaluation solve at max_iter, accuracy 0.39; with this: converged, 0.73)
     precise_bn: bool = False
-    checkpoint_every: float | None = (
-        60.0  # seconds of training between a task's checkpoints in its run directory, at step boundaries (--resume continues from the last; null: none, also at a signal or --stop-after); not part of the suite hash
-    )
+    #: seconds of training between a task's checkpoints (see the class docstring)
+    checkpoint_every: float | None = 60.0
 
 
 @dataclass
