@@ -25,7 +25,6 @@ checkpoints, with one note.
 from __future__ import annotations
 
 import io
-import math
 import pickle
 import random
 import time
@@ -258,10 +257,3 @@ def task_fingerprint(
     }
     text = json.dumps(body, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def minutes(seconds: float) -> str:
-    """``42 s`` / ``3.5 min``, for notes."""
-    if not math.isfinite(seconds):
-        return "?"
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
