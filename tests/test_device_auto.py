@@ -227,7 +227,10 @@ def test_a_bad_device_is_one_line_and_exit_2(tmp_path):
     )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if "device" in ln]
-    assert len(lines) == 1 and "device must be cuda_if_available, auto, cpu, cuda or cuda:N" in lines[0]
+    assert (
+        len(lines) == 1
+        and "device must be cuda_if_available, auto, cpu, cuda or cuda:N" in lines[0]
+    )
     assert load_suite(write_suite(tmp_path, AUTO_SUITE, "ok.yaml")).device == "auto"
 
 

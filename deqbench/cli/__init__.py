@@ -87,6 +87,16 @@ SetOpt = Annotated[
         "(repeatable).",
     ),
 ]
+StopAfterOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--stop-after",
+        min=0,
+        help="Stop after this many seconds: each running task stops at its next training step, "
+        "writing its checkpoint, no further task starts; exit 75 and --resume continues (e.g. "
+        "--stop-after 540 inside a 10-minute limit).",
+    ),
+]
 ProgressOpt = Annotated[
     bool | None,
     typer.Option(
@@ -247,8 +257,24 @@ def execute(
         elif summary.interrupted:
             import signal
 
-            how = f" ({signal.Signals(summary.signal).name})" if summary.signal else ""
-            con.print(f"[yellow]interrupted{how}[/yellow]; resume with: {esc(again)}", markup=True)
+            from ..run.checkpoints import FOLDER
+
+            n = len(list((summary.run_dir / FOLDER).glob("*.pt")))
+            kept = (
+                f" ({n} task{'s' * (n != 1)} continue{'s' * (n == 1)} from a checkpoint)"
+                if n
+                else ""
+            )
+            if summary.signal is None and summary.stopped:
+                for cell, seed, note in summary.stopped:
+                    con.print(f"[yellow]unfinished[/yellow] {esc(f'{cell} seed={seed}: {note}')}",
+                              markup=True)  # fmt: skip
+                n = len(summary.stopped)
+                how = f" by --stop-after: {n} task{'s' * (n != 1)} unfinished"
+            else:
+                how = f" ({signal.Signals(summary.signal).name})" if summary.signal else ""
+            con.print(f"[yellow]interrupted{how}[/yellow]{kept}; resume with: {esc(again)}",
+                      markup=True)  # fmt: skip
         print(f"run directory: {summary.run_dir}")
     return summary.exit_code
 
@@ -360,19 +386,25 @@ def run(
             "starting (as deqbench validate does).",
         ),
     ] = True,
+    stop_after: StopAfterOpt = None,
 ) -> None:
     """Run a suite: every cell x seed, into results/SUITE/RUN_ID/.
 
     A collection file (one with a list under suites:) runs its suites one after another, each
     into its own run directory; the exit code is the worst of theirs. Exit codes: 0 every cell
     ok, 1 some cell failed or flagged, 2 bad input (or the run directory is locked by another
-    run, or writing it failed, e.g. disk full, or memory ran out while PyTorch loaded), 130 interrupted (SIGINT), 143 (SIGTERM).
+    run, or writing it failed, e.g. disk full, or memory ran out while PyTorch loaded), 75
+    stopped by --stop-after with cells unfinished, 130 interrupted (SIGINT), 143 (SIGTERM): each
+    resumable with --resume, a training cell from its checkpoint.
     Only those signals interrupt: a plugin's sys.exit() or KeyboardInterrupt is its cell's error
     (or its analysis's failed row), and the run goes on."""
     with handle_errors(), ExitStack() as stack:
         from ..core.errors import ConfigError
         from ..run.executors import prestart
+        from ..run.interrupts import stop_after as deadline
         from ..run.suite import load_suites
+
+        stack.enter_context(deadline(stop_after))  # the command's deadline, every part's
 
         # a local Dask cluster starts (and its workers warm up) while the suite is validated
         early = prestart(executor, scheduler=scheduler, workers=workers, path=suite,

@@ -90,6 +90,16 @@ def reproduce_command(
             "small cells at once).",
         ),
     ] = None,
+    stop_after: Annotated[
+        float | None,
+        typer.Option(
+            "--stop-after",
+            min=0,
+            help="Stop after this many seconds: the running cells stop at their next training "
+            "step, writing their checkpoints, no further cell or suite starts; exit 75, the "
+            "report marks the unfinished suites' claims not run, and --resume continues.",
+        ),
+    ] = None,
 ) -> None:
     """Run the suites behind the papers' claims, check each claim in the paper's direction and
     write reproduction.csv and reproduction.md (verdicts: reproduced, not reproduced, not run).
@@ -97,7 +107,9 @@ def reproduce_command(
     Each needed suite runs once (claims sharing a suite share its run); progress is one line
     per suite on stderr. Exit 0 when every suite ran to its end, 1 when a suite failed (its
     claims are not run), 2 for bad input or a folder another reproduce holds, 130/143 when
-    interrupted (the report marks the unfinished suites' claims not run; resume with --resume).
+    interrupted (the report marks the unfinished suites' claims not run; resume with --resume),
+    75 when --stop-after stopped a suite with cells unfinished (likewise; a training cell
+    continues from its checkpoint).
     Flagged cells are measurements: the checkers judge their convergence."""
     from ..cli import handle_errors
 
@@ -109,12 +121,14 @@ def reproduce_command(
 
             if (why := output_problem(str(out.parent), out.name)) is not None:
                 raise ConfigError(f"--out {out}: {why}")
+        from ..run.interrupts import stop_after as deadline
         from .run import RunOptions, reproduce_run
 
         ids = [c.strip() for c in (claims or "").split(",") if c.strip()]
         opts = RunOptions(tuple(overrides or ()), executor, scheduler, workers, resume)
-        folder, code = reproduce_run(papers or (), scale=scale, claim_ids=ids, out=out,
-                                     data_root=data_root, options=opts)  # fmt: skip
+        with deadline(stop_after):  # every suite's tasks stop then
+            folder, code = reproduce_run(papers or (), scale=scale, claim_ids=ids, out=out,
+                                         data_root=data_root, options=opts)  # fmt: skip
         print(f"report: {folder / 'reproduction.md'}")
     if code:
         raise typer.Exit(code)

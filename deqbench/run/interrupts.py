@@ -14,6 +14,11 @@ in place (an embedding application's), a plain ``KeyboardInterrupt`` on the main
 for Ctrl-C, as before; off the main thread, where Python never delivers a signal, it is always
 code's own.
 
+A training step holds a signal until it ends (:func:`held_signals`): the loop writes its
+checkpoint at that step boundary, then raises :class:`Interrupted`. ``--stop-after`` sets this
+process's deadline (:func:`stop_after`, :func:`deadline`), at which the runner's tasks stop at
+their next step boundary (:mod:`deqbench.run.checkpoints`).
+
 Example:
     >>> from deqbench.run.interrupts import is_interruption, marked_signals
     >>> with marked_signals():
@@ -31,11 +36,15 @@ from typing import Any
 
 __all__ = [
     "Interrupted",
+    "deadline",
     "fault_line",
+    "held_signals",
+    "holds",
     "is_interruption",
     "marked_signals",
     "marking",
     "plugin_fault",
+    "stop_after",
 ]
 
 
@@ -61,7 +70,91 @@ def marking(handler: Callable[..., Any]) -> Callable[..., Any]:
 
 @marking
 def _raise_interrupted(signum: int, frame: Any) -> None:
+    if holds(signum):
+        return
     raise Interrupted(signum)
+
+
+class _Held:
+    """The state of :func:`held_signals`: whether a block holds signals, and the one that came."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.signum: int | None = None
+
+    def take(self) -> int | None:
+        signum, self.signum = self.signum, None
+        return signum
+
+
+_HELD = _Held()
+
+
+@contextmanager
+def held_signals(before_raise: Callable[[], Any] | None = None) -> Iterator[None]:
+    """Inside, on the main thread: the first SIGINT/SIGTERM that reaches one of deqbench's
+    marking handlers is held, so that the block (a training step) ends whole; at its end
+    ``before_raise()`` runs (e.g. writes a checkpoint) and :class:`Interrupted` is raised. A
+    block left by an exception raises :class:`Interrupted` instead of it, without
+    ``before_raise`` (its state is not whole). A second signal inside the block raises at once.
+    Elsewhere (other threads, where no signal arrives, or inside another such block) it holds
+    nothing."""
+    if _HELD.active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _HELD.active, _HELD.signum = True, None
+    try:
+        yield
+    except BaseException as exc:
+        _HELD.active = False
+        signum = _HELD.take()
+        if signum is not None and not isinstance(exc, Interrupted):
+            raise Interrupted(signum) from exc
+        raise
+    _HELD.active = False
+    signum = _HELD.take()
+    if signum is not None:
+        if before_raise is not None:
+            before_raise()
+        raise Interrupted(signum)
+
+
+def holds(signum: int) -> bool:
+    """For a marking signal handler: True when ``signum`` was held for a :func:`held_signals`
+    block (the handler returns), False when it must raise now."""
+    if (
+        _HELD.active
+        and _HELD.signum is None
+        and threading.current_thread() is threading.main_thread()
+    ):
+        _HELD.signum = signum
+        return True
+    return False
+
+
+_DEADLINE: list[float | None] = [None]
+
+
+@contextmanager
+def stop_after(seconds: float | None) -> Iterator[None]:
+    """Inside, this process's runs stop their tasks ``seconds`` from now (``--stop-after``):
+    a training task writes its checkpoint at the next step boundary past that time and ends
+    unfinished, tasks not started yet do not start (:func:`deadline`). None: no deadline."""
+    old = _DEADLINE[0]
+    if seconds is not None:
+        import time
+
+        _DEADLINE[0] = time.time() + float(seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE[0] = old
+
+
+def deadline() -> float | None:
+    """The epoch time at which this process's runs stop their tasks (:func:`stop_after`), or
+    None."""
+    return _DEADLINE[0]
 
 
 def _marked() -> bool:

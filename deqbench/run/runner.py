@@ -6,7 +6,11 @@ The coordinator (:func:`run_suite`) alone writes the run directory: ``run.json``
 ``log.txt`` (tracebacks of failed tasks) and ``plots/``. It holds ``run.lock``
 (:mod:`deqbench.run.lock`) while it lives, so a run directory has one writer. SIGINT and SIGTERM
 stop it cleanly (finished tasks on disk, ``run.json`` ``interrupted``, exit 130 / 143); a signal
-after the last task finished leaves it ``complete``. Nothing else interrupts it: a ``SystemExit``,
+after the last task finished leaves it ``complete``; a training task stopped by one writes its
+checkpoint first (``checkpoints/``, :mod:`deqbench.run.checkpoints`), which ``--resume``
+continues and the coordinator deletes once the task's rows are written. ``stop_after``
+(``--stop-after``) stops the tasks at their next step boundary (exit 75). Nothing else
+interrupts it: a ``SystemExit``,
 ``KeyboardInterrupt`` or ``GeneratorExit`` raised by plugin code is the failure of the task (or
 analysis) that ran it (:mod:`deqbench.run.interrupts`), and the run goes on. Tasks (:class:`deqbench.run.task.Task`) are
 picklable and independent; an :class:`Executor` runs them and yields their
@@ -35,10 +39,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.errors import ConfigError
 from . import results as res
-from .interrupts import Interrupted, is_interruption, marking, plugin_fault
+from .checkpoints import remove_checkpoint
+from .interrupts import Interrupted, deadline, holds, is_interruption, marking, plugin_fault
 from .lock import RunLock
 from .placement import place_run
 from .task import (
+    SUSPENDED,
     Listener,
     Task,
     TaskResult,
@@ -95,17 +101,27 @@ class RunSummary:
     cause: str | None = None
     #: the run directory's results as the run ended (``load_results``), for the caller's summary
     results: Any = field(default=None, repr=False, compare=False)
+    #: the tasks the ``--stop-after`` deadline stopped unfinished: (cell_id, seed, note)
+    stopped: list[tuple[str, int, str]] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
         """0 every task ok; 1 some task failed or was flagged; 2 stopped by an error writing the
         run directory (``cause``); 128 + the signal when interrupted (130 SIGINT, 143
-        SIGTERM); 130 for a KeyboardInterrupt raised otherwise."""
+        SIGTERM); 130 for a KeyboardInterrupt raised otherwise; :data:`STOPPED_EXIT` (75) when
+        the ``--stop-after`` deadline left tasks unfinished (``stopped``)."""
         if self.interrupted:
             if self.cause:
                 return 2
+            if self.signal is None and self.stopped:
+                return STOPPED_EXIT
             return 128 + self.signal if self.signal else 130
         return 1 if self.failed else 0
+
+
+#: the exit code of a run that ``--stop-after`` stopped with tasks unfinished (EX_TEMPFAIL of
+#: sysexits.h: a temporary failure, to be tried again: ``--resume``)
+STOPPED_EXIT = 75
 
 
 class _Signals:
@@ -147,6 +163,8 @@ class _Signals:
         self.pending = self.pending or signum
         if self.mode == "raise" and not self._depth:
             self.pending = None
+            if holds(signum):  # a training step ends whole first (and writes its checkpoint)
+                return
             raise Interrupted(signum)
 
     def arm(self) -> None:
@@ -386,6 +404,7 @@ def run_suite(
     progress: bool | None = None,
     plots: bool = True,
     command: list[str] | None = None,
+    stop_after: float | None = None,
 ) -> RunSummary:
     """Run every (cell, seed) of ``suite`` and write the run directory.
 
@@ -398,6 +417,11 @@ def run_suite(
         progress: True/False forces the progress bar on/off; None: on when stderr is a terminal.
         plots: write ``plots/*.png`` at the end.
         command: recorded in ``run.json`` (default ``sys.argv``).
+        stop_after: seconds from now after which the tasks stop at their next step boundary,
+            each writing its checkpoint (:mod:`deqbench.run.checkpoints`), and tasks not begun do
+            not start; the run then ends ``interrupted`` with ``stopped`` set (exit code 75) and
+            ``--resume`` continues it. Also the process's deadline
+            (:func:`deqbench.run.interrupts.stop_after`), whichever comes first.
 
     Returns:
         :class:`RunSummary` (``exit_code`` 0, 1 if a task failed, 130 if interrupted).
@@ -405,8 +429,12 @@ def run_suite(
         ``interrupted``. The suite's ``threads`` and numeric flags hold for the run; the
         process's own settings are restored afterwards.
     """
+    stop_at = deadline()
+    if stop_after is not None:
+        mine = time.time() + float(stop_after)
+        stop_at = mine if stop_at is None else min(stop_at, mine)
     with preserved_numerics():
-        return _run_suite(suite, out, resume, executor, progress, plots, command)
+        return _run_suite(suite, out, resume, executor, progress, plots, command, stop_at)
 
 
 def _run_suite(
@@ -417,6 +445,7 @@ def _run_suite(
     progress: bool | None,
     plots: bool,
     command: list[str] | None,
+    stop_at: float | None = None,
 ) -> RunSummary:
     if suite.threads:
         import torch
@@ -446,11 +475,13 @@ def _run_suite(
             _say(f"note: {line}")
             _log(run_dir, line)
         tasks = [
-            Task(suite, c, s, devices[c.id], meta["run_id"], str(run_dir))
+            Task(suite, c, s, devices[c.id], meta["run_id"], str(run_dir), stop_at)
             for c in suite.cells
             for s in suite.seeds
             if (c.id, s) not in done
         ]
+        for c_id, s in done:  # left by a run stopped between writing the rows and deleting it
+            remove_checkpoint(run_dir, c_id, s)
         summary = RunSummary(run_dir, meta["run_id"], len(tasks), len(done))
         _log(
             run_dir,
@@ -474,6 +505,13 @@ def _run_suite(
                             pool = _plot_pool(suite)
                     results = iter((executor or InlineExecutor()).run(tasks, prog))
                     for r in results:
+                        for line in r.notes:
+                            _say(f"note: {r.cell_id} seed={r.seed}: {line}")
+                            _log(run_dir, f"{r.cell_id} seed={r.seed}: {line}")
+                        if r.status == SUSPENDED:  # unfinished: nothing written, --resume runs it
+                            summary.stopped.append((r.cell_id, r.seed, r.note))
+                            _log(run_dir, f"{r.cell_id} seed={r.seed}: {r.note}")
+                            continue
                         r.timing["received"] = time.time()
                         timings.append(
                             {"cell_id": r.cell_id, "seed": r.seed, "status": r.status,
@@ -489,6 +527,10 @@ def _run_suite(
                             _log(run_dir, f"stopped: {summary.cause}")
                             break
                         prog.finished(r)
+                if summary.stopped and not summary.interrupted:
+                    summary.interrupted = True
+                    _log(run_dir, f"stopped by --stop-after: {len(summary.stopped)} task(s) "
+                                  "unfinished; --resume continues them")  # fmt: skip
             except KeyboardInterrupt as exc:
                 if written < len(tasks):
                     summary.interrupted = True
@@ -578,6 +620,7 @@ def _record(run_dir: Path, writer: res.ResultsWriter, r: TaskResult) -> None:
     for fname, text in r.series.items():
         res.write_atomic(run_dir / "series" / fname, text)
     writer.append(r.rows)  # its manifest record first, then the rows
+    remove_checkpoint(run_dir, r.cell_id, r.seed)  # the task is finished: its rows are written
     _log(run_dir, f"{r.cell_id} seed={r.seed}: {r.status} {r.wall_time:.3f} s {r.note}")
     if r.traceback:
         _log(run_dir, f"{r.cell_id} seed={r.seed} traceback:\n{r.traceback}")
@@ -710,6 +753,8 @@ def _finish(
         meta["cause"] = signal.Signals(summary.signal).name
     elif summary.cause:
         meta["cause"] = summary.cause
+    elif summary.stopped:
+        meta["cause"] = f"--stop-after: {len(summary.stopped)} task(s) unfinished"
     try:
         res.write_json(run_dir / "run.json", meta)
     except OSError as exc:

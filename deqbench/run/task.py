@@ -27,6 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..analyses.base import CellContext, Row
+from .checkpoints import (
+    Suspended,
+    TaskCheckpoint,
+    checkpoint_path,
+    dumps_linked,
+    loads_linked,
+    task_fingerprint,
+)
 from .interrupts import is_interruption, marked_signals, plugin_fault
 from .results import CONVERGENCE, FLAGGED, RUNNER
 from .solves import Tallies, rule_note
@@ -45,6 +53,10 @@ class Task:
     device: str  # resolved: cpu | cuda | cuda:1 ...
     run_id: str = ""
     run_dir: str | None = None
+    #: the ``--stop-after`` deadline (epoch seconds): the task stops at the first step boundary
+    #: past it, its checkpoint written, and returns :data:`SUSPENDED` (it does not start when
+    #: the deadline has passed)
+    stop_at: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -81,10 +93,17 @@ class TaskResult:
     #: (``host:pid``, or the Dask worker's name), ``pid``; the coordinator adds ``submitted``,
     #: ``received`` and ``attempts`` (:mod:`deqbench.run.timeline` reads them)
     timing: dict[str, Any] = field(default_factory=dict)
+    #: lines for the run's log and stderr (a checkpoint used, ignored or not written)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
         return self.status != "ok"
+
+
+#: the status of a task that the ``--stop-after`` deadline stopped before it finished: no rows;
+#: the runner writes nothing for it and ``--resume`` runs it again (from its checkpoint)
+SUSPENDED = "suspended"
 
 
 class Listener(Protocol):
@@ -345,6 +364,11 @@ def run_task(task: Task, listener: Listener | None = None) -> TaskResult:
     from ..core.own_solves import judged_under
 
     # a model's own loop is judged under the run's stop rule (the cell's solver.stop)
+    if task.stop_at is not None and time.time() >= task.stop_at:
+        now = time.time()
+        note = "not started: the --stop-after deadline had passed"
+        timing = {"start": now, "end": now, "pid": os.getpid(), "worker": _where()}
+        return TaskResult(task.cell.id, task.seed, [], SUSPENDED, note, timing=timing)
     stop = task.cell.solver.get("stop") if isinstance(task.cell.solver, dict) else None
     with marked_signals(), judged_under(stop if isinstance(stop, str) else None):
         return _run_task(task, listener)
@@ -381,6 +405,8 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
     status, note, tb = "ok", "", None
     ctx: CellContext | None = None
     tallies = Tallies()  # every DEQ solve of the task, by kind and phase
+    ckpt: TaskCheckpoint | None = None
+    before = 0.0  # seconds the task ran before its checkpoint (a resumed task)
 
     if listener is not None:
         listener.task_started(task)
@@ -419,16 +445,31 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
             with tallies.counting(phase, a):
                 out.emit(a, hook(ctx))
 
-        for a in instances:
-            probe("init", a, a.before_training)
+        ckpt = _checkpoint(
+            task, ctx, instances, tallies, out, lambda: before + time.perf_counter() - t0
+        )
+        loaded = ckpt.load() if ckpt is not None else None
+        if loaded is not None:
+            before = float(loaded["wall"])
+            ckpt.notes.append(f"continued from its checkpoint at step {loaded['step']}")  # type: ignore[union-attr]
+        else:  # a resumed task has these rows (and their solves) in its checkpoint
+            for a in instances:
+                probe("init", a, a.before_training)
         status, note = _train_phase(
-            task, model, data, ctx, instances, runtime, tallies, out, listener, mname
+            task, model, data, ctx, instances, runtime, tallies, out, listener, mname, ckpt
         )
         out.stage = f"running model {_named('models', mname)}"
         if status == "ok":
             for a in instances:
                 probe("probe", a, a.after_training)
         _add_convergence_rows(tallies, out)
+    except Suspended as exc:
+        timing = {"start": started, "end": time.time(), "pid": os.getpid(), "worker": _where()}
+        wall = before + time.perf_counter() - t0
+        notes = ckpt.notes if ckpt is not None else []
+        return TaskResult(
+            cell.id, task.seed, [], SUSPENDED, str(exc), None, wall, {}, timing, notes
+        )
     except torch.cuda.OutOfMemoryError as exc:
         status, note, tb = "oom", _one_line(exc), traceback.format_exc()
         torch.cuda.empty_cache()
@@ -446,12 +487,73 @@ def _run_task(task: Task, listener: Listener | None) -> TaskResult:
         flags = _untrustworthy(tallies, out.rows)
         if flags:
             status, note = FLAGGED, "; ".join(dict.fromkeys(flags))
-    wall = time.perf_counter() - t0
+    wall = before + time.perf_counter() - t0
     out.add(RUNNER, Row("wall_time", wall, unit="s", status=status, note=note))
     series = ctx.extra.get("_series", {}) if ctx is not None else {}
     timing = {"start": started, "end": time.time(), "pid": os.getpid(), "worker": _where(),
               "device": task.device}  # fmt: skip
-    return TaskResult(cell.id, task.seed, out.rows, status, note, tb, wall, series, timing)
+    notes = ckpt.notes if ckpt is not None else []
+    return TaskResult(cell.id, task.seed, out.rows, status, note, tb, wall, series, timing, notes)
+
+
+def _checkpoint(
+    task: Task,
+    ctx: CellContext,
+    instances: list[Any],
+    tallies: Tallies,
+    out: _TaskRows,
+    wall: Any,
+) -> TaskCheckpoint | None:
+    """The task's :class:`~deqbench.run.checkpoints.TaskCheckpoint` (None: nothing to write to
+    and no deadline), its part of the state (rows, analyses, tallies, series, wall time so far)
+    captured and restored with the live model, context and data linked."""
+    cfg = task.cell.train_config()
+    every = cfg.checkpoint_every
+    path = None
+    if task.run_dir is not None and every is not None and every > 0:
+        path = checkpoint_path(task.run_dir, task.cell.id, task.seed)
+    if path is None and task.stop_at is None:
+        return None
+    suite = task.suite
+    settings = {"dtype": suite.dtype, "analyses": suite.analyses, **suite.numeric_flags()}
+    fingerprint = task_fingerprint(
+        task.cell.as_dict(), task.cell.id, task.seed, settings, task.device
+    )
+    ckpt = TaskCheckpoint(path, every, fingerprint, task.stop_at)
+
+    def live() -> dict[str, Any]:
+        model, data = ctx.model, ctx.data
+        objs: dict[str, Any] = {"ctx": ctx, "data": data, "train": data.train, "test": data.test}
+        objs.update({"optimizer": ctx.optimizer, "loss_fn": ctx.loss_fn})
+        for split in ("train", "test"):
+            for i, t in enumerate(getattr(data, split)):
+                objs[f"{split}:{i}"] = t
+        objs.update({f"module:{k}": m for k, m in model.named_modules()})  # "" is the model
+        objs.update({f"param:{k}": p for k, p in model.named_parameters()})
+        objs.update({f"buffer:{k}": b for k, b in model.named_buffers()})
+        return {k: v for k, v in objs.items() if v is not None}
+
+    def capture() -> bytes:
+        # the start-up rows stay those of the process that finishes the task
+        state = {
+            "rows": [r for r in out.rows if r["analysis"] != PROCESS],
+            "analyses": [a.__dict__ for a in instances],
+            "tallies": tallies.__dict__,
+            "extra": ctx.extra,
+        }
+        return dumps_linked(state, live())
+
+    def restore(blob: bytes) -> None:
+        state = loads_linked(blob, live())
+        out.rows[:] = [r for r in out.rows if r["analysis"] == PROCESS] + state["rows"]
+        for a, saved in zip(instances, state["analyses"]):
+            a.__dict__.update(saved)
+        tallies.__dict__.update(state["tallies"])
+        ctx.extra.clear()
+        ctx.extra.update(state["extra"])
+
+    ckpt.capture, ckpt.restore, ckpt.wall = capture, restore, wall
+    return ckpt
 
 
 def _process_start_up(task: Task, dtype: Any, out: _TaskRows) -> Any:
@@ -516,6 +618,7 @@ def _train_phase(
     out: _TaskRows,
     listener: Listener | None,
     mname: str,
+    ckpt: TaskCheckpoint | None = None,
 ) -> tuple[str, str]:
     """Train the model with the analyses as callbacks (unless no epoch and no analysis needs
     training) and record its step counts; returns the training's status and note."""
@@ -546,6 +649,7 @@ def _train_phase(
         progress=progress,
         runtime=runtime,
         tallies=tallies,
+        checkpoint=ckpt,
     )
     out.add(
         TRAINING,

@@ -26,6 +26,8 @@ from ..core.evaluation import evaluate, loss_function
 from ..core.runtime import autocast, for_loss, model_runtime
 from ..core.verdict import solve_ledger, verify_solves
 from ..data.base import DataBundle
+from .checkpoints import Suspended, TaskCheckpoint, rng_states, set_rng_states
+from .interrupts import held_signals
 from .solves import BF16_TOL, MISSED_SHARE, SolveTally, Tallies  # noqa: F401 - train's API
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -34,7 +36,14 @@ SCHEDULES = (None, "none", "step", "multistep", "cosine")
 
 @dataclass
 class TrainConfig:
-    """Training hyperparameters (the suite's ``train:`` block)."""
+    """Training hyperparameters (the suite's ``train:`` block).
+
+    Attributes:
+        checkpoint_every: seconds of training between the checkpoints a task of a run writes
+            into its run directory, at step boundaries (``--resume`` continues an unfinished
+            task from its last one; a SIGINT/SIGTERM or ``--stop-after`` writes one too); null:
+            none at all. How a run saves, not what it computes: not part of the suite hash.
+    """
 
     epochs: int = 2
     batch_size: int = 64
@@ -61,6 +70,8 @@ class TrainConfig:
     #: ones, so eval mode normalises differently from training (conv_deq_tiny after 4 steps:
     #: every evaluation solve at max_iter, accuracy 0.39; with this: converged, 0.73)
     precise_bn: bool = False
+    #: seconds of training between a task's checkpoints (see the class docstring)
+    checkpoint_every: float | None = 60.0
 
 
 @dataclass
@@ -208,13 +219,6 @@ def recompute_batchnorm(
     return len(bns)
 
 
-@torch.no_grad()
-def _batches(n: int, bs: int, gen: torch.Generator, device) -> Iterable[Tensor]:
-    perm = torch.randperm(n, generator=gen).to(device)
-    for i in range(0, n, bs):
-        yield perm[i : i + bs]
-
-
 def _emit(
     emit: Callable[[Any, Iterable[Row]], None] | None, analysis: Any, rows: Iterable[Row] | None
 ) -> None:
@@ -237,6 +241,7 @@ def train(
     progress: Callable[[int, int], None] | None = None,
     runtime: Runtime | None = None,
     tallies: Tallies | None = None,
+    checkpoint: TaskCheckpoint | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``data`` (tensors already on the target device/dtype).
 
@@ -248,106 +253,252 @@ def train(
     optimiser stay in the model's dtype. ``tallies`` (default: new) receives every DEQ solve of
     the training batches, the evaluation passes and the analyses' hooks, by phase
     (:mod:`deqbench.run.solves`); the evaluation passes and the last training batch of each
-    epoch verify their forward solves (one more f-evaluation each).
+    epoch verify their forward solves (one more f-evaluation each). ``checkpoint``
+    (:class:`~deqbench.run.checkpoints.TaskCheckpoint`): continue from its loaded state, write
+    one at step boundaries where due, on a SIGINT/SIGTERM that came during a step (then
+    :class:`~deqbench.run.interrupts.Interrupted` is raised) and at its deadline (then
+    :class:`~deqbench.run.checkpoints.Suspended`).
     """
-    if runtime is None:
-        runtime = model_runtime(model)
-    callbacks = list(callbacks)
-    Xtr, ytr = data.train
-    Xte, yte = data.test
-    loss_fn = loss_function(data.task)
-    opt = make_optimizer(model, cfg)
-    if ctx is not None:
-        ctx.optimizer, ctx.loss_fn = opt, loss_fn
-    n = Xtr.shape[0]
-    bs = n if cfg.full_batch else min(cfg.batch_size, n)
-    steps_per_epoch = math.ceil(n / bs)
-    sched, per_batch = make_schedule(opt, cfg, steps_per_epoch)
-    gen = torch.Generator().manual_seed(seed)
-    result = TrainResult(
-        steps_per_epoch=steps_per_epoch, tallies=Tallies() if tallies is None else tallies
-    )
-    result.tallies.amp, result.tallies.device = runtime.amp, Xtr.device.type
-    data_range = float((data.meta or {}).get("data_range", 1.0))  # PSNR/SSIM of image targets
+    t = _Trainer(model, data, cfg, ctx, list(callbacks), emit, seed, runtime, tallies)
+    t.progress, t.checkpoint = progress, checkpoint
+    return t.run()
 
-    def hook(phase: str, cb: Any, method: str, info: Any) -> None:
+
+class _Trainer:
+    """One call of :func:`train`: its optimiser, schedule, data order and result, and the loop
+    that a checkpoint can stop and continue at every step boundary."""
+
+    progress: Callable[[int, int], None] | None = None
+    checkpoint: TaskCheckpoint | None = None
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: DataBundle,
+        cfg: TrainConfig,
+        ctx: CellContext | None,
+        callbacks: list[Any],
+        emit: Callable[[Any, Iterable[Row]], None] | None,
+        seed: int,
+        runtime: Runtime | None,
+        tallies: Tallies | None,
+    ) -> None:
+        self.model, self.data, self.cfg, self.ctx = model, data, cfg, ctx
+        self.callbacks, self.emit = callbacks, emit
+        self.runtime = model_runtime(model) if runtime is None else runtime
+        self.X, self.y = data.train
+        self.loss_fn = loss_function(data.task)
+        self.opt = make_optimizer(model, cfg)
+        if ctx is not None:
+            ctx.optimizer, ctx.loss_fn = self.opt, self.loss_fn
+        n = self.X.shape[0]
+        self.bs = n if cfg.full_batch else min(cfg.batch_size, n)
+        self.steps_per_epoch = math.ceil(n / self.bs)
+        self.sched, self.per_batch = make_schedule(self.opt, cfg, self.steps_per_epoch)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.result = TrainResult(
+            steps_per_epoch=self.steps_per_epoch,
+            tallies=Tallies() if tallies is None else tallies,
+        )
+        self.result.tallies.amp, self.result.tallies.device = self.runtime.amp, self.X.device.type
+        # PSNR/SSIM of image targets
+        self.data_range = float((data.meta or {}).get("data_range", 1.0))
+        self.own = own_solver(model) is not None  # a model that reports its own solves
+        self.layers = list(deq_layers(model))  # looked up once: the model's structure stays
+        self.has_deq = self.own or bool(self.layers)
+        self.after_step = post_step_hooks(model)
+        self.loop = _Loop()
+
+    def hook(self, phase: str, cb: Any, method: str, info: Any) -> None:
         """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
-        with result.tallies.counting(phase, cb):
-            _emit(emit, cb, getattr(cb, method)(ctx, info))
+        with self.result.tallies.counting(phase, cb):
+            _emit(self.emit, cb, getattr(cb, method)(self.ctx, info))
 
-    def epoch_end(epoch: int, train_stats: dict[str, float]) -> None:
+    def evaluate(self, X: Tensor, y: Tensor) -> dict[str, float]:
+        c = self.cfg
+        return evaluate(
+            self.model, X, y, self.data.task, c.eval_batch_size, self.runtime, self.data_range
+        )
+
+    def epoch_end(self, epoch: int, train_stats: dict[str, float]) -> None:
         phase = "init" if epoch == 0 else "eval"
-        with result.tallies.counting(phase):  # evaluate verifies its solves
-            test = evaluate(model, Xte, yte, data.task, cfg.eval_batch_size, runtime, data_range)
+        with self.result.tallies.counting(phase):  # evaluate verifies its solves
+            test = self.evaluate(*self.data.test)
         rec = {
             "epoch": float(epoch),
             **{f"train_{k}": v for k, v in train_stats.items()},
             **{f"test_{k}": v for k, v in test.items()},
         }
-        result.history.append(rec)
+        self.result.history.append(rec)
         info = EpochInfo(epoch, train_stats, test)
-        for cb in callbacks:
-            hook(phase if epoch == 0 else "probe", cb, "on_epoch", info)
+        for cb in self.callbacks:
+            self.hook(phase if epoch == 0 else "probe", cb, "on_epoch", info)
 
-    if cfg.eval_before:
-        with result.tallies.counting("init"):
-            ev = evaluate(model, Xtr, ytr, data.task, cfg.eval_batch_size, runtime, data_range)
-        epoch_end(0, ev)
+    def capped(self) -> bool:
+        return self.cfg.max_steps is not None and self.loop.step >= self.cfg.max_steps
 
-    step = 0
-    own = own_solver(model) is not None  # a model that reports its own solves
-    layers = list(deq_layers(model))  # looked up once: the model's structure stays
-    has_deq = own or bool(layers)
-    after_step = post_step_hooks(model)
-    for epoch in range(1, cfg.epochs + 1):
-        model.train()
-        sums: dict[str, float] = {}
-        count = 0
-        for i, idx in enumerate(_batches(n, bs, gen, Xtr.device)):
-            xb, yb = Xtr[idx], ytr[idx]
-            opt.zero_grad(set_to_none=True)
-            # the last batch of an epoch (or of training) is verified: its forward solves'
-            # residuals are recomputed with one more f-evaluation
-            last = i == steps_per_epoch - 1 or (
-                cfg.max_steps is not None and step + 1 >= cfg.max_steps
-            )
-            out, lv, fwd, records = _forward_backward(
-                model, xb, yb, loss_fn, runtime, verify=last, layers=layers, own=own
-            )
-            if fwd is not None:
-                result.status, result.note = _stopped(lv, fwd, f"epoch {epoch} step {step + 1}")
-                result.steps = step
-                return result
-            result.tallies.add("train", records)
-            if cfg.grad_clip:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            for fn in after_step:
-                fn()
-            if sched is not None and per_batch:
-                sched.step()
-            step += 1
-            st = last_stats(model, layers) if has_deq else {}
-            for k, v in _step_record(lv, st, out, yb, data.task).items():
-                sums[k] = sums.get(k, 0.0) + v
-            count += 1
-            info = StepInfo(epoch, step, lv, st, (xb, yb))
-            for cb in callbacks:
-                hook("probe", cb, "on_step", info)
-            if progress is not None:
-                progress(epoch, step)
-            if cfg.max_steps is not None and step >= cfg.max_steps:
-                break
-        if sched is not None and not per_batch:
-            sched.step()
-        if cfg.precise_bn:
-            with result.tallies.counting("train"):
-                recompute_batchnorm(model, Xtr, bs, runtime)
-        epoch_end(epoch, {k: v / max(count, 1) for k, v in sums.items()})
-        result.steps = step
-        if cfg.max_steps is not None and step >= cfg.max_steps:
-            break
-    return result
+    def save(self) -> None:
+        if self.checkpoint is not None:
+            state = _state(self.model, self.opt, self.sched, self.gen, self.loop, self.result)
+            self.checkpoint.save(state, self.loop.step)
+
+    def run(self) -> TrainResult:
+        cfg, loop, result, ck = self.cfg, self.loop, self.result, self.checkpoint
+        if ck is not None and ck.loaded is not None:
+            self.loop = loop = _resume(ck, self.model, self.opt, self.sched, self.gen, result)
+        elif cfg.eval_before:
+            with result.tallies.counting("init"):
+                ev = self.evaluate(self.X, self.y)
+            self.epoch_end(0, ev)
+        while loop.epoch <= cfg.epochs and not (self.capped() and loop.batch == 0):
+            epoch = loop.epoch
+            self.model.train()
+            if loop.perm is None:
+                loop.perm = torch.randperm(self.X.shape[0], generator=self.gen)
+            perm = loop.perm.to(self.X.device)
+            while loop.batch < self.steps_per_epoch and not self.capped():
+                try:
+                    with held_signals(self.save):  # a signal stops training between two steps
+                        self.step(epoch, perm)
+                except _Failed:
+                    return result
+                _boundary(ck, self.save, loop.step)
+            with held_signals(self.save):
+                if self.sched is not None and not self.per_batch:
+                    self.sched.step()
+                if cfg.precise_bn:
+                    with result.tallies.counting("train"):
+                        recompute_batchnorm(self.model, self.X, self.bs, self.runtime)
+                self.epoch_end(epoch, {k: v / max(loop.count, 1) for k, v in loop.sums.items()})
+                result.steps = loop.step
+                loop.next_epoch()
+            _boundary(ck, self.save, loop.step)
+        return result
+
+    def step(self, epoch: int, perm: Tensor) -> None:
+        """One optimiser step on the loop's next batch, its records and hooks; raises
+        :class:`_Failed` where training must stop (status and note in ``result``)."""
+        cfg, loop, model, opt = self.cfg, self.loop, self.model, self.opt
+        i = loop.batch
+        idx = perm[i * self.bs : (i + 1) * self.bs]
+        xb, yb = self.X[idx], self.y[idx]
+        opt.zero_grad(set_to_none=True)
+        # the last batch of an epoch (or of training) is verified: its forward solves'
+        # residuals are recomputed with one more f-evaluation
+        last = i == self.steps_per_epoch - 1 or (
+            cfg.max_steps is not None and loop.step + 1 >= cfg.max_steps
+        )
+        out, lv, fwd, records = _forward_backward(
+            model, xb, yb, self.loss_fn, self.runtime, verify=last, layers=self.layers,
+            own=self.own,
+        )  # fmt: skip
+        if fwd is not None:
+            where = f"epoch {epoch} step {loop.step + 1}"
+            self.result.status, self.result.note = _stopped(lv, fwd, where)
+            self.result.steps = loop.step
+            raise _Failed
+        self.result.tallies.add("train", records)
+        if cfg.grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        for fn in self.after_step:
+            fn()
+        if self.sched is not None and self.per_batch:
+            self.sched.step()
+        loop.step += 1
+        loop.batch += 1
+        st = last_stats(model, self.layers) if self.has_deq else {}
+        for k, v in _step_record(lv, st, out, yb, self.data.task).items():
+            loop.sums[k] = loop.sums.get(k, 0.0) + v
+        loop.count += 1
+        info = StepInfo(epoch, loop.step, lv, st, (xb, yb))
+        for cb in self.callbacks:
+            self.hook("probe", cb, "on_step", info)
+        if self.progress is not None:
+            self.progress(epoch, loop.step)
+
+
+class _Failed(Exception):
+    """A training step that stopped training (a non-finite loss, a diverged solve)."""
+
+
+def _boundary(checkpoint: TaskCheckpoint | None, save: Callable[[], None], step: int) -> None:
+    """Between two steps: the periodic checkpoint where one is due; at the deadline a checkpoint
+    and :class:`~deqbench.run.checkpoints.Suspended`."""
+    if checkpoint is None:
+        return
+    stop = checkpoint.deadline_passed()
+    if stop or checkpoint.due():
+        save()
+    if stop:
+        kept = checkpoint.saved_step == step
+        raise Suspended(
+            f"stopped by --stop-after at step {step}; "
+            + ("--resume continues it from its checkpoint" if kept
+               else "no checkpoint: --resume runs it from scratch")
+        )  # fmt: skip
+
+
+@dataclass
+class _Loop:
+    """Where the training loop is: the epoch (from 1), the batches done in it, the optimiser
+    steps done, the epoch's sums of the step records, and the epoch's batch order (a CPU
+    permutation; None before the epoch draws it)."""
+
+    epoch: int = 1
+    batch: int = 0
+    step: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    count: int = 0
+    perm: Tensor | None = None
+
+    def next_epoch(self) -> None:
+        self.epoch, self.batch, self.sums, self.count, self.perm = self.epoch + 1, 0, {}, 0, None
+
+
+def _state(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    gen: torch.Generator,
+    loop: _Loop,
+    result: TrainResult,
+) -> dict[str, Any]:
+    """The training loop's part of a checkpoint (:mod:`deqbench.run.checkpoints`)."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict() if sched is not None else None,
+        "data_order": gen.get_state(),
+        "rng": rng_states(),
+        "loop": dict(vars(loop)),
+        "history": result.history,
+        "status": (result.status, result.note, result.steps),
+    }
+
+
+def _resume(
+    checkpoint: TaskCheckpoint,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    gen: torch.Generator,
+    result: TrainResult,
+) -> _Loop:
+    """Put the training loop's state of ``checkpoint`` back (then the task's part), and return
+    where the loop goes on."""
+    assert checkpoint.loaded is not None
+    st = checkpoint.loaded["train"]
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    if sched is not None and st["scheduler"] is not None:
+        sched.load_state_dict(st["scheduler"])
+    gen.set_state(st["data_order"])
+    result.history = list(st["history"])
+    result.status, result.note, result.steps = st["status"]
+    checkpoint.resume_task()
+    set_rng_states(st["rng"])  # last: nothing after it draws
+    return _Loop(**st["loop"])
 
 
 def _forward_backward(
