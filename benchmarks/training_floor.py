@@ -77,6 +77,8 @@ DATASETS: dict[str, dict[str, Any]] = {
 }
 #: test images kept for the evaluation ``train`` runs after its last step (outside the timing)
 TEST_IMAGES = 64
+#: train with captured steps (``train.capture``; ``--capture``)
+CAPTURE = False
 #: seconds of replays timed for a CUDA floor
 FLOOR_SECONDS = 1.0
 
@@ -243,6 +245,7 @@ def measure(
 ) -> dict[str, Any]:  # fmt: skip
     """Time ``steps`` steps of ``train`` after ``warmup`` steps; counts of the timed steps."""
     cfg = cell.train_config()
+    cfg.capture = CAPTURE
     cfg.max_steps = warmup + steps + 1  # the last step verifies its solve: kept out of the timing
     data = tiled(data, BATCH * cfg.max_steps, TEST_IMAGES).to(dev, torch.float32)
     counter = _Counter()
@@ -463,6 +466,7 @@ def environment(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "pack": args.pack,
+        "capture": bool(args.capture),
         "batch": BATCH,
         "solver": SOLVER,
         "backward": BACKWARD,
@@ -488,6 +492,7 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
                    "--warmup", str(args.warmup), "--threads", str(threads), "--seed",
                    str(args.seed), "--data", data, "--json", str(out), "--barrier", tmp, "--rank", str(rank),
                    "--world", str(k), "--graph-steps", args.graph_steps,
+                   *(["--capture"] if args.capture else []),
                    "--models", *args.models]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
@@ -566,6 +571,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--graph-steps", default="auto", choices=["auto", "loop", "chunks"],
                     help="the solves' graph path: auto (the default, as a suite runs), loop (the "
                     "device loop for 'auto') or chunks (the chunked graphs for 'auto')")  # fmt: skip
+    ap.add_argument("--capture", action="store_true",
+                    help="captured training steps (train.capture: true)")  # fmt: skip
     # internal: the processes of a --pack run
     ap.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -582,6 +589,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    global CAPTURE
+    CAPTURE = args.capture
     if args.graph_steps != "auto":
         from deqbench.solvers import graphs
 

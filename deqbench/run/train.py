@@ -26,6 +26,7 @@ from ..core.evaluation import evaluate, loss_function
 from ..core.runtime import autocast, for_loss, model_runtime
 from ..core.verdict import solve_ledger, verify_solves
 from ..data.base import DataBundle
+from .captured_step import CapturedStep, capture_problem
 from .checkpoints import Suspended, TaskCheckpoint, rng_states, set_rng_states
 from .interrupts import held_signals
 from .solves import BF16_TOL, MISSED_SHARE, SolveTally, Tallies  # noqa: F401 - train's API
@@ -72,6 +73,10 @@ class TrainConfig:
     precise_bn: bool = False
     #: seconds of training between a task's checkpoints (see the class docstring)
     checkpoint_every: float | None = 60.0
+    #: take each training step as captured parts whose solves stop on the device
+    #: (:mod:`deqbench.run.captured_step`; CUDA graphs on a GPU, the same parts eagerly on CPU);
+    #: a model or configuration it does not support is a ConfigError naming why
+    capture: bool = False
 
 
 @dataclass
@@ -101,17 +106,24 @@ class TrainResult:
         return self.tallies.flags()
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, cfg: TrainConfig, capturable: bool = False
+) -> torch.optim.Optimizer:
     """The suite's optimiser, stepping with ``foreach=True`` (one call over every parameter
     tensor, the single-tensor loop's arithmetic). Not torch's ``fused=True`` Adam kernel, though
     its host time is lower: it updates the parameters without bumping their version counters,
     and deqbench's caches of parameter-derived values (OptEq's norm scale and singular vectors)
-    see a change by the version."""
+    see a change by the version. ``capturable``: Adam and AdamW with their state on the
+    device, so that a CUDA graph can hold the step (captured training steps)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+        return torch.optim.Adam(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True, capturable=capturable
+        )
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True, capturable=capturable
+        )
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
             params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
@@ -288,7 +300,14 @@ class _Trainer:
         self.runtime = model_runtime(model) if runtime is None else runtime
         self.X, self.y = data.train
         self.loss_fn = loss_function(data.task)
-        self.opt = make_optimizer(model, cfg)
+        self.captured: CapturedStep | None = None
+        if cfg.capture:
+            why = capture_problem(model, cfg)
+            if why is not None:
+                from ..core.errors import ConfigError
+
+                raise ConfigError(f"train.capture: not for this cell: {why}")
+        self.opt = make_optimizer(model, cfg, capturable=cfg.capture and self.X.is_cuda)
         if ctx is not None:
             ctx.optimizer, ctx.loss_fn = self.opt, self.loss_fn
         n = self.X.shape[0]
@@ -308,6 +327,8 @@ class _Trainer:
         self.has_deq = self.own or bool(self.layers)
         self.after_step = post_step_hooks(model)
         self.loop = _Loop()
+        if cfg.capture:
+            self.captured = CapturedStep(model, self.opt, self.loss_fn, data.task, self.after_step)
 
     def hook(self, phase: str, cb: Any, method: str, info: Any) -> None:
         """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
@@ -382,6 +403,9 @@ class _Trainer:
         i = loop.batch
         idx = perm[i * self.bs : (i + 1) * self.bs]
         xb, yb = self.X[idx], self.y[idx]
+        if self.captured is not None:
+            self.captured_step(epoch, xb, yb)
+            return
         opt.zero_grad(set_to_none=True)
         # the last batch of an epoch (or of training) is verified: its forward solves'
         # residuals are recomputed with one more f-evaluation
@@ -409,6 +433,38 @@ class _Trainer:
         loop.batch += 1
         st = last_stats(model, self.layers) if self.has_deq else {}
         for k, v in _step_record(lv, st, out, yb, self.data.task).items():
+            loop.sums[k] = loop.sums.get(k, 0.0) + v
+        loop.count += 1
+        info = StepInfo(epoch, loop.step, lv, st, (xb, yb))
+        for cb in self.callbacks:
+            self.hook("probe", cb, "on_step", info)
+        if self.progress is not None:
+            self.progress(epoch, loop.step)
+
+    def captured_step(self, epoch: int, xb: Tensor, yb: Tensor) -> None:
+        """:meth:`step` as captured parts (``train.capture``): the same records and hooks."""
+        loop, cap = self.loop, self.captured
+        assert cap is not None
+        with solve_ledger() as led:
+            lv, acc, fst, ast = cap.step(xb, yb)
+            cap.record(fst, ast)
+        st = last_stats(self.model, self.layers)
+        if ast is None:  # a diverged forward solve or a non-finite loss: no update was made
+            where = f"epoch {epoch} step {loop.step + 1}"
+            self.result.status, self.result.note = _stopped(lv, st, where)
+            self.result.steps = loop.step
+            raise _Failed
+        self.result.tallies.add("train", led.records)
+        if self.sched is not None and self.per_batch:
+            self.sched.step()
+        loop.step += 1
+        loop.batch += 1
+        rec = {"loss": lv, **st}
+        if self.data.task == "classification":
+            rec["accuracy"] = acc
+        else:
+            rec["mse"] = lv
+        for k, v in rec.items():
             loop.sums[k] = loop.sums.get(k, 0.0) + v
         loop.count += 1
         info = StepInfo(epoch, loop.step, lv, st, (xb, yb))

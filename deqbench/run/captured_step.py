@@ -1,0 +1,336 @@
+"""Captured training steps (``train.capture: true``): a DEQ training step as a few CUDA graphs
+whose stop tests run on the device.
+
+A step of a small DEQ is a few dozen tiny kernels separated by host work (the solvers'
+bookkeeping, the implicit function's Python, the optimiser's loop, the stats and their host
+reads), so the GPU idles most of it (docs: Benchmarks, "Training steps against their floor").
+Here the step is the floor's work with the solvers' stop tests on the device:
+
+1. ``prologue``: the injection u = inject(x) (with its autograd graph), z = z0(u), the forward
+   solve's state reset;
+2. forward chunks: n masked fixed-point steps z <- f(z, u) each (:class:`MaskedSolve`): every step
+   measures the residual of its iterate, and once the stop rule holds (or the residual is
+   non-finite or blown up, or the budget is spent) the iterate stays and the count stops, so the
+   solve returns the iterate where the eager solver stops, whatever n;
+3. ``middle``: the readout and loss with their backward (dL/dz* and the readout's gradients), f
+   at z* recorded with grad, the adjoint solve's state reset;
+4. adjoint chunks: masked fixed-point steps w <- J^T w + g (VJPs of that recording);
+5. ``update``: the parameter VJP at w, the injection's backward, the optimiser step
+   (``capturable``) and the model's ``post_step`` hooks.
+
+Each part is captured once (chunks per length) in one memory pool and replayed; the host reads
+one small tensor after the forward chunks (halted? diverged?) and one after the adjoint chunks
+(halted? the loss and both solves' summaries), so a step costs about five graph launches and two
+host reads, however many iterations it makes. The first chunk's length is the last step's count
+(most steps then need one chunk), later chunks add :data:`MORE` steps. On the CPU the same parts
+run eagerly (no graphs): the tests compare them with the eager training path there.
+
+What it supports (:func:`capture_problem` says why not otherwise): a model with one DEQ layer
+and ``inject``/``readout``/``z0`` (:class:`~deqbench.core.deq.DEQModel`), the ``fixed_point``
+forward solver (no damping) and the ``ift`` backward with the ``fixed_point`` adjoint solver,
+Adam or AdamW, no gradient clipping, no AMP or compiled cell, classification or regression
+losses. The solves return their last iterate (the eager solvers' default is the per-sample
+lowest; on a contraction they are the same iterate); every step's solves are checked against
+their tolerance and stop rule as the eager ones are, and recorded in the solve ledger.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core import verdict
+from ..core.deq import deq_layers
+from ..solvers.stats import EPS, SolverStats, batch_norm, make_stats, rule_value
+
+#: steps a continuation chunk adds when the first chunk did not reach the stop rule
+MORE = 2
+#: longest first chunk (a longer solve continues in MORE-step chunks)
+FIRST_MAX = 64
+
+
+def capture_problem(model: nn.Module, cfg: Any) -> str | None:
+    """Why ``model`` trained with ``cfg`` (a TrainConfig) cannot take captured steps, or None."""
+    layers = list(deq_layers(model))
+    if len(layers) != 1:
+        return f"the model has {len(layers)} DEQ layers (captured steps take one)"
+    if not all(hasattr(model, a) for a in ("inject", "readout", "z0")):
+        return "the model has no inject/readout/z0 (a DEQModel)"
+    layer = layers[0]
+    s, b = layer.solver_cfg, layer.backward_cfg
+    if s.name != "fixed_point" or float(s.options.get("tau", 1.0)) != 1.0:
+        return f"forward solver {s.name!r} (captured steps take fixed_point without damping)"
+    if b.name != "ift" or b.solver != "fixed_point":
+        return f"backward {b.name!r} / {b.solver!r} (captured steps take ift with fixed_point)"
+    if float(b.options.get("tau", 1.0)) != 1.0:
+        return "a damped adjoint solver"
+    rt = layer.runtime
+    if rt.amp != "none" or rt.backend is not None:
+        return "AMP or a compiled cell"
+    if cfg.optimizer not in ("adam", "adamw"):
+        return f"optimizer {cfg.optimizer!r} (captured steps take adam or adamw)"
+    if cfg.grad_clip:
+        return "gradient clipping"
+    return None
+
+
+class MaskedSolve:
+    """A fixed-point solve of ``fn`` on a static state, in masked steps that stop on the device.
+
+    Static buffers: the state, whether it stopped, the f-evaluations made, the first abs
+    residual, the residuals of the iterate it stops at, converged / diverged. Each step
+    evaluates f at the state, measures that iterate's residual (abs and rel per sample, the stop
+    rule's batch value), and then, unless the solve stopped before, counts the evaluation and
+    either stops there (the stop rule holds, the residual is non-finite or exceeds
+    ``protect`` times the first, or the budget is spent: the test the eager tracker makes, in
+    that order) or takes f's value as the next iterate."""
+
+    def __init__(self, state: Tensor, tol: float, stop_mode: str, rule: str, max_iter: int,
+                 protect: float) -> None:  # fmt: skip
+        self.z, dev = state, state.device
+        self.tol, self.stop_mode, self.rule = float(tol), stop_mode, rule
+        self.max_iter, self.protect = int(max_iter), float(protect)
+        B = state.shape[0]
+        self.halt = torch.zeros((), dtype=torch.bool, device=dev)
+        self.nstep = torch.zeros((), dtype=torch.long, device=dev)
+        self.abs0 = torch.zeros((), dtype=state.dtype, device=dev)
+        self.abs_r = torch.zeros(B, dtype=state.dtype, device=dev)
+        self.rel_r = torch.zeros(B, dtype=state.dtype, device=dev)
+        self.value = torch.zeros((), dtype=state.dtype, device=dev)
+        self.conv = torch.zeros((), dtype=torch.bool, device=dev)
+        self.div = torch.zeros((), dtype=torch.bool, device=dev)
+
+    def reset(self) -> None:
+        for t in (self.halt, self.nstep, self.conv, self.div):
+            t.zero_()
+
+    def steps(self, fn: Any, n: int) -> None:
+        for _ in range(n):
+            self.step(fn)
+
+    def step(self, fn: Any) -> None:
+        z = self.z
+        fz = fn(z)
+        a = batch_norm(fz - z)
+        nrm = batch_norm(fz)
+        r = a / (nrm + EPS)
+        value = rule_value(a, r, self.rule, self.stop_mode, nrm)
+        amax = a.amax()
+        active = ~self.halt
+        first = self.nstep == 0
+        torch.where(first, amax, self.abs0, out=self.abs0)
+        finite = torch.isfinite(a).all() & torch.isfinite(r).all()
+        div_now = ~finite | ((self.abs0 != 0) & (amax > self.protect * self.abs0))
+        conv_now = ~div_now & (value < self.tol)
+        self.nstep.add_(active.long())
+        stop_now = active & (div_now | conv_now | (self.nstep >= self.max_iter))
+        torch.where(active, a, self.abs_r, out=self.abs_r)
+        torch.where(active, r, self.rel_r, out=self.rel_r)
+        torch.where(active, value, self.value, out=self.value)
+        self.conv |= active & conv_now
+        self.div |= active & div_now
+        z.copy_(torch.where(active & ~stop_now, fz, z))
+        self.halt |= stop_now
+
+    def summary(self) -> list[Tensor]:
+        """Device scalars the host reads once: halted, f-evaluations, converged, diverged, the
+        stop rule's value, the max abs and rel residual of the returned iterate."""
+        dt = self.abs_r.dtype
+        return [self.halt.to(dt), self.nstep.to(dt), self.conv.to(dt), self.div.to(dt),
+                self.value, self.abs_r.amax(), self.rel_r.amax()]  # fmt: skip
+
+    def stats(self, solver: str, row: list[float], extra: dict[str, Any]) -> SolverStats:
+        """The solve's :class:`SolverStats` from its summary ``row`` (as :meth:`summary`
+        ordered, read on the host), the per-sample residuals copied out of the static buffers."""
+        _, nstep, conv, div, value = row[:5]
+        B = self.abs_r.shape[0]
+        empty = self.abs_r.new_zeros(0, B)
+        st = make_stats(
+            solver, int(nstep), empty, empty, self.abs_r.clone(), self.rel_r.clone(), self.tol,
+            self.stop_mode, diverged=bool(div), converged=bool(conv), stop=self.rule,
+            extra={"returned": "x", "path": "captured step", "stop_residual": value, **extra},
+        )  # fmt: skip
+        st.path = "captured"
+        return st
+
+
+class CapturedStep:
+    """Training steps of ``model`` as captured parts (module docstring); ``step`` runs one."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Any, task: str,
+                 after_step: list[Any]) -> None:  # fmt: skip
+        self.model: Any = model  # a DEQModel (capture_problem): inject, readout, z0
+        self.opt, self.loss_fn, self.task = opt, loss_fn, task
+        self.after_step = after_step
+        (layer,) = deq_layers(model)
+        self.layer: Any = layer
+        self.cuda = next(model.parameters()).is_cuda
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+        cell_ids = {id(p) for p in self.layer.cell.parameters()}
+        self.cell_params = [p for p in self.params if id(p) in cell_ids]
+        self.graphs: dict[Any, Any] = {}
+        self.pool: Any = None
+        self.lr: list[float] = []
+        self.first = {"forward": 0, "adjoint": 0}  # the last step's counts: the first chunks
+        self.built = False
+
+    # -- the parts ---------------------------------------------------------------------------
+    def _build(self, xb: Tensor, yb: Tensor) -> None:
+        """Static inputs and the solves' buffers, from the first batch's shapes."""
+        self.x, self.y = xb.clone(), yb.clone()
+        with torch.no_grad():
+            u = self.model.inject(self.x)
+        s, b = self.layer.solver_cfg, self.layer.backward_cfg
+        prot_s = float(s.options.get("protect_thres", 1e6))
+        prot_b = float(b.options.get("protect_thres", 1e6))
+        self.z = torch.zeros_like(u)
+        self.w = torch.zeros_like(u)
+        self.g = torch.zeros_like(u)
+        self.fwd = MaskedSolve(self.z, s.tol, s.stop_mode, s.options.get("stop", "sample_max"),
+                               s.max_iter, prot_s)  # fmt: skip
+        self.adj = MaskedSolve(self.w, b.tol, b.stop_mode, b.options.get("stop", "sample_max"),
+                               b.max_iter, prot_b)  # fmt: skip
+        self.loss = torch.zeros((), dtype=u.dtype, device=u.device)
+        self.acc = torch.zeros((), dtype=u.dtype, device=u.device)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.built = True
+
+    def _prologue(self) -> None:
+        for p in self.params:
+            p.grad.zero_()  # type: ignore[union-attr]
+        self.u = self.model.inject(self.x)
+        ud = self.u.detach()
+        self.ud = ud
+        with torch.no_grad():
+            self.z.copy_(self.model.z0(ud))
+        self.fwd.reset()
+
+    def _f(self, z: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.layer.cell(z, self.ud)
+
+    def _middle(self) -> None:
+        zr = self.z.detach().requires_grad_()
+        out = self.model.readout(zr)
+        loss = self.loss_fn(out, self.y)
+        loss.backward()  # the readout's gradients and dL/dz*
+        self.loss.copy_(loss.detach())
+        if self.task == "classification":
+            self.acc.copy_((out.detach().argmax(1) == self.y).to(self.acc.dtype).mean())
+        self.g.copy_(zr.grad)  # type: ignore[arg-type]
+        self.zl = self.z.detach().requires_grad_()
+        self.ul = self.ud.detach().requires_grad_(self.u.requires_grad)
+        with torch.enable_grad():
+            self.fzr = self.layer.cell(self.zl, self.ul)
+        with torch.no_grad():
+            if self.layer.backward_cfg.b_init == "grad":
+                self.w.copy_(self.g)
+            else:
+                self.w.zero_()
+        self.adj.reset()
+
+    def _adj_map(self, w: Tensor) -> Tensor:
+        (gz,) = torch.autograd.grad(self.fzr, self.zl, w, retain_graph=True)
+        return gz + self.g
+
+    def _update(self) -> None:
+        wants_u = self.ul.requires_grad
+        inputs = ([self.ul] if wants_u else []) + self.cell_params
+        gs = list(
+            torch.autograd.grad(self.fzr, inputs, self.w, retain_graph=True, allow_unused=True)
+        )
+        gu = gs.pop(0) if wants_u else None
+        with torch.no_grad():
+            for p, gp in zip(self.cell_params, gs):
+                if gp is not None:
+                    p.grad.add_(gp)  # type: ignore[union-attr]
+        if gu is not None:
+            torch.autograd.backward(self.u, gu, retain_graph=True)
+        self.opt.step()
+        for fn in self.after_step:
+            fn()
+
+    def _summary(self, solve: MaskedSolve, tail: list[Tensor] = ()) -> Tensor:  # type: ignore[assignment]
+        return torch.stack([t.to(self.loss.dtype) for t in solve.summary() + list(tail)])
+
+    # -- running them ------------------------------------------------------------------------
+    def _run(self, key: Any, fn: Any) -> None:
+        """Run part ``key`` (a callable doing it): eagerly on the CPU; on CUDA its captured
+        graph (captured on first use, in the shared pool)."""
+        if not self.cuda or not self.ready:
+            fn()
+            return
+        g = self.graphs.get(key)
+        if g is None:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                fn()
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[key] = g
+        g.replay()
+
+    def _solve(self, kind: str, solve: MaskedSolve, fn: Any, tail: list[Tensor]) -> list[float]:
+        """Chunks of masked steps until the device says the solve stopped; the summary row."""
+        n = max(1, min(FIRST_MAX, self.first[kind] or 8))
+        self._run((kind, n), lambda: solve.steps(fn, n))
+        while True:
+            row = self._summary(solve, tail).tolist()
+            if row[0] or row[1] >= solve.max_iter:
+                break
+            self._run((kind, MORE), lambda: solve.steps(fn, MORE))
+        self.first[kind] = int(row[1])
+        return row
+
+    @property
+    def ready(self) -> bool:
+        """Whether the parts are captured (after the first, eager, step: it creates the
+        optimiser's state and lets the libraries pick their kernels)."""
+        return self.built and self.lr != [] and self._warm
+
+    _warm = False
+
+    def step(self, xb: Tensor, yb: Tensor) -> tuple[float, float, SolverStats, SolverStats | None]:
+        """One training step on batch (xb, yb): (loss, accuracy, forward stats, adjoint stats or
+        None where training must stop before the backward: a diverged forward solve or a
+        non-finite loss, in which case no parameter was changed)."""
+        if not self.built:
+            self._build(xb, yb)
+        lrs = [float(g["lr"]) for g in self.opt.param_groups]
+        if self.cuda and self._warm and lrs != self.lr:  # a new LR: the update is captured again
+            self.graphs.pop("update", None)
+        self.lr = lrs
+        self.x.copy_(xb)
+        self.y.copy_(yb)
+        self._run("prologue", self._prologue)
+        frow = self._solve("forward", self.fwd, self._f, [])
+        fst = self.fwd.stats("fixed_point", frow, {})
+        if frow[3]:  # diverged: no backward (the eager path's rule)
+            return math.nan, math.nan, fst, None
+        self._run("middle", self._middle)
+        brow = self._solve("adjoint", self.adj, self._adj_map, [self.loss, self.acc])
+        loss, acc = brow[-2], brow[-1]
+        ast = self.adj.stats("fixed_point", brow, {})
+        if not math.isfinite(loss):
+            return loss, acc, fst, None
+        self._run("update", self._update)
+        self._warm = True
+        return loss, acc, fst, ast
+
+    def record(self, fst: SolverStats, ast: SolverStats | None, ledger: Any = None) -> None:
+        """The step's solves into the solve ledger (checked against their tolerance as the
+        eager solves are) and onto the layer (``last_forward_stats`` / ``last_backward_stats``,
+        which the step's records and the analyses read)."""
+        s, b = self.layer.solver_cfg, self.layer.backward_cfg
+        # converged is the device's test of the returned iterate's own residual (not a
+        # solver's claim to check again: that would read it once more); the ledger keeps it
+        verdict.record("forward", fst, s.max_iter, ledger)
+        self.layer.__dict__["last_forward_stats"] = fst
+        if ast is not None:
+            verdict.record("adjoint", ast, b.max_iter, ledger)
+            self.layer.__dict__["last_backward_stats"] = ast

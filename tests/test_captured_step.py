@@ -1,0 +1,134 @@
+"""Captured training steps (``train.capture``): the step as parts whose solves stop on the device.
+
+On the CPU the parts run eagerly: the losses, the solver counts and the parameters must equal
+the eager training path's bit for bit in float64 (the masked solves stop at the eager solver's
+step, with its iterate); on CUDA the captured graphs must agree with the eager path within
+float32 rounding. Unsupported cells are a ConfigError naming why."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deqbench.core.errors import ConfigError
+from deqbench.data.base import load_data
+from deqbench.run.captured_step import MaskedSolve, capture_problem
+from deqbench.run.suite import one_cell_suite
+from deqbench.run.train import train
+
+SOLVER = {"name": "fixed_point", "max_iter": 60, "tol": 1e-6, "stop": "batch_fro"}
+BACKWARD = {"name": "ift", "solver": "fixed_point", "max_iter": 60, "tol": 1e-6}
+
+
+def build(model, device="cpu", dtype=torch.float64, solver=SOLVER, backward=BACKWARD, **train_kw):
+    from deqbench.core import deq
+    from deqbench.core.registry import inits, models
+    from deqbench.run.task import seed_everything
+
+    suite = one_cell_suite(
+        "captured", model=model, analyses=[], data={"name": "digits", "split": 0.8, "seed": 0},
+        solver=solver, backward=backward, device=device,
+        train={"epochs": 1, "batch_size": 32, "optimizer": "adamw", "lr": 3e-3,
+               "weight_decay": 0.01, "eval_before": False, **train_kw},
+    )  # fmt: skip
+    cell = suite.cells[0]
+    data = load_data("digits", split=0.8, seed=0)
+    seed_everything(0)
+    mname, mparams = cell.model_params()
+    m = models.create(mname, in_shape=data.in_shape, num_outputs=data.num_outputs, **mparams)
+    m = m.to(device=device, dtype=dtype)
+    inits.get(cell.init_params()[0])(m, seed=0)
+    deq.configure(m, cell.solver_config(), cell.backward_config())
+    return m, cell.train_config(), data.to(torch.device(device), dtype)
+
+
+class Steps:
+    def __init__(self):
+        self.rows = []
+
+    def on_step(self, ctx, info):
+        self.rows.append(dict(info.deq, loss=info.loss))
+
+    def on_epoch(self, ctx, info):
+        return None
+
+
+def fit(capture, model, steps=12, **kw):
+    m, cfg, data = build(model, **kw)
+    cfg.capture, cfg.max_steps = capture, steps
+    rec = Steps()
+    res = train(m, data, cfg, callbacks=[rec], seed=0)
+    return res, rec.rows, m
+
+
+@pytest.mark.parametrize(
+    "model", [{"name": "pcdeq_l", "width": 24}, {"name": "fc_deq", "width": 24}]
+)
+def test_captured_steps_equal_the_eager_path_on_cpu(model):
+    r0, s0, m0 = fit(False, model)
+    r1, s1, m1 = fit(True, model)
+    assert r0.status == r1.status == "ok" and len(s0) == len(s1) == 12
+    keys = ("loss", "forward_nstep", "backward_nstep", "forward_converged", "backward_converged")
+    for a, b in zip(s0, s1):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+        assert a["forward_rel_residual"] == pytest.approx(b["forward_rel_residual"], rel=1e-9)
+    assert all(s["forward_nstep"] > 2 for s in s1)
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p, q)
+    assert r1.forward.batches == 12 and r1.forward.missed == r0.forward.missed == 0
+    assert r1.adjoint.batches == 12 and r1.adjoint.missed == r0.adjoint.missed == 0
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_a_diverged_forward_stops_training_without_an_update(capture):
+    """A NaN forward solve at the first step: training stops there, as on the eager path, and
+    no parameter changes (the captured step reads the forward's verdict before its backward)."""
+    m, cfg, data = build({"name": "pcdeq_l", "width": 24})
+    with torch.no_grad():
+        next(m.deq.cell.parameters()).fill_(float("nan"))
+    before = [p.detach().clone() for p in m.parameters()]
+    cfg.capture, cfg.max_steps = capture, 3
+    res = train(m, data, cfg, seed=0)
+    assert res.status == "nan" and res.steps == 0
+    assert "forward solver produced a non-finite residual" in res.note
+    assert all(torch.allclose(p, q, equal_nan=True, rtol=0, atol=0)
+               for p, q in zip(before, m.parameters()))  # fmt: skip
+
+
+def test_masked_solve_stops_where_the_budget_ends():
+    z = torch.zeros(4, 3, dtype=torch.float64)
+    s = MaskedSolve(z, tol=1e-30, stop_mode="rel", rule="sample_max", max_iter=5, protect=1e6)
+    s.reset()
+    s.steps(lambda v: 0.5 * v + 1.0, 9)  # 9 masked steps, 5 counted: the 5th iterate stays
+    assert int(s.nstep) == 5 and bool(s.halt) and not bool(s.conv)
+    assert torch.allclose(z, torch.full_like(z, 2 - 2 * 0.5**4))  # x_4 of x <- x/2 + 1 from 0
+
+
+def test_unsupported_cells_are_named():
+    m, cfg, data = build({"name": "pcdeq_l", "width": 8}, solver={**SOLVER, "name": "anderson"})
+    assert "anderson" in capture_problem(m, cfg)
+    cfg.capture, cfg.max_steps = True, 1
+    with pytest.raises(ConfigError, match="train.capture: not for this cell: forward solver"):
+        train(m, data, cfg, seed=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "model", [{"name": "pcdeq_l", "width": 48}, {"name": "pcdeq_sc", "channels": 8}]
+)
+def test_captured_steps_on_cuda_match_the_eager_path(model):
+    """CUDA graphs: the same counts and losses as the eager path, float32, within rounding."""
+    kw = {"device": "cuda", "dtype": torch.float32}
+    r0, s0, m0 = fit(False, model, steps=20, **kw)
+    r1, s1, m1 = fit(True, model, steps=20, **kw)
+    assert r0.status == r1.status == "ok"
+    assert sum(s["forward_nstep"] for s in s1) == pytest.approx(
+        sum(s["forward_nstep"] for s in s0), rel=0.05
+    )
+    for a, b in zip(s0, s1):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=2e-3, abs_tol=1e-4)
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-3, atol=2e-4)
