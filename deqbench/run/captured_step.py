@@ -37,6 +37,7 @@ their tolerance and stop rule as the eager ones are, and recorded in the solve l
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -157,6 +158,10 @@ class MaskedSolve:
         return st
 
 
+class _Recapture(Exception):
+    """A part could not be captured: the step starts again on the eager parts."""
+
+
 class CapturedStep:
     """Training steps of ``model`` as captured parts (module docstring); ``step`` runs one."""
 
@@ -176,6 +181,8 @@ class CapturedStep:
         self.lr: list[float] = []
         self.first = {"forward": 0, "adjoint": 0}  # the last step's counts: the first chunks
         self.built = False
+        #: why the parts run eagerly on CUDA (a capture failed), else None
+        self.fallback: str | None = None
 
     # -- the parts ---------------------------------------------------------------------------
     def _build(self, xb: Tensor, yb: Tensor) -> None:
@@ -267,9 +274,21 @@ class CapturedStep:
             return
         g = self.graphs.get(key)
         if g is None:
+            if not self.graphs:
+                # the eager step's autograd graphs hold the parameters' AccumulateGrad nodes,
+                # made on the default stream: dropped, so that the captures make their own
+                self.u = self.ud = self.fzr = self.zl = self.ul = None  # type: ignore[assignment]
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                fn()
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    fn()
+            except Exception as exc:  # noqa: BLE001 - not capturable: eager from now on
+                self.fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+                warnings.warn(f"captured training steps: {self.fallback}; eager parts from now on",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
+                self.cuda = False
+                self.graphs.clear()
+                raise _Recapture from exc
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[key] = g
@@ -299,6 +318,12 @@ class CapturedStep:
         """One training step on batch (xb, yb): (loss, accuracy, forward stats, adjoint stats or
         None where training must stop before the backward: a diverged forward solve or a
         non-finite loss, in which case no parameter was changed)."""
+        try:
+            return self._step(xb, yb)
+        except _Recapture:  # nothing of the step ran on the device past the failed capture
+            return self._step(xb, yb)
+
+    def _step(self, xb: Tensor, yb: Tensor) -> tuple[float, float, SolverStats, SolverStats | None]:
         if not self.built:
             self._build(xb, yb)
         lrs = [float(g["lr"]) for g in self.opt.param_groups]
