@@ -77,6 +77,8 @@ def test_captured_steps_equal_the_eager_path_on_cpu(model):
     assert all(s["forward_nstep"] > 2 for s in s1)
     for p, q in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(p, q)
+    for p, q in zip(m0.buffers(), m1.buffers()):  # BatchNorm's running statistics too
+        assert torch.equal(p, q)
     assert r1.forward.batches == 12 and r1.forward.missed == r0.forward.missed == 0
     assert r1.adjoint.batches == 12 and r1.adjoint.missed == r0.adjoint.missed == 0
 

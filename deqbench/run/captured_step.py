@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from ..core import verdict
 from ..core.deq import deq_layers
@@ -174,8 +175,6 @@ class CapturedStep:
         self.layer: Any = layer
         self.cuda = next(model.parameters()).is_cuda
         self.params = [p for g in opt.param_groups for p in g["params"]]
-        cell_ids = {id(p) for p in self.layer.cell.parameters()}
-        self.cell_params = [p for p in self.params if id(p) in cell_ids]
         self.graphs: dict[Any, Any] = {}
         self.pool: Any = None
         self.lr: list[float] = []
@@ -186,10 +185,15 @@ class CapturedStep:
 
     # -- the parts ---------------------------------------------------------------------------
     def _build(self, xb: Tensor, yb: Tensor) -> None:
-        """Static inputs and the solves' buffers, from the first batch's shapes."""
+        """Static inputs (the solves' buffers follow from the first injection: :meth:`_alloc`)."""
         self.x, self.y = xb.clone(), yb.clone()
-        with torch.no_grad():
-            u = self.model.inject(self.x)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.built = True
+
+    def _alloc(self, u: Tensor) -> None:
+        """The solves' and the recording's static buffers, shaped as the injection ``u``."""
         s, b = self.layer.solver_cfg, self.layer.backward_cfg
         prot_s = float(s.options.get("protect_thres", 1e6))
         prot_b = float(b.options.get("protect_thres", 1e6))
@@ -200,12 +204,20 @@ class CapturedStep:
                                s.max_iter, prot_s)  # fmt: skip
         self.adj = MaskedSolve(self.w, b.tol, b.stop_mode, b.options.get("stop", "sample_max"),
                                b.max_iter, prot_b)  # fmt: skip
+        # f at z* with grad, on static leaves whose version counters are their own (``.data``:
+        # the storage of z*, u and the cell's parameters and buffers): a part captured at a
+        # later step (a new chunk length) differentiates the recording made earlier, after the
+        # optimiser and the solves changed those tensors in place, without autograd refusing
+        cell = self.layer.cell
+        self.zl = torch.zeros_like(u).requires_grad_()
+        self.ul = torch.zeros_like(u).requires_grad_(u.requires_grad)
+        self.leaves = {n: p.data.requires_grad_() for n, p in cell.named_parameters()}
+        self.tensors = dict(self.leaves)
+        self.tensors.update({n: b.data for n, b in cell.named_buffers()})
+        named = dict(cell.named_parameters())
+        self.cell_pairs = [(named[n], q) for n, q in self.leaves.items() if named[n].requires_grad]
         self.loss = torch.zeros((), dtype=u.dtype, device=u.device)
         self.acc = torch.zeros((), dtype=u.dtype, device=u.device)
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.built = True
 
     def _prologue(self) -> None:
         for p in self.params:
@@ -213,6 +225,8 @@ class CapturedStep:
         self.u = self.model.inject(self.x)
         ud = self.u.detach()
         self.ud = ud
+        if not hasattr(self, "fwd"):  # the first (eager) step
+            self._alloc(self.u)
         with torch.no_grad():
             self.z.copy_(self.model.z0(ud))
         self.fwd.reset()
@@ -230,10 +244,10 @@ class CapturedStep:
         if self.task == "classification":
             self.acc.copy_((out.detach().argmax(1) == self.y).to(self.acc.dtype).mean())
         self.g.copy_(zr.grad)  # type: ignore[arg-type]
-        self.zl = self.z.detach().requires_grad_()
-        self.ul = self.ud.detach().requires_grad_(self.u.requires_grad)
+        self.zl.data.copy_(self.z)
+        self.ul.data.copy_(self.ud)
         with torch.enable_grad():
-            self.fzr = self.layer.cell(self.zl, self.ul)
+            self.fzr = functional_call(self.layer.cell, self.tensors, (self.zl, self.ul))
         with torch.no_grad():
             if self.layer.backward_cfg.b_init == "grad":
                 self.w.copy_(self.g)
@@ -245,19 +259,26 @@ class CapturedStep:
         (gz,) = torch.autograd.grad(self.fzr, self.zl, w, retain_graph=True)
         return gz + self.g
 
-    def _update(self) -> None:
+    def _grads(self) -> None:
+        """The parameters' gradients at w: the cell's (a VJP of the recording), the
+        injection's (its backward from u)."""
         wants_u = self.ul.requires_grad
-        inputs = ([self.ul] if wants_u else []) + self.cell_params
+        leaves = [q for _, q in self.cell_pairs]
+        inputs = ([self.ul] if wants_u else []) + leaves
         gs = list(
             torch.autograd.grad(self.fzr, inputs, self.w, retain_graph=True, allow_unused=True)
         )
         gu = gs.pop(0) if wants_u else None
         with torch.no_grad():
-            for p, gp in zip(self.cell_params, gs):
+            for (p, _), gp in zip(self.cell_pairs, gs):
                 if gp is not None:
                     p.grad.add_(gp)  # type: ignore[union-attr]
         if gu is not None:
             torch.autograd.backward(self.u, gu, retain_graph=True)
+
+    def _update(self) -> None:
+        """The optimiser step and the model's post_step hooks (captured again when the LR
+        changes: a captured step holds it as a constant)."""
         self.opt.step()
         for fn in self.after_step:
             fn()
@@ -277,7 +298,7 @@ class CapturedStep:
             if not self.graphs:
                 # the eager step's autograd graphs hold the parameters' AccumulateGrad nodes,
                 # made on the default stream: dropped, so that the captures make their own
-                self.u = self.ud = self.fzr = self.zl = self.ul = None  # type: ignore[assignment]
+                self.u = self.ud = self.fzr = None  # type: ignore[assignment]
             g = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(g, pool=self.pool):
@@ -327,7 +348,7 @@ class CapturedStep:
         if not self.built:
             self._build(xb, yb)
         lrs = [float(g["lr"]) for g in self.opt.param_groups]
-        if self.cuda and self._warm and lrs != self.lr:  # a new LR: the update is captured again
+        if self.cuda and self._warm and lrs != self.lr:  # a new LR: the step is captured again
             self.graphs.pop("update", None)
         self.lr = lrs
         self.x.copy_(xb)
@@ -343,6 +364,7 @@ class CapturedStep:
         ast = self.adj.stats("fixed_point", brow, {})
         if not math.isfinite(loss):
             return loss, acc, fst, None
+        self._run("grads", self._grads)
         self._run("update", self._update)
         self._warm = True
         return loss, acc, fst, ast
