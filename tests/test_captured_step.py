@@ -127,9 +127,9 @@ def test_captured_steps_on_cuda_match_the_eager_path(model):
     r0, s0, m0 = fit(False, model, steps=20, **kw)
     r1, s1, m1 = fit(True, model, steps=20, **kw)
     assert r0.status == r1.status == "ok"
-    assert sum(s["forward_nstep"] for s in s1) == pytest.approx(
-        sum(s["forward_nstep"] for s in s0), rel=0.05
-    )
+    # the eager graph path checks once per 2-step chunk: up to one step past the stop a solve
+    made, captured = sum(s["forward_nstep"] for s in s0), sum(s["forward_nstep"] for s in s1)
+    assert made - len(s0) <= captured <= made
     for a, b in zip(s0, s1):
         assert math.isclose(a["loss"], b["loss"], rel_tol=2e-3, abs_tol=1e-4)
     for p, q in zip(m0.parameters(), m1.parameters()):

@@ -22,7 +22,7 @@ Each part is captured once (chunks per length) in one memory pool and replayed; 
 one small tensor after the forward chunks (halted? diverged?) and one after the adjoint chunks
 (halted? the loss and both solves' summaries), so a step costs about five graph launches and two
 host reads, however many iterations it makes. The first chunk's length is the last step's count
-(most steps then need one chunk), later chunks add :data:`MORE` steps. On the CPU the same parts
+(rounded down to :data:`LADDER`), later chunks a quarter of it. On the CPU the same parts
 run eagerly (no graphs): the tests compare them with the eager training path there.
 
 What it supports (:func:`capture_problem` says why not otherwise): a model with one DEQ layer
@@ -48,10 +48,15 @@ from ..core import verdict
 from ..core.deq import deq_layers
 from ..solvers.stats import EPS, SolverStats, batch_norm, make_stats, rule_value
 
-#: steps a continuation chunk adds when the first chunk did not reach the stop rule
-MORE = 2
-#: longest first chunk (a longer solve continues in MORE-step chunks)
-FIRST_MAX = 64
+#: the chunk lengths (one captured graph each per solve): the first chunk of a solve is the
+#: longest not above the last step's count, the later ones the longest not above a quarter of
+#: it (at least the shortest), so a step makes a few host reads and few steps past its stop
+LADDER = (2, 4, 8, 16, 32, 64)
+
+
+def chunk(count: int) -> int:
+    """The longest chunk of :data:`LADDER` not above ``count`` (the shortest below it)."""
+    return max([n for n in LADDER if n <= count] or [LADDER[0]])
 
 
 def capture_problem(model: nn.Module, cfg: Any) -> str | None:
@@ -317,13 +322,14 @@ class CapturedStep:
 
     def _solve(self, kind: str, solve: MaskedSolve, fn: Any, tail: list[Tensor]) -> list[float]:
         """Chunks of masked steps until the device says the solve stopped; the summary row."""
-        n = max(1, min(FIRST_MAX, self.first[kind] or 8))
+        last = self.first[kind] or 8
+        n, more = chunk(last), chunk(last // 4)
         self._run((kind, n), lambda: solve.steps(fn, n))
         while True:
             row = self._summary(solve, tail).tolist()
             if row[0] or row[1] >= solve.max_iter:
                 break
-            self._run((kind, MORE), lambda: solve.steps(fn, MORE))
+            self._run((kind, more), lambda: solve.steps(fn, more))
         self.first[kind] = int(row[1])
         return row
 
