@@ -132,5 +132,10 @@ def test_captured_steps_on_cuda_match_the_eager_path(model):
     assert made - len(s0) <= captured <= made
     for a, b in zip(s0, s1):
         assert math.isclose(a["loss"], b["loss"], rel_tol=2e-3, abs_tol=1e-4)
-    for p, q in zip(m0.parameters(), m1.parameters()):
-        torch.testing.assert_close(p, q, rtol=2e-3, atol=2e-4)
+    # the models' outputs on the data (not the raw parameters: Adam moves a parameter whose
+    # gradient is near zero by about the LR whatever its sign's noise)
+    _, _, data = build(model, **kw)
+    m0.eval(), m1.eval()
+    with torch.no_grad():
+        X = data.test[0][:128]
+        torch.testing.assert_close(m1(X).softmax(1), m0(X).softmax(1), rtol=0, atol=2e-2)
