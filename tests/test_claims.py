@@ -656,3 +656,25 @@ def test_trajectory_complexity(fn):
     assert f(iterations_first=[6, 7], iterations_last=[20, 25], last_epoch=40).verdict == NRUN
     v = f(iterations_first=[6, 7, 6], iterations_last=[6, 7, 6], last_epoch=1)
     assert v.verdict == NRUN and v.reason.startswith("data")
+
+
+@pytest.mark.parametrize("fn", ["check_trajectory_complexity", "check_trajectory_complexity_var"])
+def test_trajectory_complexity_censored_at_the_budget(fn):
+    f = getattr(ck, fn)
+    full = dict(iterations_first=[100] * 3, iterations_last=[100] * 3, last_epoch=40)
+    budgets = dict(budget_first=[100] * 3, budget_last=[100] * 3)
+    assert f(**full).verdict == NR  # no budget given: read as no rise
+    # both recordings used the whole budget in every seed: censored, the residuals' direction
+    res = dict(residual_first=[0.004, 0.005, 0.003], residual_last=[0.03, 0.02, 0.04])
+    v = f(**full, **budgets, **res)
+    assert (v.verdict, v.direction) == (NRUN, "with the paper") and v.reason.startswith("censored")
+    assert "rel residual at the budget 0.004" in v.measured and "f-evals to tol" in v.measured
+    flipped = dict(residual_first=res["residual_last"], residual_last=res["residual_first"])
+    assert f(**full, **budgets, **flipped).direction == "against the paper"
+    assert f(**full, **budgets).verdict == NRUN  # no residuals: still censored
+    # epoch 1 settled within the budget: the count orders them (a lower bound on the last)
+    v = f(iterations_first=[12, 14, 11], iterations_last=[100] * 3, last_epoch=40, **budgets)
+    assert v.verdict == R
+    v = f(iterations_first=[12, 100, 11], iterations_last=[100] * 3, last_epoch=40, **budgets,
+          **res)  # fmt: skip
+    assert v.verdict == NR  # seed 1 is at the budget twice, the others are not: not censored

@@ -587,6 +587,26 @@ def test_trajectory_complexity(tmp_path):
     assert ex.kwargs is None and "after epoch 1" in ex.missing
 
 
+def test_trajectory_complexity_reads_the_budget(tmp_path):
+    """The extractor passes each recording's solve length and residual: two counts at the
+    budget are censored (not run), not a measured 'no rise'."""
+    rows = []
+    for cell, std in (("c-init=var1", 1.0), ("c-init=std0.01", 0.01)):
+        for s in SEEDS:
+            rows.append(row(cell, s, "trajectory", "cell_weight_std", std))
+            for e, res in ((0, 1e-5), (1, 2e-3), (40, 9e-3)):
+                rows.append(row(cell, s, "trajectory", "iterations_median", 50.0, step=e))
+                rows.append(row(cell, s, "trajectory", "nstep", 50.0, step=e))
+                rows.append(row(cell, s, "trajectory", "rel_residual_final_median", res, step=e))
+            rows.append(done(cell, s))
+    kw = extract("004-trajectory-complexity", write_run(tmp_path, rows)).kwargs
+    assert kw is not None and kw["budget_first"] == [50.0] * 3 and kw["budget_last"] == [50.0] * 3
+    assert kw["residual_first"] == [2e-3] * 3 and kw["residual_last"] == [9e-3] * 3
+    v = check("004-trajectory-complexity", kw)
+    assert v.verdict == "not run" and v.reason.startswith("censored")
+    assert v.direction == "with the paper"
+
+
 def test_report_total_is_the_runs_own_time(tmp_path):
     """A re-judged report (its runs made earlier, elsewhere) says the runs' own wall time in
     its header, not the few seconds of the call that judged them."""

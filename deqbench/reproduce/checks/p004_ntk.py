@@ -7,7 +7,7 @@ shared rules, helpers and the registry are in :mod:`deqbench.reproduce.checks`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import (
@@ -198,6 +198,36 @@ def _small_below_standard(
     )  # fmt: skip
 
 
+def _censored_at_budget(
+    v: Verdict,
+    counts: tuple[Sequence[float], Sequence[float]],
+    budgets: tuple[Sequence[float] | None, Sequence[float] | None],
+    what: str,
+    by_residual: Callable[[], Verdict] | None,
+) -> Verdict:
+    """``v`` (a verdict on f-evaluations to tolerance of two recordings) unless both counts used
+    their whole budget in every seed: a count censored at the budget orders nothing, so then
+    ``not run`` (reason ``censored: ...``) with the direction of ``by_residual()``, the residuals
+    the two recordings reached (``v``'s direction where there are none). ``what`` names the two
+    recordings in the reason."""
+    if budgets[0] is None or budgets[1] is None:
+        return v
+    censored = all(
+        float(x) >= float(n) for c, b in zip(counts, budgets) for x, n in zip(c, b or ())
+    )
+    if not censored:
+        return v
+    n = _g(_med([*budgets[0], *budgets[1]]))
+    why = (
+        f"censored: in every seed the median probe input of {what} used the whole budget "
+        f"({n} f-evaluations) without reaching the recording tolerance, so f-evaluations to "
+        "tolerance cannot order them"
+    )
+    if by_residual is not None:
+        return gated(by_residual(), why, v.measured)
+    return gated(v, why)
+
+
 def _trajectory_init(
     cid: str,
     iterations: Mapping[str, Sequence[float]],
@@ -210,27 +240,19 @@ def _trajectory_init(
     v = _small_below_standard(
         cid, sm, st, "f-evals to tol at init", "small init not faster to settle in every seed"
     )
-    censored = budget is not None and all(
-        float(a) >= float(n) and float(b) >= float(n) for a, b, n in zip(sm, st, budget)
-    )
-    if not censored or budget is None:
-        return v
-    # Both inits' probe solves used the whole budget in every seed: a count censored at the
-    # budget orders nothing. The residual each reached says which is nearer to settling.
-    n = _g(_med(budget))
-    why = (
-        f"censored: in every seed the median probe input of both inits used the whole budget "
-        f"({n} f-evaluations) without reaching the recording tolerance, so f-evaluations to "
-        "tolerance cannot order them"
-    )
-    if residual and "small" in residual and "standard" in residual:
-        by_res = _small_below_standard(
-            cid, residual["small"], residual["standard"],
-            f"rel residual after {n} f-evals at init",
+    res = residual if residual and "small" in residual and "standard" in residual else None
+
+    def by_residual() -> Verdict:
+        assert res is not None
+        return _small_below_standard(
+            cid, res["small"], res["standard"],
+            f"rel residual after {_g(_med(budget or [math.nan]))} f-evals at init",
             "small init's residual not below the standard init's in every seed",
         )  # fmt: skip
-        return gated(by_res, why, v.measured)
-    return gated(v, why)
+
+    return _censored_at_budget(
+        v, (sm, st), (budget, budget), "both inits", by_residual if res is not None else None
+    )
 
 
 @_checker("004-trajectory-init")
@@ -342,7 +364,14 @@ def check_trajectory_separation_var(
 
 
 def _trajectory_complexity(
-    cid: str, iterations_first: Sequence[float], iterations_last: Sequence[float], last_epoch: int
+    cid: str,
+    iterations_first: Sequence[float],
+    iterations_last: Sequence[float],
+    last_epoch: int,
+    budget_first: Sequence[float] | None = None,
+    budget_last: Sequence[float] | None = None,
+    residual_first: Sequence[float] | None = None,
+    residual_last: Sequence[float] | None = None,
 ) -> Verdict:
     n = _paired(cid, {"first": iterations_first, "last": iterations_last})
     bad = _seeds(cid, n)
@@ -359,12 +388,35 @@ def _trajectory_complexity(
     if bad:
         return bad
     reason = "" if t.holds else f"iterations do not rise from epoch 1 to {last_epoch} in every seed"
-    return _verdict(cid, _word(t.holds), reason, measured)
+    v = _verdict(cid, _word(t.holds), reason, measured)
+    first, last = residual_first, residual_last
+
+    def by_residual() -> Verdict:
+        assert first is not None and last is not None
+        return pair_trend(
+            cid, first, last, lambda a, b: _log_ratio(b, a),
+            lambda r: f"rel residual at the budget {_g(_med(first))} (after epoch 1) -> "
+            f"{_g(_med(last))} (epoch {last_epoch}); log ratio {r.text()}",
+            f"the residual does not rise from epoch 1 to {last_epoch} in every seed",
+        )  # fmt: skip
+
+    return _censored_at_budget(
+        v, (iterations_first, iterations_last), (budget_first, budget_last),
+        f"both recordings (after epoch 1 and at epoch {last_epoch})",
+        by_residual if first is not None and last is not None else None,
+    )  # fmt: skip
 
 
 @_checker("004-trajectory-complexity")
 def check_trajectory_complexity(
-    *, iterations_first: Sequence[float], iterations_last: Sequence[float], last_epoch: int
+    *,
+    iterations_first: Sequence[float],
+    iterations_last: Sequence[float],
+    last_epoch: int,
+    budget_first: Sequence[float] | None = None,
+    budget_last: Sequence[float] | None = None,
+    residual_first: Sequence[float] | None = None,
+    residual_last: Sequence[float] | None = None,
 ) -> Verdict:
     """004-trajectory-complexity: the dynamics grow more complex during training (N(0, 0.01)
     read as std 0.01): the probe trajectories need more f-evaluations to reach tolerance at the
@@ -374,20 +426,39 @@ def check_trajectory_complexity(
         iterations_first: per seed, ``iterations_median`` of the probes after epoch 1.
         iterations_last: per seed, the same at the last recorded epoch.
         last_epoch: that epoch (must be > 1).
+        budget_first, budget_last: per seed, the f-evaluations each recording's solve ran
+            (``nstep``; optional).
+        residual_first, residual_last: per seed, the median relative residual the probes
+            reached in each recording (optional).
 
-    Per seed effect ``log(last / first)``; it must be a trend.
+    Per seed effect ``log(last / first)``; it must be a trend. Where both recordings used their
+    whole budget in every seed, the count is censored and orders nothing: ``not run`` (reason
+    ``censored: ...``), with the direction of ``log(last / first)`` of the residuals they
+    reached (a count at the budget twice reads as "no rise", a ``not reproduced`` that rested
+    on solves that missed their tolerance).
     """
-    return _trajectory_complexity("004-trajectory-complexity", iterations_first,
-                                  iterations_last, last_epoch)  # fmt: skip
+    return _trajectory_complexity(
+        "004-trajectory-complexity", iterations_first, iterations_last, last_epoch,
+        budget_first, budget_last, residual_first, residual_last,
+    )  # fmt: skip
 
 
 @_checker("004-trajectory-complexity-var")
 def check_trajectory_complexity_var(
-    *, iterations_first: Sequence[float], iterations_last: Sequence[float], last_epoch: int
+    *,
+    iterations_first: Sequence[float],
+    iterations_last: Sequence[float],
+    last_epoch: int,
+    budget_first: Sequence[float] | None = None,
+    budget_last: Sequence[float] | None = None,
+    residual_first: Sequence[float] | None = None,
+    residual_last: Sequence[float] | None = None,
 ) -> Verdict:
     """004-trajectory-complexity with N(0, 0.01) read as a variance (std 0.1)."""
-    return _trajectory_complexity("004-trajectory-complexity-var", iterations_first,
-                                  iterations_last, last_epoch)  # fmt: skip
+    return _trajectory_complexity(
+        "004-trajectory-complexity-var", iterations_first, iterations_last, last_epoch,
+        budget_first, budget_last, residual_first, residual_last,
+    )  # fmt: skip
 
 
 #: Fig. 4.4's order of the small-loss area: repeat-6 < repeat-11 < repeat-18 < DEQ

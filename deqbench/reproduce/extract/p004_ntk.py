@@ -247,19 +247,25 @@ def _trajectory_complexity(df: Any, reading: str) -> Extracted:
             "than 1 and record trajectory epochs [0, 1, -1])"
         )
     seeds = seeds_of(df)
-    return Extracted(
-        {
-            "iterations_first": [_at_step(d, s, 1) for s in seeds],
-            "iterations_last": [_at_step(d, s, last) for s in seeds],
-            "last_epoch": last,
-        }
-    )
+    kwargs: dict[str, Any] = {
+        "iterations_first": [_at_step(d, s, 1) for s in seeds],
+        "iterations_last": [_at_step(d, s, last) for s in seeds],
+        "last_epoch": last,
+    }
+    # the solves' lengths and the residuals they reached: a count at the budget is censored
+    for metric, key in (("nstep", "budget"), ("rel_residual_final_median", "residual")):
+        m = _rows(df[df["cell_id"] == small], "trajectory", metric)
+        pair = {w: [_at_step(m, s, e) for s in seeds] for w, e in (("first", 1), ("last", last))}
+        if all(math.isfinite(v) for vs in pair.values() for v in vs):
+            kwargs.update({f"{key}_{w}": vs for w, vs in pair.items()})
+    return Extracted(kwargs)
 
 
 @_extractor("004-trajectory-complexity")
 def trajectory_complexity(df: Any, run_dir: Path, scale: str) -> Extracted:
     """Per seed ``trajectory`` ``iterations_median`` of the ``init=std0.01`` cell after epoch 1
-    and at the last recorded epoch (which must be later)."""
+    and at the last recorded epoch (which must be later), with each recording's ``nstep`` (the
+    budget the count can be censored at) and ``rel_residual_final_median`` where recorded."""
     return _trajectory_complexity(df, "std")
 
 
