@@ -479,3 +479,31 @@ def test_z0_input_starts_the_iteration_at_the_input_features():
                       z0="input")  # fmt: skip
     with pytest.raises(ConfigError, match="z0 must be one of"):
         models.create("opteq_deep", in_shape=(8,), num_outputs=10, width=8, z0="ones")
+
+
+@pytest.mark.parametrize("name", ["opteq_conv_tiny", "opteq_tiny"])
+def test_a_loaded_state_computes_what_the_saved_model_did(name):
+    """A checkpoint's state loaded into a fresh model: its first forward equals the saved
+    model's bit for bit (the loaded singular vectors are taken as current, not refreshed once
+    more, which moved a resumed training run from about the 5th digit)."""
+    shape = (1, 8, 8) if "conv" in name else (64,)
+    torch.manual_seed(0)
+    m = deqbench.models.create(name, in_shape=shape, num_outputs=10, gamma=0.5,
+                               norm_method="power").double()  # fmt: skip
+    cfg = (SolverConfig("fixed_point", max_iter=200, tol=1e-12), BackwardConfig("ift"))
+    configure(m, *cfg)
+    x = torch.randn(4, *shape, dtype=F64)
+    with torch.no_grad():
+        m(x)  # the norms refreshed for V
+        for u in m.units:
+            u.V.mul_(1.5)  # an optimiser step: V changed, refreshed at the next forward
+        m(x)
+        y0 = m(x)
+    torch.manual_seed(1)
+    m2 = deqbench.models.create(name, in_shape=shape, num_outputs=10, gamma=0.5,
+                                norm_method="power").double()  # fmt: skip
+    configure(m2, *cfg)
+    m2.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        y1 = m2(x)
+    assert torch.equal(y0, y1)

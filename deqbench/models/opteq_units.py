@@ -132,6 +132,14 @@ class _BoundedWeight(nn.Module):
         self._seen_version = self._version_key()
         self._scale_cache = None
 
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """A loaded state (a checkpoint) holds V with the singular vectors refreshed for it:
+        taken as current, so the next forward does not refresh again (a model trained on
+        from a checkpoint then computes what the model that saved it would)."""
+        super()._load_from_state_dict(*args, **kwargs)
+        self._seen_version = self._version_key()
+        self._scale_cache = None
+
     def _version_key(self) -> tuple[int, int, Any, Any]:
         V = self.V
         return (V._version, V.data_ptr(), V.dtype, V.device)
