@@ -118,24 +118,6 @@ def ratio(measured_ms: float, floor_ms: float) -> float:
     return measured_ms / floor_ms if floor_ms > 0 else math.nan
 
 
-def tiled(data: DataBundle, n_train: int, n_test: int) -> DataBundle:
-    """``data`` with its training set repeated to at least ``n_train`` examples (so that every
-    timed step lies in one epoch: no evaluation pass between them) and its test set cut to
-    ``n_test`` examples (the evaluation after the last step stays short)."""
-    X, y = data.train
-    reps = max(1, math.ceil(n_train / X.shape[0]))
-    Xt, yt = data.test
-    return DataBundle(
-        data.name,
-        (X.repeat(reps, *([1] * (X.dim() - 1))), y.repeat(reps)),
-        (Xt[:n_test], yt[:n_test]),
-        data.in_shape,
-        data.num_outputs,
-        data.task,
-        data.meta,
-    )
-
-
 # -- pack barrier -------------------------------------------------------------------------------
 
 
@@ -247,7 +229,7 @@ def measure(
     cfg = cell.train_config()
     cfg.capture = CAPTURE
     cfg.max_steps = warmup + steps + 1  # the last step verifies its solve: kept out of the timing
-    data = tiled(data, BATCH * cfg.max_steps, TEST_IMAGES).to(dev, torch.float32)
+    data = data.tiled(BATCH * cfg.max_steps, TEST_IMAGES).to(dev, torch.float32)
     counter = _Counter()
     marks: dict[str, float] = {}
 

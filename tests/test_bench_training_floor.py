@@ -42,10 +42,9 @@ def test_step_counts_average_the_solver_stats_and_round_for_the_floor():
 
 
 def test_tiled_data_covers_every_timed_step_in_one_epoch():
-    tf = _module()
     X, y = torch.arange(10.0).view(10, 1), torch.arange(10)
     data = DataBundle("d", (X, y), (X[:6], y[:6]), (1,), 10)
-    t = tf.tiled(data, 25, 4)
+    t = data.tiled(25, 4)
     assert t.train[0].shape == (30, 1) and t.train[1].shape == (30,)
     assert torch.equal(t.train[0][20:], X) and torch.equal(t.train[1][10:20], y)
     assert t.test[0].shape == (4, 1) and (t.in_shape, t.num_outputs) == ((1,), 10)

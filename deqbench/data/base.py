@@ -59,6 +59,23 @@ class DataBundle:
             self.meta,
         )
 
+    def tiled(self, n_train: int, n_test: int) -> DataBundle:
+        """This bundle with its training set repeated to at least ``n_train`` examples (timed
+        training steps then lie in one epoch: no evaluation pass between them) and its test set
+        cut to ``n_test`` examples."""
+        X, y = self.train
+        reps = max(1, -(-n_train // X.shape[0]))
+        Xt, yt = self.test
+        return DataBundle(
+            self.name,
+            (X.repeat(reps, *([1] * (X.dim() - 1))), y.repeat(reps)),
+            (Xt[:n_test], yt[:n_test]),
+            self.in_shape,
+            self.num_outputs,
+            self.task,
+            self.meta,
+        )
+
 
 class _DatasetMap(MutableMapping[str, Callable[..., DataBundle]]):
     """The dataset registry as a dict ``name -> loader``: reading imports a plugin's loader,

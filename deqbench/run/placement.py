@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -137,25 +136,6 @@ def _kept_state(device: str) -> Iterator[None]:
             np.random.set_state(npy)
 
 
-def _tiled(data: Any, n_train: int, n_test: int) -> Any:
-    """``data`` with its training set repeated to ``n_train`` examples at least (the timed
-    steps in one epoch: no evaluation between them) and its test set cut to ``n_test``."""
-    from ..data.base import DataBundle
-
-    X, y = data.train
-    reps = max(1, math.ceil(n_train / X.shape[0]))
-    Xt, yt = data.test
-    return DataBundle(
-        data.name,
-        (X.repeat(reps, *([1] * (X.dim() - 1))), y.repeat(reps)),
-        (Xt[:n_test], yt[:n_test]),
-        data.in_shape,
-        data.num_outputs,
-        data.task,
-        data.meta,
-    )
-
-
 def measure_steps(
     cell: Cell,
     suite: Suite,
@@ -194,7 +174,7 @@ def measure_steps(
         data = load_data(name, **params)
         if not cfg.full_batch:
             # at most 256 steps in one epoch (past them an epoch's short evaluation comes)
-            data = _tiled(data, cfg.batch_size * min(total, 256), cfg.batch_size)
+            data = data.tiled(cfg.batch_size * min(total, 256), cfg.batch_size)
         data = data.to(device, dtype)
         mname, mparams = cell.model_params()
         model = models.create(

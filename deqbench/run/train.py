@@ -427,15 +427,23 @@ class _Trainer:
         opt.step()
         for fn in self.after_step:
             fn()
+        st = last_stats(model, self.layers) if self.has_deq else {}
+        self.stepped(epoch, lv, st, _step_record(lv, st, out, yb, self.data.task), (xb, yb))
+
+    def stepped(
+        self, epoch: int, lv: float, st: dict[str, float], rec: dict[str, float], batch: Any
+    ) -> None:
+        """After an optimiser step: the per-batch schedule, the loop's counters, the epoch's
+        sums of the step's record ``rec``, the analyses' step hooks and the progress."""
+        loop = self.loop
         if self.sched is not None and self.per_batch:
             self.sched.step()
         loop.step += 1
         loop.batch += 1
-        st = last_stats(model, self.layers) if self.has_deq else {}
-        for k, v in _step_record(lv, st, out, yb, self.data.task).items():
+        for k, v in rec.items():
             loop.sums[k] = loop.sums.get(k, 0.0) + v
         loop.count += 1
-        info = StepInfo(epoch, loop.step, lv, st, (xb, yb))
+        info = StepInfo(epoch, loop.step, lv, st, batch)
         for cb in self.callbacks:
             self.hook("probe", cb, "on_step", info)
         if self.progress is not None:
@@ -455,23 +463,12 @@ class _Trainer:
             self.result.steps = loop.step
             raise _Failed
         self.result.tallies.add("train", led.records)
-        if self.sched is not None and self.per_batch:
-            self.sched.step()
-        loop.step += 1
-        loop.batch += 1
         rec = {"loss": lv, **st}
         if self.data.task == "classification":
             rec["accuracy"] = acc
         else:
             rec["mse"] = lv
-        for k, v in rec.items():
-            loop.sums[k] = loop.sums.get(k, 0.0) + v
-        loop.count += 1
-        info = StepInfo(epoch, loop.step, lv, st, (xb, yb))
-        for cb in self.callbacks:
-            self.hook("probe", cb, "on_step", info)
-        if self.progress is not None:
-            self.progress(epoch, loop.step)
+        self.stepped(epoch, lv, st, rec, (xb, yb))
 
 
 class _Failed(Exception):

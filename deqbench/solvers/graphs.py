@@ -195,16 +195,20 @@ def graph_loop(
     ``body``, and one graph is captured per phase when first reached (sharing one memory pool).
     """
     nstep = 0
-    graphs: dict[int, Any] = graph if graph is not None else {}  # phase -> captured graph
+    graphs: dict[Any, Any] = graph if graph is not None else {}  # phase (or "loop") -> graph
 
     def ph(n: int) -> int:
         return phase(n) if phase is not None else 0
+
+    loop = steps == LOOP  # the device loop: the stop test on the device after every step
 
     def run(p: int) -> None:
         if phase is None:
             body()
         else:
             body(p)
+        if loop:
+            tracker.device_judge()
 
     def eager_step(probe: bool = False) -> bool:
         nonlocal nstep
@@ -242,8 +246,6 @@ def graph_loop(
         graphs[p] = g
         return g
 
-    if steps == LOOP:
-        return _device_loop(solver, tracker, run, ph, max_iter, mode, key, graphs, state)
     if not tracker.cuda:  # no graphs on CPU: the same static body, eagerly (tests use this)
         while not eager_step():
             pass
@@ -264,9 +266,19 @@ def graph_loop(
             while not done:
                 done = eager_step()
             return nstep
-        capture(ph(nstep))
+        if loop:
+            graphs["loop"] = _capture_loop(solver, tracker, run, ph, max_iter)
+        else:
+            capture(ph(nstep))
         if mode == "cache" and key is not None:
             _cache_graph(key, graphs, state if state is not None else {})
+    if loop:  # one launch; the host reads every step's summary after it, once
+        graphs["loop"].replay()
+        nstep = tracker.device_loop_read(nstep)
+        if tracker.status is None and nstep < max_iter:  # the host would go on: eagerly
+            while not eager_step():
+                pass
+        return nstep
     while nstep + steps <= max_iter:
         p = ph(nstep)
         g = graphs.get(p)
@@ -295,86 +307,33 @@ def _segments(ph: Callable[[int], int], max_iter: int) -> list[tuple[int, int]]:
     return segs
 
 
-def _device_loop(
+def _capture_loop(
     solver: str,
     tracker: Tracker,
     run: Callable[[int], None],
     ph: Callable[[int], int],
     max_iter: int,
-    mode: str,
-    key: tuple | None,
-    graphs: dict[Any, Any],
-    state: dict[str, Any] | None,
-) -> int:
-    """:func:`graph_loop` with ``steps=LOOP``: the solve as one CUDA graph whose loop and stop
-    test run on the device (a while node per phase, its predicate
-    :meth:`Tracker.device_go`, the test :meth:`Tracker.device_judge`); the host launches it
-    once and reads the summaries of every step after it, once. The steps made and the stop
-    are the eager path's (the device tests what the host would, in float64); the host judges
-    the summaries again, and where it would go on (it never should) the solve goes on eagerly.
-    On CPU the same body and device test run eagerly, the host's test beside them."""
-    nstep = 0
-
-    def eager_step(probe: bool = False) -> bool:
-        nonlocal nstep
-        tracker.dev_j = 0
-        p = ph(nstep)
-        if probe:
-            try:
-                with forbid_sync():
+) -> Any:
+    """The solve as one CUDA graph whose loop and stop test run on the device
+    (``graph_steps="loop"``): a while node per phase of the solver, whose body is one step and
+    the device's stop test (``run``) and whose predicate is :meth:`Tracker.device_go`. The
+    steps made and the stop are the eager path's (the device tests what the host would, in
+    float64); the host judges the summaries again after the replay."""
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            cg = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+            for p, end in _segments(ph, max_iter):
+                cg.begin_capture_to_while_node(tracker.device_go(end))
+                try:
+                    tracker.dev_j = 0
                     run(p)
-                    tracker.device_judge()
-            except RuntimeError as exc:
-                raise GraphCaptureError(
-                    f"solver '{solver}': f synchronises with the host ({_first_line(exc)}), so "
-                    "it cannot be captured in a CUDA graph"
-                ) from exc
-        else:
-            run(p)
-            tracker.device_judge()
-        nstep += 1
-        tracker.commit(1)
-        return tracker.stop() or nstep >= max_iter
-
-    if not tracker.cuda:
-        while not eager_step():
-            pass
-        return nstep
-    g = graphs.get("loop")
-    if g is None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        main, tracker.stream = tracker.stream, side
-        with torch.cuda.stream(side):
-            done = eager_step(probe=True)
-        tracker.stream = main
-        torch.cuda.current_stream().wait_stream(side)
-        if done:
-            return nstep
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g):
-                cg = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-                for p, end in _segments(ph, max_iter):
-                    cg.begin_capture_to_while_node(tracker.device_go(end))
-                    try:
-                        tracker.dev_j = 0
-                        run(p)
-                        tracker.device_judge()
-                        cg.set_conditional_handle_for_current_node(tracker.device_go(end))
-                    finally:
-                        cg.end_capture_to_conditional_node()
-        except Exception as exc:
-            raise GraphCaptureError(
-                f"solver '{solver}': the solve could not be captured as a loop on the device "
-                f"({type(exc).__name__}: {_first_line(exc)})"
-            ) from exc
-        graphs["loop"] = g
-        if mode == "cache" and key is not None:
-            _cache_graph(key, graphs, state if state is not None else {})
-    g.replay()
-    nstep = tracker.device_loop_read(nstep)
-    if tracker.status is None and nstep < max_iter:  # the host would go on: eagerly
-        while not eager_step():
-            pass
-    return nstep
+                    cg.set_conditional_handle_for_current_node(tracker.device_go(end))
+                finally:
+                    cg.end_capture_to_conditional_node()
+    except Exception as exc:
+        raise GraphCaptureError(
+            f"solver '{solver}': the solve could not be captured as a loop on the device "
+            f"({type(exc).__name__}: {_first_line(exc)})"
+        ) from exc
+    return g
