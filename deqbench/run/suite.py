@@ -316,6 +316,8 @@ def _hashed(cell: Cell) -> dict[str, Any]:
         d["train"].pop("precise_bn", None)
     if not d["train"].get("lr_milestone_steps"):  # likewise
         d["train"].pop("lr_milestone_steps", None)
+    if not d["train"].get("capture", False):  # a later field: only where set
+        d["train"].pop("capture", None)
     d["train"].pop("checkpoint_every", None)  # how a run saves, not what it computes
     if changes := cell.runtime_changes():
         d["runtime"] = changes
