@@ -15,13 +15,14 @@ Here the step is the floor's work with the solvers' stop tests on the device:
 3. ``middle``: the readout and loss with their backward (dL/dz* and the readout's gradients), f
    at z* recorded with grad, the adjoint solve's state reset;
 4. adjoint chunks: masked fixed-point steps w <- J^T w + g (VJPs of that recording);
-5. ``update``: the parameter VJP at w, the injection's backward, the optimiser step
-   (``capturable``) and the model's ``post_step`` hooks.
+5. ``grads``: the cell's parameter VJP at w and the injection's backward; ``update``: the
+   optimiser step (``capturable``) and the model's ``post_step`` hooks (captured again when the
+   learning rate changes).
 
 Each part is captured once (chunks per length) in one memory pool and replayed; the host reads
 one small tensor after the forward chunks (halted? diverged?) and one after the adjoint chunks
-(halted? the loss and both solves' summaries), so a step costs about five graph launches and two
-host reads, however many iterations it makes. The first chunk's length is the last step's count
+(halted? the loss and both solves' summaries), so a step costs about six graph launches and two
+host reads where each solve fits its first chunk, a launch and a read more per further chunk. The first chunk's length is the last step's count
 (rounded down to :data:`LADDER`), later chunks a quarter of it. On the CPU the same parts
 run eagerly (no graphs): the tests compare them with the eager training path there.
 
@@ -30,8 +31,9 @@ and ``inject``/``readout``/``z0`` (:class:`~deqbench.core.deq.DEQModel`), the ``
 forward solver (no damping) and the ``ift`` backward with the ``fixed_point`` adjoint solver,
 Adam or AdamW, no gradient clipping, no AMP or compiled cell, classification or regression
 losses. The solves return their last iterate (the eager solvers' default is the per-sample
-lowest; on a contraction they are the same iterate); every step's solves are checked against
-their tolerance and stop rule as the eager ones are, and recorded in the solve ledger.
+lowest; on a contraction they are the same iterate); every step's solves are judged converged
+by their returned iterate's own residual under the declared stop rule, on the device, and
+recorded in the solve ledger as the eager ones are.
 """
 
 from __future__ import annotations
