@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -151,16 +152,17 @@ class MaskedSolve:
         return [self.halt.to(dt), self.nstep.to(dt), self.conv.to(dt), self.div.to(dt),
                 self.value, self.abs_r.amax(), self.rel_r.amax()]  # fmt: skip
 
-    def stats(self, solver: str, row: list[float], extra: dict[str, Any]) -> SolverStats:
-        """The solve's :class:`SolverStats` from its summary ``row`` (as :meth:`summary`
-        ordered, read on the host), the per-sample residuals copied out of the static buffers."""
+    def stats(self, row: list[float]) -> SolverStats:
+        """The solve's :class:`SolverStats` (solver ``fixed_point``) from its summary ``row``
+        (as :meth:`summary` ordered, read on the host), the per-sample residuals copied out of
+        the static buffers."""
         _, nstep, conv, div, value = row[:5]
         B = self.abs_r.shape[0]
         empty = self.abs_r.new_zeros(0, B)
         st = make_stats(
-            solver, int(nstep), empty, empty, self.abs_r.clone(), self.rel_r.clone(), self.tol,
-            self.stop_mode, diverged=bool(div), converged=bool(conv), stop=self.rule,
-            extra={"returned": "x", "path": "captured step", "stop_residual": value, **extra},
+            "fixed_point", int(nstep), empty, empty, self.abs_r.clone(), self.rel_r.clone(),
+            self.tol, self.stop_mode, diverged=bool(div), converged=bool(conv), stop=self.rule,
+            extra={"returned": "x", "stop_residual": value},
         )  # fmt: skip
         st.path = "captured"
         return st
@@ -182,23 +184,20 @@ class CapturedStep:
         self.layer: Any = layer
         self.cuda = next(model.parameters()).is_cuda
         self.params = [p for g in opt.param_groups for p in g["params"]]
+        for p in self.params:  # static gradients, accumulated into by the captured parts
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         self.graphs: dict[Any, Any] = {}
         self.pool: Any = None
         self.lr: list[float] = []
-        self.first = {"forward": 0, "adjoint": 0}  # the last step's counts: the first chunks
-        self.built = False
-        #: why the parts run eagerly on CUDA (a capture failed), else None
-        self.fallback: str | None = None
+        self.last_count = {"forward": 0, "adjoint": 0}  # the last step's: the first chunks
+        #: whether a step was made (the parts are captured from the second step on: the first,
+        #: eager, creates the optimiser's state and lets the libraries pick their kernels)
+        self.warm = False
+        self.x: Tensor | None = None  # the static batch (the first batch's shapes)
+        self.y: Tensor | None = None
 
     # -- the parts ---------------------------------------------------------------------------
-    def _build(self, xb: Tensor, yb: Tensor) -> None:
-        """Static inputs (the solves' buffers follow from the first injection: :meth:`_alloc`)."""
-        self.x, self.y = xb.clone(), yb.clone()
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.built = True
-
     def _alloc(self, u: Tensor) -> None:
         """The solves' and the recording's static buffers, shaped as the injection ``u``."""
         s, b = self.layer.solver_cfg, self.layer.backward_cfg
@@ -290,14 +289,14 @@ class CapturedStep:
         for fn in self.after_step:
             fn()
 
-    def _summary(self, solve: MaskedSolve, tail: list[Tensor] = ()) -> Tensor:  # type: ignore[assignment]
+    def _summary(self, solve: MaskedSolve, tail: Sequence[Tensor]) -> Tensor:
         return torch.stack([t.to(self.loss.dtype) for t in solve.summary() + list(tail)])
 
     # -- running them ------------------------------------------------------------------------
     def _run(self, key: Any, fn: Any) -> None:
         """Run part ``key`` (a callable doing it): eagerly on the CPU; on CUDA its captured
         graph (captured on first use, in the shared pool)."""
-        if not self.cuda or not self.ready:
+        if not self.cuda or not self.warm:
             fn()
             return
         g = self.graphs.get(key)
@@ -311,8 +310,8 @@ class CapturedStep:
                 with torch.cuda.graph(g, pool=self.pool):
                     fn()
             except Exception as exc:  # noqa: BLE001 - not capturable: eager from now on
-                self.fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-                warnings.warn(f"captured training steps: {self.fallback}; eager parts from now on",
+                why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+                warnings.warn(f"captured training steps: {why}; eager parts from now on",
                               RuntimeWarning, stacklevel=2)  # fmt: skip
                 self.cuda = False
                 self.graphs.clear()
@@ -324,7 +323,7 @@ class CapturedStep:
 
     def _solve(self, kind: str, solve: MaskedSolve, fn: Any, tail: list[Tensor]) -> list[float]:
         """Chunks of masked steps until the device says the solve stopped; the summary row."""
-        last = self.first[kind] or 8
+        last = self.last_count[kind] or 8
         n, more = chunk(last), chunk(last // 4)
         self._run((kind, n), lambda: solve.steps(fn, n))
         while True:
@@ -332,16 +331,8 @@ class CapturedStep:
             if row[0] or row[1] >= solve.max_iter:
                 break
             self._run((kind, more), lambda: solve.steps(fn, more))
-        self.first[kind] = int(row[1])
+        self.last_count[kind] = int(row[1])
         return row
-
-    @property
-    def ready(self) -> bool:
-        """Whether the parts are captured (after the first, eager, step: it creates the
-        optimiser's state and lets the libraries pick their kernels)."""
-        return self.built and self.lr != [] and self._warm
-
-    _warm = False
 
     def step(self, xb: Tensor, yb: Tensor) -> tuple[float, float, SolverStats, SolverStats | None]:
         """One training step on batch (xb, yb): (loss, accuracy, forward stats, adjoint stats or
@@ -353,39 +344,39 @@ class CapturedStep:
             return self._step(xb, yb)
 
     def _step(self, xb: Tensor, yb: Tensor) -> tuple[float, float, SolverStats, SolverStats | None]:
-        if not self.built:
-            self._build(xb, yb)
+        if self.x is None or self.y is None:
+            self.x, self.y = xb.clone(), yb.clone()
         lrs = [float(g["lr"]) for g in self.opt.param_groups]
-        if self.cuda and self._warm and lrs != self.lr:  # a new LR: the step is captured again
+        if self.cuda and self.warm and lrs != self.lr:  # a new LR: the step is captured again
             self.graphs.pop("update", None)
         self.lr = lrs
         self.x.copy_(xb)
         self.y.copy_(yb)
         self._run("prologue", self._prologue)
         frow = self._solve("forward", self.fwd, self._f, [])
-        fst = self.fwd.stats("fixed_point", frow, {})
+        fst = self.fwd.stats(frow)
         if frow[3]:  # diverged: no backward (the eager path's rule)
             return math.nan, math.nan, fst, None
         self._run("middle", self._middle)
         brow = self._solve("adjoint", self.adj, self._adj_map, [self.loss, self.acc])
         loss, acc = brow[-2], brow[-1]
-        ast = self.adj.stats("fixed_point", brow, {})
+        ast = self.adj.stats(brow)
         if not math.isfinite(loss):
             return loss, acc, fst, None
         self._run("grads", self._grads)
         self._run("update", self._update)
-        self._warm = True
+        self.warm = True
         return loss, acc, fst, ast
 
-    def record(self, fst: SolverStats, ast: SolverStats | None, ledger: Any = None) -> None:
+    def record(self, fst: SolverStats, ast: SolverStats | None) -> None:
         """The step's solves into the solve ledger (checked against their tolerance as the
         eager solves are) and onto the layer (``last_forward_stats`` / ``last_backward_stats``,
         which the step's records and the analyses read)."""
         s, b = self.layer.solver_cfg, self.layer.backward_cfg
         # converged is the device's test of the returned iterate's own residual (not a
         # solver's claim to check again: that would read it once more); the ledger keeps it
-        verdict.record("forward", fst, s.max_iter, ledger)
+        verdict.record("forward", fst, s.max_iter)
         self.layer.__dict__["last_forward_stats"] = fst
         if ast is not None:
-            verdict.record("adjoint", ast, b.max_iter, ledger)
+            verdict.record("adjoint", ast, b.max_iter)
             self.layer.__dict__["last_backward_stats"] = ast

@@ -155,10 +155,8 @@ def measure_steps(
     numeric flags are kept."""
     import torch
 
-    from ..core import deq
-    from ..core.registry import inits, models
     from ..data.base import load_data
-    from .task import apply_numeric_flags, seed_everything
+    from .task import apply_numeric_flags, cell_model, seed_everything
     from .train import train
 
     cuda = device.startswith("cuda")
@@ -176,16 +174,7 @@ def measure_steps(
             # at most 256 steps in one epoch (past them an epoch's short evaluation comes)
             data = data.tiled(cfg.batch_size * min(total, 256), cfg.batch_size)
         data = data.to(device, dtype)
-        mname, mparams = cell.model_params()
-        model = models.create(
-            mname, in_shape=data.in_shape, num_outputs=data.num_outputs, **mparams
-        ).to(device=device, dtype=dtype)
-        iname, iparams = cell.init_params()
-        inits.get(iname)(model, seed=0, **iparams)
-        if deq.is_deq(model):
-            deq.configure(model, cell.solver_config(), cell.backward_config())
-        runtime = cell.runtime_config()
-        deq.set_runtime(model, runtime)
+        model, runtime = cell_model(cell, data, device, dtype, seed=0)
         cfg = dataclasses.replace(
             cfg, epochs=max(cfg.epochs, total), max_steps=total, eval_before=False
         )

@@ -21,7 +21,7 @@ import os
 import random
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -575,26 +575,42 @@ def _process_start_up(task: Task, dtype: Any, out: _TaskRows) -> Any:
     return cpu_data
 
 
-def _build_model(task: Task, data: Any, dtype: Any, out: _TaskRows) -> tuple[Any, str, Any]:
-    """Create, initialise and set up the cell's model on the task's device; returns the model,
-    its registered name and the cell's runtime config."""
+def cell_model(
+    cell: Any, data: Any, device: Any, dtype: Any, seed: int,
+    stage: Callable[[str], None] | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The cell's model created on ``device``, initialised with ``seed`` and set up (solver,
+    backward, runtime): (model, the cell's runtime config). ``stage`` hears what is being done
+    (a task's failure names it)."""
     from ..core import deq
     from ..core.registry import inits, models
-    from ..models import solver_columns
 
-    cell = task.cell
+    say = stage or (lambda _: None)
     mname, mparams = cell.model_params()
-    out.stage = f"building model {_named('models', mname)}"
+    say(f"building model {_named('models', mname)}")
     model = models.create(mname, in_shape=data.in_shape, num_outputs=data.num_outputs, **mparams)
-    model = model.to(device=task.device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype)
     iname, iparams = cell.init_params()
-    out.stage = f"initialising model {_named('models', mname)} with {_named('inits', iname)}"
-    inits.get(iname)(model, seed=task.seed, **iparams)
-    out.stage = f"setting up model {_named('models', mname)}"
+    say(f"initialising model {_named('models', mname)} with {_named('inits', iname)}")
+    inits.get(iname)(model, seed=seed, **iparams)
+    say(f"setting up model {_named('models', mname)}")
     if deq.is_deq(model):
         deq.configure(model, cell.solver_config(), cell.backward_config())
     runtime = cell.runtime_config()
     deq.set_runtime(model, runtime)  # every DEQ layer: compile, autocast, CUDA graphs
+    return model, runtime
+
+
+def _build_model(task: Task, data: Any, dtype: Any, out: _TaskRows) -> tuple[Any, str, Any]:
+    """Create, initialise and set up the cell's model on the task's device; returns the model,
+    its registered name and the cell's runtime config."""
+    from ..core import deq
+    from ..models import solver_columns
+
+    mname, mparams = task.cell.model_params()
+    model, runtime = cell_model(
+        task.cell, data, task.device, dtype, task.seed, lambda text: setattr(out, "stage", text)
+    )
     deq.watch_own_solves(model)  # a model that reports its own solves: each one is recorded
     own = solver_columns(mname, model, mparams)
     if own is not None:
