@@ -5,7 +5,9 @@ For ``pcdeq_l`` (width 80), ``pcdeq_sc`` (82 channels), ``fc_deq`` and ``conv_de
 default sizes) on MNIST-shaped input (mnist5k, 1x28x28; the linear models flatten it to 784) at
 batch 64, with the pcDEQ paper's solver settings (fixed_point, rel tol 1e-4, max_iter 200, stop
 ``batch_fro``; IFT backward with fixed_point, tol 1e-4, max_iter 200) and AdamW (lr 1e-3,
-weight decay 0.02), float32, TF32 off:
+weight decay 0.02), float32, TF32 off (``--tf32 default``: PyTorch's defaults, cuDNN TF32 on and
+matmul TF32 off, which is what a suite that sets no ``tf32`` runs, the paper pcDEQ suite among
+them):
 
 * **measured**: ``--steps`` optimiser steps of deqbench's own training loop
   (:func:`deqbench.run.train.train`, the code a suite runs; the model built, initialised and
@@ -156,8 +158,10 @@ def data_choice(name: str) -> str:
     return name
 
 
-def cell_suite(model: str, data: str, device: str, threads: int, steps: int) -> Any:
-    """The one-cell suite of ``model`` on ``data`` with the paper's settings, TF32 off."""
+def cell_suite(model: str, data: str, device: str, threads: int, steps: int,
+               tf32: str = "off") -> Any:  # fmt: skip
+    """The one-cell suite of ``model`` on ``data`` with the paper's settings, TF32 off (``tf32``
+    "default": the suite sets no flag, PyTorch's defaults hold)."""
     return one_cell_suite(
         "training_floor",
         model=MODELS[model],
@@ -177,7 +181,7 @@ def cell_suite(model: str, data: str, device: str, threads: int, steps: int) -> 
         },  # fmt: skip
         device=device,
         threads=threads,
-        overrides=["tf32=false"],
+        overrides=["tf32=false"] if tf32 == "off" else [],
     )
 
 
@@ -418,7 +422,7 @@ def run_models(args: argparse.Namespace) -> dict[str, Any]:
     args.data = data_choice(args.data)
     rows = []
     for name in args.models:
-        suite = cell_suite(name, args.data, str(dev), args.threads, args.steps)
+        suite = cell_suite(name, args.data, str(dev), args.threads, args.steps, args.tf32)
         model, cell, data = build(suite, str(dev), args.seed)
         row: dict[str, Any] = {"model": name}
         row.update(measure(model, cell, data, dev, args.steps, args.warmup, barrier, name,
@@ -473,7 +477,7 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
             cmd = [sys.executable, __file__, "--device", args.device, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--threads", str(threads), "--seed",
                    str(args.seed), "--data", data, "--json", str(out), "--barrier", tmp, "--rank", str(rank),
-                   "--world", str(k), "--graph-steps", args.graph_steps,
+                   "--world", str(k), "--graph-steps", args.graph_steps, "--tf32", args.tf32,
                    *(["--capture"] if args.capture else []),
                    "--models", *args.models]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -504,8 +508,9 @@ def table(result: dict[str, Any]) -> str:
     env, rows = result["env"], result["rows"]
     threads = f", {env['threads']} thread(s)" if env["threads"] else ""
     lines = [
-        f"# {env['device']}; torch {env['torch']}; {env['dtype']}; TF32 "
-        f"{'on' if env['tf32_matmul'] or env['tf32_cudnn'] else 'off'}{threads}; "
+        f"# {env['device']}; torch {env['torch']}; {env['dtype']}; TF32 matmul "
+        f"{'on' if env['tf32_matmul'] else 'off'}, cuDNN {'on' if env['tf32_cudnn'] else 'off'}"
+        f"{threads}; "
         f"batch {env['batch']}, {env['steps']} timed steps after {env['warmup']}; "
         f"pack {env['pack']}",
         f"# solver {env['solver']}; backward {env['backward']}; AdamW lr {LR} wd {WEIGHT_DECAY}; "
@@ -553,6 +558,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--graph-steps", default="auto", choices=["auto", "loop", "chunks"],
                     help="the solves' graph path: auto (the default, as a suite runs), loop (the "
                     "device loop for 'auto') or chunks (the chunked graphs for 'auto')")  # fmt: skip
+    ap.add_argument("--tf32", default="off", choices=["off", "default"],
+                    help="off (the default: TF32 off for matmul and cuDNN) or default (PyTorch's "
+                    "defaults, cuDNN TF32 on: what a suite setting no tf32 runs)")  # fmt: skip
     ap.add_argument("--capture", action="store_true",
                     help="captured training steps (train.capture: true)")  # fmt: skip
     # internal: the processes of a --pack run

@@ -315,3 +315,45 @@ def test_dask_worker_stops_at_the_deadline_and_resumes_from_its_checkpoint(tmp_p
     assert again.exit_code in (0, 1) and not checkpoint_path(first.run_dir, cell, seed).exists()
     assert "continued from its checkpoint" in (first.run_dir / "log.txt").read_text()
     pd.testing.assert_frame_equal(_rows(again.run_dir), _rows(straight.run_dir), check_exact=True)
+
+
+CAPTURED = """\
+schema: 1
+name: ckpt_captured
+device: cpu
+dtype: float64
+threads: 1
+seeds: [0]
+data: {name: digits, train_subset: 64, test_subset: 32}
+defaults:
+  model: {name: fc_deq_tiny, width: 8}
+  solver: {name: fixed_point, max_iter: 30, tol: 1.0e-4}
+  backward: {name: ift, solver: fixed_point, max_iter: 30, tol: 1.0e-4}
+  train: {epochs: 3, batch_size: 16, optimizer: adamw, lr: 1.0e-2, capture: true,
+          lr_milestone_steps: [5], gamma: 0.1}
+analyses: [metrics, solver_stats, test_ckpt_probe]
+output: results
+"""
+
+
+def test_captured_training_steps_resume_from_a_checkpoint_bitwise(tmp_path):
+    """A task of captured training steps (train.capture, the same parts eagerly on CPU) stopped
+    mid-epoch continues from its checkpoint with the rows of the straight run, across an LR
+    milestone after the resume."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = run_suite(load_suite(write_suite(tmp_path / "a", CAPTURED)), progress=False,
+                         plots=False)  # fmt: skip
+    assert straight.exit_code == 0
+    suite = load_suite(write_suite(tmp_path / "b", CAPTURED))
+    ACT.update(at=3, how="deadline", cell=_cell(suite, 0))
+    first = run_suite(suite, progress=False, plots=False, stop_after=3600)
+    assert first.exit_code == STOPPED_EXIT
+    assert torch.load(checkpoint_path(first.run_dir, _cell(suite, 0), 0),
+                      weights_only=False)["step"] == 3  # fmt: skip
+    DEADLINE["passed"] = False
+    again = run_suite(suite, resume=first.run_dir, progress=False, plots=False)
+    assert again.exit_code == 0
+    rows = _rows(again.run_dir)
+    assert (rows.metric == "step_loss").sum() == 12
+    pd.testing.assert_frame_equal(rows, _rows(straight.run_dir), check_exact=True)

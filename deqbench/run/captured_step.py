@@ -19,7 +19,8 @@ Here the step is the floor's work with the solvers' stop tests on the device:
    optimiser step (``capturable``) and the model's ``post_step`` hooks (captured again when the
    learning rate changes).
 
-Each part is captured once (chunks per length) in one memory pool and replayed; the host reads
+Each part is captured once (every chunk length of a solve at its first capture, so that no
+capture falls between later steps as the counts move) in one memory pool and replayed; the host reads
 one small tensor after the forward chunks (halted? diverged?) and one after the adjoint chunks
 (halted? the loss and both solves' summaries), so a step costs about six graph launches and two
 host reads where each solve fits its first chunk, a launch and a read more per further chunk. The first chunk's length is the last step's count
@@ -301,30 +302,41 @@ class CapturedStep:
             return
         g = self.graphs.get(key)
         if g is None:
-            if not self.graphs:
-                # the eager step's autograd graphs hold the parameters' AccumulateGrad nodes,
-                # made on the default stream: dropped, so that the captures make their own
-                self.u = self.ud = self.fzr = None  # type: ignore[assignment]
-            g = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(g, pool=self.pool):
-                    fn()
-            except Exception as exc:  # noqa: BLE001 - not capturable: eager from now on
-                why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-                warnings.warn(f"captured training steps: {why}; eager parts from now on",
-                              RuntimeWarning, stacklevel=2)  # fmt: skip
-                self.cuda = False
-                self.graphs.clear()
-                raise _Recapture from exc
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[key] = g
+            g = self._capture(key, fn)
         g.replay()
+
+    def _capture(self, key: Any, fn: Any) -> Any:
+        """Capture part ``key`` (recorded, not run) into the shared pool."""
+        if not self.graphs:
+            # the eager step's autograd graphs hold the parameters' AccumulateGrad nodes,
+            # made on the default stream: dropped, so that the captures make their own
+            self.u = self.ud = self.fzr = None  # type: ignore[assignment]
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self.pool):
+                fn()
+        except Exception as exc:  # noqa: BLE001 - not capturable: eager from now on
+            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            warnings.warn(f"captured training steps: {why}; eager parts from now on",
+                          RuntimeWarning, stacklevel=2)  # fmt: skip
+            self.cuda = False
+            self.graphs.clear()
+            raise _Recapture from exc
+        if self.pool is None:
+            self.pool = g.pool()
+        self.graphs[key] = g
+        return g
 
     def _solve(self, kind: str, solve: MaskedSolve, fn: Any, tail: list[Tensor]) -> list[float]:
         """Chunks of masked steps until the device says the solve stopped; the summary row."""
         last = self.last_count[kind] or 8
         n, more = chunk(last), chunk(last // 4)
+        if self.cuda and self.warm and (kind, n) not in self.graphs:
+            # every chunk length of the solve at once: a length first met mid-run (the counts
+            # move as the model trains) would otherwise be captured then, between timed steps
+            for m in LADDER:
+                if (kind, m) not in self.graphs:
+                    self._capture((kind, m), lambda m=m: solve.steps(fn, m))
         self._run((kind, n), lambda: solve.steps(fn, n))
         while True:
             row = self._summary(solve, tail).tolist()
