@@ -143,7 +143,7 @@ class MaskedSolve:
         torch.where(active, value, self.value, out=self.value)
         self.conv |= active & conv_now
         self.div |= active & div_now
-        z.copy_(torch.where(active & ~stop_now, fz, z))
+        torch.where(active & ~stop_now, fz, z, out=z)  # in place: one pass, no copy
         self.halt |= stop_now
 
     def summary(self) -> list[Tensor]:

@@ -300,7 +300,9 @@ class _Trainer:
         self.runtime = model_runtime(model) if runtime is None else runtime
         self.X, self.y = data.train
         self.loss_fn = loss_function(data.task)
-        self.captured: CapturedStep | None = None
+        #: captured training steps, one per batch shape (an epoch's last, partial batch has its
+        #: own static buffers and graphs; the optimiser and gradients are shared)
+        self.captured: dict[tuple[int, ...], CapturedStep] | None = None
         if cfg.capture:
             why = capture_problem(model, cfg)
             if why is not None:
@@ -328,7 +330,7 @@ class _Trainer:
         self.after_step = post_step_hooks(model)
         self.loop = _Loop()
         if cfg.capture:
-            self.captured = CapturedStep(model, self.opt, self.loss_fn, data.task, self.after_step)
+            self.captured = {}
 
     def hook(self, phase: str, cb: Any, method: str, info: Any) -> None:
         """An analysis hook, its solves counted as ``phase`` (a generator runs inside)."""
@@ -451,8 +453,13 @@ class _Trainer:
 
     def captured_step(self, epoch: int, xb: Tensor, yb: Tensor) -> None:
         """:meth:`step` as captured parts (``train.capture``): the same records and hooks."""
-        loop, cap = self.loop, self.captured
-        assert cap is not None
+        loop, caps = self.loop, self.captured
+        assert caps is not None
+        cap = caps.get(tuple(xb.shape))
+        if cap is None:
+            cap = caps[tuple(xb.shape)] = CapturedStep(
+                self.model, self.opt, self.loss_fn, self.data.task, self.after_step
+            )
         with solve_ledger() as led:
             lv, acc, fst, ast = cap.step(xb, yb)
             cap.record(fst, ast)
