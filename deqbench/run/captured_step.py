@@ -350,10 +350,17 @@ class CapturedStep:
         """One training step on batch (xb, yb): (loss, accuracy, forward stats, adjoint stats or
         None where training must stop before the backward: a diverged forward solve or a
         non-finite loss, in which case no parameter was changed)."""
-        try:
-            return self._step(xb, yb)
-        except _Recapture:  # nothing of the step ran on the device past the failed capture
-            return self._step(xb, yb)
+        with warnings.catch_warnings():
+            # the parameters' AccumulateGrad nodes are kept alive by the recorded f at z* of the
+            # captured parts (made on the capture stream); the eager first step of another batch
+            # shape meets them on the default stream, and torch warns of a possible extra
+            # synchronisation at every step (the values are the same; a failed capture is
+            # reported by its own warning below)
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
+            try:
+                return self._step(xb, yb)
+            except _Recapture:  # nothing of the step ran on the device past the failed capture
+                return self._step(xb, yb)
 
     def _step(self, xb: Tensor, yb: Tensor) -> tuple[float, float, SolverStats, SolverStats | None]:
         if self.x is None or self.y is None:
