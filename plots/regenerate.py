@@ -85,7 +85,7 @@ def _reproduce(target: str) -> int:
 
 def _rejudge(target: str) -> int:
     """Each ``plots/reproduction_paper/<paper>/`` report rewritten from its committed runs:
-    the folder copied, its ``results.csv.gz`` unpacked, ``deqbench reproduce --resume`` over the
+    the folder copied, its ``results.csv.gz`` unpacked, ``deqbench reproduce --judge-only`` over the
     paper's claims whose paper-scale suite has a committed run (or has no suite: those are
     ``not run``), and the new report copied back. Nothing is run."""
     import gzip
@@ -102,8 +102,8 @@ def _rejudge(target: str) -> int:
             for gz in out.glob("runs/*/*/results.csv.gz"):
                 gz.with_suffix("").write_bytes(gzip.decompress(gz.read_bytes()))
             ids = rejudgeable_claims(folder.name, out)
-            cmd = [sys.executable, "-m", "deqbench", "reproduce", "--scale", "paper", "--resume",
-                   "--out", str(out), "--claims", ",".join(ids)]  # fmt: skip
+            cmd = [sys.executable, "-m", "deqbench", "reproduce", "--scale", "paper",
+                   "--judge-only", "--out", str(out), "--claims", ",".join(ids)]  # fmt: skip
             print("+", " ".join(cmd), flush=True)
             code = subprocess.run(cmd, cwd=ROOT, check=False).returncode
             if code not in (0, 1):

@@ -4,7 +4,9 @@ with the results writer, the report, and the command end to end on one cheap cla
 from __future__ import annotations
 
 import csv
+import io
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -629,3 +631,86 @@ def test_report_total_is_the_runs_own_time(tmp_path):
     assert head.endswith("2 suite runs, 1155 s in total."), head  # 963 + 192
     write_report(tmp_path, [], "paper", {}, seconds=4.0)
     assert "0 suite runs, 4 s in total." in (tmp_path / "reproduction.md").read_text()
+
+
+def _paper_run(out: Path, stamp: str, rows: list[dict], cells: list[str], select: str,
+               status: str = "complete") -> Path:  # fmt: skip
+    """A run of the paper pcDEQ suite in report folder ``out`` (a part of its grid)."""
+    import json
+
+    from deqbench.run.yamlio import read_yaml
+
+    raw, _ = read_yaml(suite_file("pcdeq", "paper"))
+    run = out / "runs" / "pcdeq_paper" / stamp
+    run.mkdir(parents=True)
+    ResultsWriter(run).append(rows)
+    (run / "suite.yaml").write_text(yaml.safe_dump({**raw, "select": [select]}))
+    meta = {"status": status, "exit_code": 0 if status == "complete" else 75, "cells": cells,
+            "seeds": list(SEEDS), "started": "2026-01-01T12:00:00",
+            "finished": "2026-01-01T12:10:00", "git": {"commit": "abc"}}  # fmt: skip
+    (run / "run.json").write_text(json.dumps(meta))
+    return run
+
+
+def _arch_rows(arch: str, seeds=SEEDS) -> tuple[list[dict], list[str]]:
+    """pcDEQ rows of one architecture (its iterations flat), with the steps each task made."""
+    cells = [f"pcdeq_{arch}-activation=tanh", f"pcdeq_{arch}-activation=relu6"]
+    rows = []
+    for cell in cells:
+        for s in seeds:
+            for e in range(4):
+                rows.append(row(cell, s, "family_stats", "forward_nstep", 5.0, step=e,
+                                model=f"pcdeq_{arch}"))  # fmt: skip
+            rows.append(row(cell, s, "training", "optimizer_steps", 37520, model=f"pcdeq_{arch}"))
+            rows.append(done(cell, s, model=f"pcdeq_{arch}"))
+    return rows, cells
+
+
+def test_runs_of_parts_of_a_grid_are_judged_together(tmp_path):
+    """Two runs of one suite in a report folder, each a part of its grid (select): a claim is
+    judged on both (its measured column has both architectures), the reason names the parts,
+    the last table lists both runs; a run of the same cells made later replaces the earlier."""
+    from deqbench.reproduce.run import RunOptions, companion_runs
+
+    out = tmp_path / "r"
+    l_rows, l_cells = _arch_rows("l")
+    sc_rows, sc_cells = _arch_rows("sc")
+    old = _paper_run(out, "20260101-100000", l_rows, l_cells, "pcdeq_l-*")
+    lrun = _paper_run(out, "20260101-110000", l_rows, l_cells, "pcdeq_l-*")
+    sc = _paper_run(out, "20260101-120000", sc_rows, sc_cells, "pcdeq_sc-*")
+    path = suite_file("pcdeq", "paper")
+    assert companion_runs(out, path, sc) == [lrun]  # the older L run: its cells measured again
+    assert old.is_dir()
+    reproduce(claim_ids=["002-iterations"], scale="paper", out=out,
+              options=RunOptions(judge_only=True), log=open(os.devnull, "w"))  # fmt: skip
+    r = next(csv.DictReader(open(out / "reproduction.csv")))
+    assert r["verdict"] == "reproduced", r
+    assert "L:tanh" in r["measured"] and "SC:tanh" in r["measured"]
+    assert "select pcdeq_sc-*, pcdeq_l-* of 2 runs" in r["reason"]
+    assert r["steps"].startswith("37520 of 37520")
+    md = (out / "reproduction.md").read_text()
+    assert "runs/pcdeq_paper/20260101-120000" in md and "runs/pcdeq_paper/20260101-110000" in md
+    assert "runs/pcdeq_paper/20260101-100000" not in md
+
+
+def test_judge_only_judges_a_stopped_run_on_its_finished_tasks(tmp_path):
+    """``--judge-only`` starts nothing: a run stopped with tasks unfinished is judged on the
+    finished ones, the unfinished named in the reason and the run table, exit 1 (not the whole
+    grid); with fewer than three seeds left a trend is not run."""
+    from deqbench.reproduce.run import RunOptions, reproduce_run
+
+    out = tmp_path / "r"
+    rows, cells = _arch_rows("sc")
+    rows = [r for r in rows if not (r["cell_id"].endswith("relu6") and r["seed"] == 2)]
+    _paper_run(out, "20260101-120000", rows, cells, "pcdeq_sc-*", status="interrupted")
+
+    log = io.StringIO()
+    folder, code = reproduce_run(claim_ids=["002-iterations"], scale="paper", out=out,
+                                 options=RunOptions(judge_only=True), log=log)  # fmt: skip
+    assert code == 1 and "judged on the finished tasks of a stopped run" in log.getvalue()
+    r = next(csv.DictReader(open(out / "reproduction.csv")))
+    assert "unfinished: pcdeq_sc-activation=relu6 seed 2" in r["reason"], r["reason"]
+    assert r["verdict"] == "not run" and "only 2 seeds" in r["reason"]  # relu6: seeds 0, 1
+    assert "stopped: 1 task(s) unfinished" in (out / "reproduction.md").read_text()
+    assert "judged as it is" in log.getvalue()
+    assert len(list((out / "runs" / "pcdeq_paper").iterdir())) == 1  # nothing started

@@ -43,7 +43,7 @@ def test_committed_paper_report_is_what_the_code_concludes(paper: str, tmp_path:
         scale="paper",
         claim_ids=[r["claim_id"] for r in committed],
         out=out,
-        options=RunOptions(resume=True),
+        options=RunOptions(judge_only=True),
         log=log,
     )
     assert "started" not in log.getvalue() and "resumed" not in log.getvalue(), log.getvalue()

@@ -82,6 +82,15 @@ def reproduce_command(
             "interrupted ones resumed, missing ones run; the report is rewritten.",
         ),
     ] = False,
+    judge_only: Annotated[
+        bool,
+        typer.Option(
+            "--judge-only",
+            help="Judge the --out folder's runs as they are and rewrite the report; nothing is "
+            "started or resumed. A stopped run (--stop-after) is judged on its finished tasks, "
+            "the others named in each claim's reason (exit 1: not the whole grid).",
+        ),
+    ] = False,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -110,6 +119,8 @@ def reproduce_command(
     interrupted (the report marks the unfinished suites' claims not run; resume with --resume),
     75 when --stop-after stopped a suite with cells unfinished (likewise; a training cell
     continues from its checkpoint).
+    Several runs of one suite in the --out folder, each a part of its grid (--set select=...),
+    are judged together (a cell measured again: its latest run).
     Flagged cells are measurements: the checkers judge their convergence."""
     from ..cli import handle_errors
 
@@ -125,7 +136,12 @@ def reproduce_command(
         from .run import RunOptions, reproduce_run
 
         ids = [c.strip() for c in (claims or "").split(",") if c.strip()]
-        opts = RunOptions(tuple(overrides or ()), executor, scheduler, workers, resume)
+        if judge_only and out is None:
+            from ..core.errors import ConfigError
+
+            raise ConfigError("--judge-only judges a report folder's runs: name it with --out DIR")
+        opts = RunOptions(tuple(overrides or ()), executor, scheduler, workers, resume,
+                          judge_only)  # fmt: skip
         with deadline(stop_after):  # every suite's tasks stop then
             folder, code = reproduce_run(papers or (), scale=scale, claim_ids=ids, out=out,
                                          data_root=data_root, options=opts)  # fmt: skip

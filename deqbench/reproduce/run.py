@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import math
 import os
 import sys
 import time
@@ -161,12 +162,90 @@ class RunOptions:
     #: continue the report folder's earlier runs: a finished run is reused as it is, an
     #: interrupted one resumed (``deqbench run --resume``), a missing one started
     resume: bool = False
+    #: judge the report folder's runs as they are: nothing is started or resumed, a stopped
+    #: run is judged on its finished tasks (:func:`judge_existing`)
+    judge_only: bool = False
 
 
 def previous_run(out: Path, path: Path) -> Path | None:
     """The latest run directory of the suite ``path`` under ``out/runs`` (None: none)."""
     found = sorted((out / "runs" / _suite_name(path)).glob("*/run.json"))
     return found[-1].parent if found else None
+
+
+def _meta(run_dir: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def companion_runs(out: Path, path: Path, run_dir: Path | None) -> list[Path]:
+    """The other runs of suite ``path`` under ``out/runs`` to judge together with ``run_dir``:
+    newest first, each with results, the same suite settings (``data``, ``defaults``,
+    ``seeds``) and none of the cells of ``run_dir`` or of a newer one taken (a part of the grid
+    run separately, ``select``; a run of cells measured again later is left out)."""
+    from .extract import suite_raw
+
+    if run_dir is None:
+        return []
+
+    def settings(d: Path) -> tuple[str, ...]:
+        raw = suite_raw(d)
+        return tuple(repr(raw.get(k)) for k in ("data", "defaults", "seeds"))
+
+    def cells(d: Path) -> set[str]:
+        c = _meta(d).get("cells")
+        return {str(x) for x in c} if isinstance(c, list) else set()
+
+    want, taken, found = settings(run_dir), cells(run_dir), []
+    if not taken:
+        return []
+    for d in sorted((out / "runs" / _suite_name(path)).glob("*/run.json"), reverse=True):
+        d = d.parent
+        if d.resolve() == run_dir.resolve() or not (d / "results.csv").is_file():
+            continue
+        mine = cells(d)
+        if mine and not mine & taken and settings(d) == want:
+            found.append(d)
+        taken |= mine
+    return found
+
+
+def judge_existing(path: Path, out: Path, data_root: Path | None, log: TextIO,
+                   options: RunOptions | None = None) -> SuiteRun:  # fmt: skip
+    """``--judge-only``: suite ``path``'s latest run in ``out/runs`` as it is, nothing started or
+    resumed. A run that stopped before its end (``--stop-after``, a signal) is judged on its
+    finished tasks, the others listed in :attr:`SuiteRun.unfinished`."""
+    from ..run.results import load_results, task_status
+
+    res = SuiteRun(path)
+    run_dir = previous_run(out, path)
+    if run_dir is None or not (run_dir / "results.csv").is_file():
+        res.error = "not run: --judge-only and the folder holds no run of this suite with results"
+        print(f"reproduce: suite {path.stem}: no run to judge", file=log, flush=True)
+        return res
+    meta = _meta(run_dir)
+    res.run_dir = run_dir
+    code = meta.get("exit_code")
+    res.exit_code = code if isinstance(code, int) else None
+    res.errored = errored_tasks(run_dir)
+    if meta.get("status") != "complete":
+        try:
+            st = task_status(load_results(run_dir, check_keys=False))
+            have = {(str(c), int(sd)) for c, sd in zip(st["cell_id"], st["seed"])}
+        except Exception:
+            have = set()
+        cells, seeds = meta.get("cells") or [], meta.get("seeds") or []
+        res.unfinished = [f"{c} seed {sd}" for c in cells for sd in seeds
+                          if (str(c), int(sd)) not in have]  # fmt: skip
+    print(f"reproduce: suite {path.stem} judged as it is ({run_dir}"
+          + (f"; {len(res.unfinished)} task(s) unfinished" if res.unfinished else "") + ")",
+          file=log, flush=True)  # fmt: skip
+    return res
 
 
 def _status(run_dir: Path) -> tuple[str, int | None]:
@@ -315,7 +394,8 @@ def reproduce_run(
     if scale not in ("cpu", "paper"):
         raise ConfigError(f"--scale must be cpu or paper, got {scale!r}")
     log = sys.stderr if log is None else log
-    runner = run_one if runner is None else runner
+    if runner is None:
+        runner = judge_existing if options is not None and options.judge_only else run_one
     claims = select_claims(papers, claim_ids)
     if not claims:
         raise ConfigError("no claim selected")
@@ -346,6 +426,8 @@ def reproduce_run(
                 sr = runner(path, out, data_root, log, options)
             except KeyboardInterrupt as exc:
                 sr = SuiteRun(path, interrupted=getattr(exc, "exit_code", 130))
+            if sr.run_dir is not None and not sr.parts:
+                sr.parts = companion_runs(out, path, sr.run_dir)
             runs[path] = sr
             if sr.interrupted is not None:
                 stopped = sr.interrupted
@@ -354,8 +436,8 @@ def reproduce_run(
             f = files[c.id]
             used = runs.get(f) if f is not None else None
             v, data = verdict_for(c, scale, used)
-            rel = _rel(used.run_dir, out) if used and used.run_dir else ""
-            rd = used.run_dir if used else None
+            rel = "; ".join(_rel(d, out) for d in used.dirs) if used else ""
+            rd = used.dirs if used and used.dirs else None
             steps = steps_text(c, run_steps(rd), run_epochs(rd)) if rd is not None else ""
             rows.append(report_row(c, v, data, scale, rel, steps, solver_text(used)))
         write_report(out, rows, scale, runs, time.perf_counter() - t0)
@@ -369,6 +451,12 @@ def reproduce_run(
     if failed:
         print(f"reproduce: {len(failed)} suite(s) failed: {', '.join(failed)} (their claims are "
               "not run; see the report's last table)", file=log)  # fmt: skip
+        return out, 1
+    partial = [f.stem for f, sr in runs.items() if sr.unfinished]
+    if partial:  # not a success: the verdicts rest on a part of what the suites declare
+        print(f"reproduce: {len(partial)} suite(s) judged on the finished tasks of a stopped "
+              f"run: {', '.join(partial)} (the others are listed in each claim's reason)",
+              file=log)  # fmt: skip
         return out, 1
     return out, 0
 
@@ -432,7 +520,7 @@ def _md(text: str) -> str:
     return out.replace("[", "\\[").replace("]", "\\]")
 
 
-def _provenance(sr: SuiteRun) -> tuple[str, str, float, str, str]:
+def _provenance(sr: SuiteRun, run_dir: Path | None = None) -> tuple[str, str, float, str, str]:
     """(device, commit, seconds, cells, executor) of a suite's run from its ``run.json``: the
     device name (the card on CUDA), the commit with ``+dirty`` for uncommitted changes, the
     run's wall time from start to finish (so a reused or resumed run reports its own time, not
@@ -441,11 +529,12 @@ def _provenance(sr: SuiteRun) -> tuple[str, str, float, str, str]:
     import datetime as dt
     import json
 
-    secs = sr.seconds
-    if sr.run_dir is None:
+    run_dir = sr.run_dir if run_dir is None else run_dir
+    secs = sr.seconds if run_dir == sr.run_dir else math.nan
+    if run_dir is None:
         return "", "", secs, "", ""
     try:
-        meta = json.loads((sr.run_dir / "run.json").read_text(encoding="utf-8"))
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "", "", secs, "", ""
     device = str(meta.get("device_name") or meta.get("device") or "")
@@ -456,7 +545,7 @@ def _provenance(sr: SuiteRun) -> tuple[str, str, float, str, str]:
         secs = (t1 - t0).total_seconds()
     except (KeyError, ValueError, TypeError):
         pass
-    return device, commit, secs, _cells_run(sr.run_dir, meta), _sharing(meta)
+    return device, commit, secs, _cells_run(run_dir, meta), _sharing(meta)
 
 
 def _cells_run(run_dir: Path, meta: dict[str, Any]) -> str:
@@ -500,16 +589,18 @@ def write_report(
         w.writerows(rows)
     counts = {k: sum(r["verdict"] == k for r in rows) for k in ("reproduced", "not reproduced",
                                                                  "not run")}  # fmt: skip
-    prov = {f: _provenance(sr) for f, sr in runs.items()}  # each run.json read once
+    # each run.json read once; a suite judged on several runs (parts of its grid): one each
+    none: list[Path | None] = [None]  # a suite with no run: its row still says why
+    prov = {(f, d): _provenance(sr, d) for f, sr in runs.items() for d in sr.dirs or none}
     # the runs' own wall times (a re-judged or resumed report: not this call's few seconds)
     if runs:
-        seconds = sum(p[2] for p in prov.values())
+        seconds = sum(p[2] for p in prov.values() if not math.isnan(p[2]))
     lines = [
         f"# Reproduction report (scale {scale})",
         "",
         f"{len(rows)} claims: "
         + ", ".join(f"{n} {k}" for k, n in counts.items())
-        + f"; {len(runs)} suite runs, {seconds:.0f} s in total.",
+        + f"; {len(prov) if runs else 0} suite runs, {seconds:.0f} s in total.",
         "",
         f"Verdicts by deqbench at commit {_judged_by()}; each run's own commit is in the last "
         "table.",
@@ -541,11 +632,16 @@ def write_report(
             "| suite | seconds | device | cells | shared by | commit | run directory | error |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for f, sr in runs.items():
-            rd = _rel(sr.run_dir, out) if sr.run_dir else ""
-            device, commit, secs, cells, sharing = prov[f]
+        for (f, d), (device, commit, secs, cells, sharing) in prov.items():
+            sr = runs[f]
+            rd = _rel(d, out) if d else ""
+            err = sr.error if d == sr.run_dir else ""
+            if d == sr.run_dir and sr.unfinished:
+                err = (f"{err}; " if err else "") + (
+                    f"stopped: {len(sr.unfinished)} task(s) unfinished, judged on the others"
+                )
             lines.append(
                 f"| {f.stem} | {secs:.1f} | {_md(device)} | {_md(cells)} | {_md(sharing)} | "
-                f"{_md(commit)} | {_md(rd)} | {_md(sr.error)} |"
+                f"{_md(commit)} | {_md(rd)} | {_md(err)} |"
             )
     (out / "reproduction.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

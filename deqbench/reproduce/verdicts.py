@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,17 @@ class SuiteRun:
     interrupted: int | None = None
     #: tasks that errored (training failed: ``error``, ``oom``), as ``cell seed status: note``
     errored: list[str] = field(default_factory=list)
+    #: other runs of the same suite in the report folder, judged together with ``run_dir``:
+    #: parts of its grid (``select``) whose cells no other judged run has (:func:`runs_of`)
+    parts: list[Path] = field(default_factory=list)
+    #: a stopped run judged as it is (``reproduce --judge-only``): its tasks with no results,
+    #: as ``cell seed N``; the claims are judged on the finished tasks and say so
+    unfinished: list[str] = field(default_factory=list)
+
+    @property
+    def dirs(self) -> list[Path]:
+        """Every run directory judged: ``run_dir`` first, then :attr:`parts`."""
+        return ([] if self.run_dir is None else [self.run_dir]) + list(self.parts)
 
     @property
     def complete(self) -> bool:
@@ -265,7 +277,7 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
     if sr.run_dir is None or not (sr.run_dir / "results.csv").is_file():
         return not_run(sr.incomplete_reason() or "run failed: no results"), data
     try:
-        ex = extract(claim.id, sr.run_dir, scale)
+        ex = extract(claim.id, sr.dirs, scale)
     except Exception as exc:
         return not_run(f"extract: {type(exc).__name__}: {exc}"), data
     if ex.kwargs is None:
@@ -280,9 +292,16 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
     if sr.error and v.verdict == NOT_RUN:
         v = Verdict(v.claim_id, v.verdict, f"{v.reason}; run: {sr.error}", v.measured,
                     v.paper_value, v.direction)  # fmt: skip
-    v = budget_gate(claim, v, run_steps(sr.run_dir), run_epochs(sr.run_dir))
-    if sel := selected(sr.run_dir):
-        part = f"judged on a part of the suite's grid (select {', '.join(sel)})"
+    v = budget_gate(claim, v, run_steps(sr.dirs), run_epochs(sr.dirs))
+    notes = []
+    if sel := [p for d in sr.dirs for p in selected(d)]:
+        runs = f" of {len(sr.dirs)} runs" if len(sr.dirs) > 1 else ""
+        notes.append(f"judged on a part of the suite's grid (select {', '.join(sel)}{runs})")
+    if sr.unfinished:
+        more = f" (+{len(sr.unfinished) - 4} more)" if len(sr.unfinished) > 4 else ""
+        notes.append(f"judged on the finished tasks of a stopped run; unfinished: "
+                     f"{', '.join(sr.unfinished[:4])}{more}")  # fmt: skip
+    for part in notes:
         v = Verdict(v.claim_id, v.verdict, f"{v.reason}; {part}" if v.reason else part,
                     v.measured, v.paper_value, v.direction)  # fmt: skip
     return v, data
@@ -354,9 +373,21 @@ def _results(run_dir: Path | None) -> Any:
         return None
 
 
-def run_epochs(run_dir: Path | None) -> int | None:
+def _least(fn: Any, runs: Path | Sequence[Path] | None) -> int | None:
+    """``fn`` of one run, or of several judged together: the least over them (a part trained
+    less gates the whole), None where none says."""
+    if runs is None or isinstance(runs, Path):
+        return fn(runs)
+    known = [n for n in (fn(d) for d in runs) if n is not None]
+    return min(known) if known else None
+
+
+def run_epochs(run_dir: Path | Sequence[Path] | None) -> int | None:
     """The training epochs of the run's longest-trained cell (the largest ``step`` of its
-    ``metrics`` rows: epoch 0 is the evaluation before training); None when unknown."""
+    ``metrics`` rows: epoch 0 is the evaluation before training); None when unknown. Several
+    runs judged together: the least of theirs."""
+    if run_dir is not None and not isinstance(run_dir, Path):
+        return _least(run_epochs, run_dir)
     df = _results(run_dir)
     if df is None:
         return None
@@ -364,10 +395,13 @@ def run_epochs(run_dir: Path | None) -> int | None:
     return int(m["step"].max()) if len(m) else None
 
 
-def run_steps(run_dir: Path | None) -> int | None:
+def run_steps(run_dir: Path | Sequence[Path] | None) -> int | None:
     """The optimizer steps of the run's longest-trained cell: the ``training``
     ``optimizer_steps`` row each task writes, else (runs made before it was recorded) the
-    per-epoch ``family_stats`` ``steps`` summed; None when the run records neither."""
+    per-epoch ``family_stats`` ``steps`` summed; None when the run records neither. Several
+    runs judged together: the least of theirs."""
+    if run_dir is not None and not isinstance(run_dir, Path):
+        return _least(run_steps, run_dir)
     df = _results(run_dir)
     if df is None:
         return None

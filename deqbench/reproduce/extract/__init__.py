@@ -240,10 +240,22 @@ def _extractor(claim_id: str) -> Callable[[Extractor], Extractor]:
     return deco
 
 
-def extract(claim_id: str, run_dir: str | Path, scale: str = "cpu") -> Extracted:
-    """The checker inputs of ``claim_id`` from ``run_dir`` (KeyError for an unknown claim)."""
+def extract(
+    claim_id: str, run_dir: str | Path | Sequence[str | Path], scale: str = "cpu"
+) -> Extracted:
+    """The checker inputs of ``claim_id`` from ``run_dir`` (KeyError for an unknown claim).
+    Several runs of one suite (parts of its grid, no cell in two): their rows together, the
+    suite settings read from the first."""
     fn = EXTRACTORS[claim_id]
-    return fn(load(run_dir), Path(run_dir), scale)
+    if isinstance(run_dir, (str, Path)):
+        return fn(load(run_dir), Path(run_dir), scale)
+    dirs = [Path(d) for d in run_dir]
+    if len(dirs) == 1:
+        return fn(load(dirs[0]), dirs[0], scale)
+    import pandas as pd
+
+    df = pd.concat([load(d) for d in dirs], ignore_index=True)
+    return fn(df, dirs[0], scale)
 
 
 def describe(ex: Extracted) -> str:
