@@ -84,7 +84,7 @@ def test_captured_steps_equal_the_eager_path_on_cpu(model):
 
 
 def test_partial_last_batch_takes_its_own_captured_parts():
-    """1,437 training images at batch 96: every epoch ends with a batch of 93, whose step has
+    """1,438 training images at batch 96: every epoch ends with a batch of 94, whose step has
     its own static buffers; two epochs equal the eager path bit for bit."""
     model = {"name": "pcdeq_l", "width": 16}
     r0, s0, m0 = fit(False, model, steps=18, batch_size=96, epochs=2)
@@ -136,7 +136,7 @@ def test_unsupported_cells_are_named():
 def test_captured_steps_on_cuda_match_the_eager_path(model):
     """CUDA graphs: the same counts and losses as the eager path, float32, within rounding."""
     kw = {"device": "cuda", "dtype": torch.float32}
-    # batch 96 of 1,437 images: each epoch's 15th step is a partial batch of 93
+    # batch 96 of 1,438 images: each epoch's 15th step is a partial batch of 94
     r0, s0, m0 = fit(False, model, steps=32, batch_size=96, epochs=3, **kw)
     r1, s1, m1 = fit(True, model, steps=32, batch_size=96, epochs=3, **kw)
     assert r0.status == r1.status == "ok" and len(s1) == 32

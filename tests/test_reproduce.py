@@ -714,3 +714,62 @@ def test_judge_only_judges_a_stopped_run_on_its_finished_tasks(tmp_path):
     assert "stopped: 1 task(s) unfinished" in (out / "reproduction.md").read_text()
     assert "judged as it is" in log.getvalue()
     assert len(list((out / "runs" / "pcdeq_paper").iterdir())) == 1  # nothing started
+
+
+def test_a_part_with_unfinished_tasks_or_other_settings_is_not_merged_silently(tmp_path):
+    """A part that stopped with tasks unfinished makes the suite's verdicts say so (exit 1); a
+    run with other settings (dtype) is not a part; a claim that reads one run's own files is
+    not judged from parts; the parts' cells are checked against the suite's grid."""
+    import json
+
+    from deqbench.reproduce.extract import ONE_RUN
+    from deqbench.reproduce.run import RunOptions, companion_runs, covers_grid, reproduce_run
+    from deqbench.run.suite import load_suite
+
+    out = tmp_path / "r"
+    l_rows, l_cells = _arch_rows("l")
+    l_rows = [r for r in l_rows if not r["cell_id"].endswith("relu6")]  # a cell not reached
+    _paper_run(out, "20260101-110000", l_rows, l_cells, "pcdeq_l-*", status="interrupted")
+    sc_rows, sc_cells = _arch_rows("sc")
+    sc = _paper_run(out, "20260101-120000", sc_rows, sc_cells, "pcdeq_sc-*")
+    log = io.StringIO()
+    _, code = reproduce_run(claim_ids=["002-iterations"], scale="paper", out=out,
+                            options=RunOptions(judge_only=True), log=log)  # fmt: skip
+    r = next(csv.DictReader(open(out / "reproduction.csv")))
+    assert code == 1 and "unfinished: pcdeq_l-activation=relu6 seed 0" in r["reason"]
+    assert "L:tanh" in r["measured"] and "SC:tanh" in r["measured"]
+
+    other = tmp_path / "o"
+    _paper_run(other, "20260101-110000", _arch_rows("l")[0], l_cells, "pcdeq_l-*")
+    sc2 = _paper_run(other, "20260101-120000", sc_rows, sc_cells, "pcdeq_sc-*")
+    path = suite_file("pcdeq", "paper")
+    assert len(companion_runs(other, path, sc2)) == 1
+    raw = yaml.safe_load((other / "runs/pcdeq_paper/20260101-110000/suite.yaml").read_text())
+    (other / "runs/pcdeq_paper/20260101-110000/suite.yaml").write_text(
+        yaml.safe_dump({**raw, "dtype": "float64"})
+    )
+    assert companion_runs(other, path, sc2) == []
+
+    assert "003-unrolled-speed" in ONE_RUN and "004-ntk-lambda-min" in ONE_RUN
+    ex = extract("004-ntk-lambda-min", [sc, sc2])
+    assert ex.kwargs is None and ex.missing.startswith("one run")
+
+    every = [c.id for c in load_suite(path, overrides=["device=cpu"]).cells]
+    for d, part in ((sc, every[:7]), (sc2, every[7:])):
+        meta = json.loads((d / "run.json").read_text())
+        (d / "run.json").write_text(json.dumps({**meta, "cells": part}))
+    assert covers_grid(path, [sc, sc2]) and not covers_grid(path, [sc])
+
+
+def test_judge_only_refuses_what_it_would_ignore(tmp_path):
+    from typer.testing import CliRunner
+
+    from deqbench.cli import app
+
+    res = CliRunner().invoke(app, ["reproduce", "002", "--scale", "paper", "--judge-only",
+                                   "--out", str(tmp_path), "--set", "device=cpu"])  # fmt: skip
+    assert res.exit_code == 2 and "runs nothing" in res.output
+    res = CliRunner().invoke(app, ["reproduce", "002", "--judge-only", "--out",
+                                   str(tmp_path / "typo")])  # fmt: skip
+    assert res.exit_code == 2 and "existing folder" in res.output
+    assert not (tmp_path / "typo").exists()

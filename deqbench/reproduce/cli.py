@@ -136,10 +136,15 @@ def reproduce_command(
         from .run import RunOptions, reproduce_run
 
         ids = [c.strip() for c in (claims or "").split(",") if c.strip()]
-        if judge_only and out is None:
+        if judge_only:
             from ..core.errors import ConfigError
 
-            raise ConfigError("--judge-only judges a report folder's runs: name it with --out DIR")
+            if out is None or not out.is_dir():
+                raise ConfigError("--judge-only judges a report folder's runs: name an existing "
+                                  "folder with --out DIR")  # fmt: skip
+            if overrides or resume or stop_after is not None or executor != "inline" or workers:
+                raise ConfigError("--judge-only runs nothing: drop --set, --resume, --stop-after, "
+                                  "--executor and --workers")  # fmt: skip
         opts = RunOptions(tuple(overrides or ()), executor, scheduler, workers, resume,
                           judge_only)  # fmt: skip
         with deadline(stop_after):  # every suite's tasks stop then

@@ -183,19 +183,26 @@ def _meta(run_dir: Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
+#: suite.yaml keys that may differ between the parts of one suite's grid judged together: the
+#: part's cells (``select``, the matrix each part's cells come from), where it ran and its
+#: wording; everything else (data, defaults, seeds, dtype, numeric flags, analyses) must match
+PART_KEYS = ("select", "matrix", "device", "threads", "output", "description")
+
+
 def companion_runs(out: Path, path: Path, run_dir: Path | None) -> list[Path]:
     """The other runs of suite ``path`` under ``out/runs`` to judge together with ``run_dir``:
-    newest first, each with results, the same suite settings (``data``, ``defaults``,
-    ``seeds``) and none of the cells of ``run_dir`` or of a newer one taken (a part of the grid
-    run separately, ``select``; a run of cells measured again later is left out)."""
+    newest first, each with results, the same suite settings but :data:`PART_KEYS`, and none
+    of the cells of ``run_dir`` or of a newer one taken (a part of the grid run separately,
+    ``select``; a run of cells measured again later is left out). A part's own state counts:
+    its errored or unfinished tasks are the suite's (:func:`part_state`)."""
     from .extract import suite_raw
 
     if run_dir is None:
         return []
 
-    def settings(d: Path) -> tuple[str, ...]:
+    def settings(d: Path) -> str:
         raw = suite_raw(d)
-        return tuple(repr(raw.get(k)) for k in ("data", "defaults", "seeds"))
+        return repr(sorted((k, repr(v)) for k, v in raw.items() if k not in PART_KEYS))
 
     def cells(d: Path) -> set[str]:
         c = _meta(d).get("cells")
@@ -215,33 +222,56 @@ def companion_runs(out: Path, path: Path, run_dir: Path | None) -> list[Path]:
     return found
 
 
-def judge_existing(path: Path, out: Path, data_root: Path | None, log: TextIO,
-                   options: RunOptions | None = None) -> SuiteRun:  # fmt: skip
-    """``--judge-only``: suite ``path``'s latest run in ``out/runs`` as it is, nothing started or
-    resumed. A run that stopped before its end (``--stop-after``, a signal) is judged on its
-    finished tasks, the others listed in :attr:`SuiteRun.unfinished`."""
+def part_state(run_dir: Path) -> tuple[list[str], list[str]]:
+    """(errored, unfinished) tasks of a run: those whose training failed (:func:`errored_tasks`)
+    and, for a run that did not end (stopped, interrupted, still running), its tasks with no
+    results, as ``cell seed N``."""
     from ..run.results import load_results, task_status
 
+    meta = _meta(run_dir)
+    if meta.get("status") == "complete":
+        return errored_tasks(run_dir), []
+    try:
+        st = task_status(load_results(run_dir, check_keys=False))
+        have = {(str(c), int(sd)) for c, sd in zip(st["cell_id"], st["seed"])}
+    except Exception:
+        have = set()
+    cells, seeds = meta.get("cells") or [], meta.get("seeds") or []
+    unfinished = [f"{c} seed {sd}" for c in cells for sd in seeds if (str(c), int(sd)) not in have]
+    return errored_tasks(run_dir), unfinished
+
+
+def covers_grid(path: Path, dirs: Sequence[Path]) -> bool:
+    """Whether the runs ``dirs`` together measured every cell of suite ``path``'s grid."""
+    from ..run.suite import load_suite
+
+    try:  # the grid, wherever this runs (a GPU suite's cells are the same on a CPU)
+        want = {c.id for c in load_suite(path, overrides=["device=cpu"]).cells}
+    except Exception:
+        return False
+    have: set[str] = set()
+    for d in dirs:
+        c = _meta(d).get("cells")
+        have |= {str(x) for x in c} if isinstance(c, list) else set()
+    return bool(want) and want <= have
+
+
+def judge_existing(path: Path, out: Path, data_root: Path | None, log: TextIO,
+                   options: RunOptions | None = None) -> SuiteRun:  # fmt: skip
+    """``--judge-only``: suite ``path``'s latest run with results in ``out/runs`` as it is,
+    nothing started or resumed. A run that did not end (``--stop-after``, a signal) is judged on
+    its finished tasks, the others listed in :attr:`SuiteRun.unfinished`."""
     res = SuiteRun(path)
-    run_dir = previous_run(out, path)
-    if run_dir is None or not (run_dir / "results.csv").is_file():
+    found = sorted((out / "runs" / _suite_name(path)).glob("*/results.csv"))
+    if not found:
         res.error = "not run: --judge-only and the folder holds no run of this suite with results"
         print(f"reproduce: suite {path.stem}: no run to judge", file=log, flush=True)
         return res
-    meta = _meta(run_dir)
+    run_dir = found[-1].parent
+    code = _meta(run_dir).get("exit_code")
     res.run_dir = run_dir
-    code = meta.get("exit_code")
     res.exit_code = code if isinstance(code, int) else None
-    res.errored = errored_tasks(run_dir)
-    if meta.get("status") != "complete":
-        try:
-            st = task_status(load_results(run_dir, check_keys=False))
-            have = {(str(c), int(sd)) for c, sd in zip(st["cell_id"], st["seed"])}
-        except Exception:
-            have = set()
-        cells, seeds = meta.get("cells") or [], meta.get("seeds") or []
-        res.unfinished = [f"{c} seed {sd}" for c in cells for sd in seeds
-                          if (str(c), int(sd)) not in have]  # fmt: skip
+    res.errored, res.unfinished = part_state(run_dir)
     print(f"reproduce: suite {path.stem} judged as it is ({run_dir}"
           + (f"; {len(res.unfinished)} task(s) unfinished" if res.unfinished else "") + ")",
           file=log, flush=True)  # fmt: skip
@@ -428,6 +458,12 @@ def reproduce_run(
                 sr = SuiteRun(path, interrupted=getattr(exc, "exit_code", 130))
             if sr.run_dir is not None and not sr.parts:
                 sr.parts = companion_runs(out, path, sr.run_dir)
+                for d in sr.parts:  # a part's failed or unfinished tasks are the suite's
+                    errored, unfinished = part_state(d)
+                    sr.errored += errored
+                    sr.unfinished += unfinished
+                if sr.parts:
+                    sr.whole_grid = covers_grid(path, sr.dirs)
             runs[path] = sr
             if sr.interrupted is not None:
                 stopped = sr.interrupted

@@ -222,6 +222,8 @@ class SuiteRun:
     #: a stopped run judged as it is (``reproduce --judge-only``): its tasks with no results,
     #: as ``cell seed N``; the claims are judged on the finished tasks and say so
     unfinished: list[str] = field(default_factory=list)
+    #: with :attr:`parts`: whether the runs together measured every cell of the suite's grid
+    whole_grid: bool = False
 
     @property
     def dirs(self) -> list[Path]:
@@ -294,7 +296,11 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
                     v.paper_value, v.direction)  # fmt: skip
     v = budget_gate(claim, v, run_steps(sr.dirs), run_epochs(sr.dirs))
     notes = []
-    if sel := [p for d in sr.dirs for p in selected(d)]:
+    sel = [p for d in sr.dirs for p in selected(d)]
+    if sr.whole_grid:
+        notes.append(f"judged on {len(sr.dirs)} runs, parts of the suite's grid that together "
+                     f"cover it (select {', '.join(sel)})")  # fmt: skip
+    elif sel:
         runs = f" of {len(sr.dirs)} runs" if len(sr.dirs) > 1 else ""
         notes.append(f"judged on a part of the suite's grid (select {', '.join(sel)}{runs})")
     if sr.unfinished:
@@ -373,21 +379,19 @@ def _results(run_dir: Path | None) -> Any:
         return None
 
 
-def _least(fn: Any, runs: Path | Sequence[Path] | None) -> int | None:
-    """``fn`` of one run, or of several judged together: the least over them (a part trained
-    less gates the whole), None where none says."""
-    if runs is None or isinstance(runs, Path):
-        return fn(runs)
+def _most(fn: Any, runs: Sequence[Path]) -> int | None:
+    """``fn`` over several runs judged together: the most of theirs (the longest-trained cell
+    of them all, as for one run), None where none says."""
     known = [n for n in (fn(d) for d in runs) if n is not None]
-    return min(known) if known else None
+    return max(known) if known else None
 
 
 def run_epochs(run_dir: Path | Sequence[Path] | None) -> int | None:
     """The training epochs of the run's longest-trained cell (the largest ``step`` of its
     ``metrics`` rows: epoch 0 is the evaluation before training); None when unknown. Several
-    runs judged together: the least of theirs."""
+    runs judged together: their longest-trained cell."""
     if run_dir is not None and not isinstance(run_dir, Path):
-        return _least(run_epochs, run_dir)
+        return _most(run_epochs, run_dir)
     df = _results(run_dir)
     if df is None:
         return None
@@ -399,9 +403,9 @@ def run_steps(run_dir: Path | Sequence[Path] | None) -> int | None:
     """The optimizer steps of the run's longest-trained cell: the ``training``
     ``optimizer_steps`` row each task writes, else (runs made before it was recorded) the
     per-epoch ``family_stats`` ``steps`` summed; None when the run records neither. Several
-    runs judged together: the least of theirs."""
+    runs judged together: their longest-trained cell."""
     if run_dir is not None and not isinstance(run_dir, Path):
-        return _least(run_steps, run_dir)
+        return _most(run_steps, run_dir)
     df = _results(run_dir)
     if df is None:
         return None

@@ -197,6 +197,12 @@ class CapturedStep:
         self.warm = False
         self.x: Tensor | None = None  # the static batch (the first batch's shapes)
         self.y: Tensor | None = None
+        if self.cuda:
+            # the recorded f at z* of one batch shape's captured parts keeps the parameters'
+            # AccumulateGrad nodes (made on the capture stream); another shape's eager first
+            # step meets them on the default stream, and torch warns of a possible extra
+            # synchronisation (the values are the same; a failed capture has its own warning)
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
 
     # -- the parts ---------------------------------------------------------------------------
     def _alloc(self, u: Tensor) -> None:
@@ -335,7 +341,7 @@ class CapturedStep:
             # every chunk length of the solve at once: a length first met mid-run (the counts
             # move as the model trains) would otherwise be captured then, between timed steps
             for m in LADDER:
-                if (kind, m) not in self.graphs:
+                if (kind, m) not in self.graphs and m <= max(solve.max_iter, LADDER[0]):
                     self._capture((kind, m), lambda m=m: solve.steps(fn, m))
         self._run((kind, n), lambda: solve.steps(fn, n))
         while True:
@@ -350,17 +356,18 @@ class CapturedStep:
         """One training step on batch (xb, yb): (loss, accuracy, forward stats, adjoint stats or
         None where training must stop before the backward: a diverged forward solve or a
         non-finite loss, in which case no parameter was changed)."""
-        with warnings.catch_warnings():
-            # the parameters' AccumulateGrad nodes are kept alive by the recorded f at z* of the
-            # captured parts (made on the capture stream); the eager first step of another batch
-            # shape meets them on the default stream, and torch warns of a possible extra
-            # synchronisation at every step (the values are the same; a failed capture is
-            # reported by its own warning below)
-            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
+        eager = not (self.cuda and self.warm)
+        try:
             try:
                 return self._step(xb, yb)
             except _Recapture:  # nothing of the step ran on the device past the failed capture
                 return self._step(xb, yb)
+        finally:
+            if eager and self.cuda and len(self.graphs) == 0:
+                # an eager step's autograd graphs (the injection's, f at z*'s) hold the
+                # parameters' AccumulateGrad nodes, made on the default stream: dropped, so that
+                # a capture (of this or another batch shape's parts) makes its own
+                self.u = self.ud = self.fzr = None  # type: ignore[assignment]
 
     def _step(self, xb: Tensor, yb: Tensor) -> tuple[float, float, SolverStats, SolverStats | None]:
         if self.x is None or self.y is None:

@@ -230,11 +230,16 @@ def _converged_share(df: Any, cell: str, seed: int) -> float:
 Extractor = Callable[[Any, Path, str], Extracted]
 #: claim id -> fn(results DataFrame, run directory, scale "cpu" | "paper") -> :class:`Extracted`
 EXTRACTORS: dict[str, Extractor] = {}
+#: claims whose extractor reads one run's own files or machine (series CSVs, run.json's device,
+#: the suite's matrix): judged from one run only, never from a suite run in parts
+ONE_RUN: set[str] = set()
 
 
-def _extractor(claim_id: str) -> Callable[[Extractor], Extractor]:
+def _extractor(claim_id: str, one_run: bool = False) -> Callable[[Extractor], Extractor]:
     def deco(fn: Extractor) -> Extractor:
         EXTRACTORS[claim_id] = fn
+        if one_run:
+            ONE_RUN.add(claim_id)
         return fn
 
     return deco
@@ -244,14 +249,18 @@ def extract(
     claim_id: str, run_dir: str | Path | Sequence[str | Path], scale: str = "cpu"
 ) -> Extracted:
     """The checker inputs of ``claim_id`` from ``run_dir`` (KeyError for an unknown claim).
-    Several runs of one suite (parts of its grid, no cell in two): their rows together, the
-    suite settings read from the first."""
+    Several runs of one suite (parts of its grid, no cell in two, the same settings): their
+    rows together, the suite settings read from the first; a claim of :data:`ONE_RUN` is then
+    not run."""
     fn = EXTRACTORS[claim_id]
     if isinstance(run_dir, (str, Path)):
         return fn(load(run_dir), Path(run_dir), scale)
     dirs = [Path(d) for d in run_dir]
     if len(dirs) == 1:
         return fn(load(dirs[0]), dirs[0], scale)
+    if claim_id in ONE_RUN:
+        return Extracted(None, f"one run: this claim reads a run's own files or machine, and "
+                               f"its suite ran in {len(dirs)} parts")  # fmt: skip
     import pandas as pd
 
     df = pd.concat([load(d) for d in dirs], ignore_index=True)

@@ -85,7 +85,7 @@ def accuracy_vs_k(df: Any, run_dir: Path, scale: str) -> Extracted:
     return Extracted({"accuracy": a}) if a else _missing("no unroll_compare test_accuracy")
 
 
-@_extractor("003-unrolled-speed")
+@_extractor("003-unrolled-speed", one_run=True)
 def unrolled_speed(df: Any, run_dir: Path, scale: str) -> Extracted:
     """Per seed inference seconds per batch (``unroll_compare`` ``inference_ms_median`` / 1000)
     of the unrolled cells (by K) and the IFT cells (by threshold)."""

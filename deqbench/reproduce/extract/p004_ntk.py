@@ -81,7 +81,7 @@ def _slope(steps: Sequence[float], values: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in pts) / den if den > 0 else math.nan
 
 
-@_extractor("004-ntk-lambda-min")
+@_extractor("004-ntk-lambda-min", one_run=True)
 def ntk_lambda_min(df: Any, run_dir: Path, scale: str) -> Extracted:
     """The monDEQ cell's ``ntk`` rows per seed: ``lambda_min`` at each evaluation (first at
     init); the slope of log(``loss_at_eval``) per step fitted over the evaluations (full-batch
