@@ -184,9 +184,11 @@ def _meta(run_dir: Path) -> dict[str, Any]:
 
 
 #: suite.yaml keys that may differ between the parts of one suite's grid judged together: the
-#: part's cells (``select``, the matrix each part's cells come from), where it ran and its
-#: wording; everything else (data, defaults, seeds, dtype, numeric flags, analyses) must match
-PART_KEYS = ("select", "matrix", "device", "threads", "output", "description")
+#: part's cells (``select``, the matrix each part's cells come from), where it ran, its wording
+#: and the ``paper:`` block (what the paper states, its cell patterns named as the cells were
+#: then; read from the newest part); everything else (data, defaults, seeds, dtype, numeric
+#: flags, analyses) must match
+PART_KEYS = ("select", "matrix", "device", "threads", "output", "description", "paper")
 
 
 def companion_runs(out: Path, path: Path, run_dir: Path | None) -> list[Path]:
