@@ -51,6 +51,7 @@ from torch.func import functional_call
 from ..core import verdict
 from ..core.deq import deq_layers
 from ..solvers.stats import EPS, SolverStats, batch_norm, make_stats, rule_value
+from . import captured_kernels
 
 #: the chunk lengths (one captured graph each per solve): the first chunk of a solve is the
 #: longest not above the last step's count, the later ones the longest not above a quarter of
@@ -113,6 +114,12 @@ class MaskedSolve:
         self.value = torch.zeros((), dtype=state.dtype, device=dev)
         self.conv = torch.zeros((), dtype=torch.bool, device=dev)
         self.div = torch.zeros((), dtype=torch.bool, device=dev)
+        #: the stop test in three Triton kernels (:mod:`deqbench.run.captured_kernels`, opt-in)
+        self.fused = (
+            captured_kernels.FusedTest(state, self.tol, self.protect, rule, stop_mode)
+            if captured_kernels.usable(state, rule, stop_mode)
+            else None
+        )
 
     def reset(self) -> None:
         for t in (self.halt, self.nstep, self.conv, self.div):
@@ -125,6 +132,9 @@ class MaskedSolve:
     def step(self, fn: Any) -> None:
         z = self.z
         fz = fn(z)
+        if self.fused is not None:
+            self.fused.step(self, fz)
+            return
         a = batch_norm(fz - z)
         nrm = batch_norm(fz)
         r = a / (nrm + EPS)
