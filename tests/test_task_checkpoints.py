@@ -317,14 +317,11 @@ def test_dask_worker_stops_at_the_deadline_and_resumes_from_its_checkpoint(tmp_p
     pd.testing.assert_frame_equal(_rows(again.run_dir), _rows(straight.run_dir), check_exact=True)
 
 
-CAPTURED = """\
-schema: 1
-name: ckpt_captured
-device: cpu
-dtype: float64
-threads: 1
-seeds: [0]
-data: {name: digits, train_subset: 64, test_subset: 32}
+# the same task as captured training steps: fixed-point forward and adjoint, AdamW, an LR
+# milestone after the resume
+CAPTURED = (
+    SUITE.split("defaults:")[0].replace("name: ckpt", "name: ckpt_captured")
+    + """\
 defaults:
   model: {name: fc_deq_tiny, width: 8}
   solver: {name: fixed_point, max_iter: 30, tol: 1.0e-4}
@@ -334,6 +331,7 @@ defaults:
 analyses: [metrics, solver_stats, test_ckpt_probe]
 output: results
 """
+)
 
 
 def test_captured_training_steps_resume_from_a_checkpoint_bitwise(tmp_path):

@@ -34,12 +34,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..run import reports
+from ..run.results_reader import run_meta
 
 if TYPE_CHECKING:
     from ..reproduce.claims import Claim
@@ -83,14 +83,6 @@ def claims_for(suite: str) -> list[Claim]:
     return out
 
 
-def _run_json(run_dir: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
 def _suite_yaml(run_dir: Path) -> dict[str, Any]:
     p = run_dir / "suite.yaml"
     if not p.is_file():
@@ -108,13 +100,13 @@ def suite_name(run_dir: str | Path) -> str:
     """The suite a run came from: run.json ``suite``, else suite.yaml ``name``, else the parent
     folder name (``results/<suite>/<run_id>``)."""
     run_dir = Path(run_dir)
-    name = _run_json(run_dir).get("suite") or _suite_yaml(run_dir).get("name")
+    name = run_meta(run_dir).get("suite") or _suite_yaml(run_dir).get("name")
     return str(name) if name else run_dir.parent.name
 
 
 def _suite_file(run_dir: Path, name: str) -> Path:
     """The suite file the run was made from (run.json ``suite_source``), else ``<name>.yaml``."""
-    src = _run_json(run_dir).get("suite_source")
+    src = run_meta(run_dir).get("suite_source")
     if isinstance(src, str) and src and not src.startswith("<"):
         return Path(src)
     return Path(f"{name}.yaml")

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..run.results_reader import run_meta
 from .claims import CLAIMS, PAPERS, Claim
 from .verdicts import (
     CPU_SUITES,
@@ -173,16 +174,6 @@ def previous_run(out: Path, path: Path) -> Path | None:
     return found[-1].parent if found else None
 
 
-def _meta(run_dir: Path) -> dict[str, Any]:
-    import json
-
-    try:
-        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
 #: suite.yaml keys that may differ between the parts of one suite's grid judged together: the
 #: part's cells (``select``, the matrix each part's cells come from), where it ran, its wording
 #: and the ``paper:`` block (what the paper states, its cell patterns named as the cells were
@@ -207,7 +198,7 @@ def companion_runs(out: Path, path: Path, run_dir: Path | None) -> list[Path]:
         return repr(sorted((k, repr(v)) for k, v in raw.items() if k not in PART_KEYS))
 
     def cells(d: Path) -> set[str]:
-        c = _meta(d).get("cells")
+        c = run_meta(d).get("cells")
         return {str(x) for x in c} if isinstance(c, list) else set()
 
     want, taken, found = settings(run_dir), cells(run_dir), []
@@ -230,7 +221,7 @@ def part_state(run_dir: Path) -> tuple[list[str], list[str]]:
     results, as ``cell seed N``."""
     from ..run.results import load_results, task_status
 
-    meta = _meta(run_dir)
+    meta = run_meta(run_dir)
     if meta.get("status") == "complete":
         return errored_tasks(run_dir), []
     try:
@@ -253,7 +244,7 @@ def covers_grid(path: Path, dirs: Sequence[Path]) -> bool:
         return False
     have: set[str] = set()
     for d in dirs:
-        c = _meta(d).get("cells")
+        c = run_meta(d).get("cells")
         have |= {str(x) for x in c} if isinstance(c, list) else set()
     return bool(want) and want <= have
 
@@ -270,7 +261,7 @@ def judge_existing(path: Path, out: Path, data_root: Path | None, log: TextIO,
         print(f"reproduce: suite {path.stem}: no run to judge", file=log, flush=True)
         return res
     run_dir = found[-1].parent
-    code = _meta(run_dir).get("exit_code")
+    code = run_meta(run_dir).get("exit_code")
     res.run_dir = run_dir
     res.exit_code = code if isinstance(code, int) else None
     res.errored, res.unfinished = part_state(run_dir)

@@ -29,6 +29,15 @@ from .results_writer import (
 )
 
 
+def run_meta(run_dir: str | Path) -> dict[str, Any]:
+    """A run directory's ``run.json`` as a mapping; {} where it is missing or unreadable."""
+    try:
+        meta = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def _csv_path(run: str | Path) -> Path:
     p = Path(run)
     return p if p.suffix == ".csv" else p / "results.csv"
