@@ -18,29 +18,20 @@ import torch
 from deqbench import load_results, load_suite, run_suite
 from deqbench.run import placement
 from deqbench.run.placement import Pool, choose, place_cells, signature
-from tests.conftest import write_suite
+from tests.conftest import TINY_SUITE, write_suite
 
 #: two cells that differ in what a step costs (width) and one that differs only in the LR
-AUTO_SUITE = """\
-schema: 1
-name: auto
-device: auto
-threads: 1
-seeds: [0]
-data: {name: digits, train_subset: 64, test_subset: 32}
-defaults:
-  model: {name: fc_deq_tiny, width: 8}
-  solver: {name: fixed_point, max_iter: 15, tol: 1.0e-3}
-  backward: {name: ift, max_iter: 15, tol: 1.0e-3}
-  train: {epochs: 1, batch_size: 32}
-matrix:
-  case:
-    - {id: narrow, model.width: 8}
-    - {id: narrow_lr, model.width: 8, train.lr: 1.0e-2}
-    - {id: wide, model.width: 16}
-analyses: [metrics, solver_stats]
-output: results
-"""
+AUTO_SUITE = (
+    TINY_SUITE.replace("name: tiny", "name: auto")
+    .replace("device: cpu", "device: auto")
+    .replace(
+        "  backward: [ift, unrolled]\n",
+        "  case:\n"
+        "    - {id: narrow, model.width: 8}\n"
+        "    - {id: narrow_lr, model.width: 8, train.lr: 1.0e-2}\n"
+        "    - {id: wide, model.width: 16}\n",
+    )
+)
 
 #: the measured H200 host of docs/benchmarks.md (training steps/s at batch 64)
 PCDEQ_L = (243.0, 178.0)  # one GPU cell alone, one single-thread CPU process

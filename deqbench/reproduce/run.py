@@ -272,11 +272,8 @@ def judge_existing(path: Path, out: Path, data_root: Path | None, log: TextIO,
 
 
 def _status(run_dir: Path) -> tuple[str, int | None]:
-    import json
-
-    try:
-        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    meta = run_meta(run_dir)
+    if not meta:
         return "unreadable", None
     code = meta.get("exit_code")
     return str(meta.get("status", "")), code if isinstance(code, int) else None
@@ -556,18 +553,14 @@ def _provenance(sr: SuiteRun, run_dir: Path | None = None) -> tuple[str, str, fl
     this call's), how many cells ran (with the suite's ``select`` patterns when it ran a part of
     its grid) and how the tasks shared the machine (workers, GPUs, threads)."""
     import datetime as dt
-    import json
 
     run_dir = sr.run_dir if run_dir is None else run_dir
     secs = sr.seconds if run_dir == sr.run_dir else math.nan
-    if run_dir is None:
-        return "", "", secs, "", ""
-    try:
-        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    meta: dict[str, Any] = {} if run_dir is None else run_meta(run_dir)
+    if run_dir is None or not meta:
         return "", "", secs, "", ""
     device = str(meta.get("device_name") or meta.get("device") or "")
-    git = meta.get("git") if isinstance(meta.get("git"), dict) else {}
+    git: dict[str, Any] = meta["git"] if isinstance(meta.get("git"), dict) else {}
     commit = str(git.get("commit") or "")[:12] + ("+dirty" if git.get("dirty") else "")
     try:
         t0, t1 = (dt.datetime.fromisoformat(str(meta[k])) for k in ("started", "finished"))

@@ -322,11 +322,8 @@ class CapturedStep:
         g.replay()
 
     def _capture(self, key: Any, fn: Any) -> Any:
-        """Capture part ``key`` (recorded, not run) into the shared pool."""
-        if not self.graphs:
-            # the eager step's autograd graphs hold the parameters' AccumulateGrad nodes,
-            # made on the default stream: dropped, so that the captures make their own
-            self.u = self.ud = self.fzr = None  # type: ignore[assignment]
+        """Capture part ``key`` (recorded, not run) into the shared pool (the eager steps before
+        it dropped their autograd graphs: :meth:`step`)."""
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g, pool=self.pool):

@@ -98,13 +98,9 @@ def unrolled_speed(df: Any, run_dir: Path, scale: str) -> Extracted:
 
 def run_device(run_dir: Path) -> str:
     """The run's device from its ``run.json`` (``"cuda"``, ``"cpu"``; ``"unknown"``)."""
-    import json
+    from ...run.results_reader import run_meta
 
-    try:
-        meta = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return "unknown"
-    return str(meta.get("device") or "unknown")
+    return str(run_meta(run_dir).get("device") or "unknown")
 
 
 def _positive(table: Mapping[Any, Sequence[float]]) -> bool:
