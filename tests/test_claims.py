@@ -296,6 +296,12 @@ def test_iterations():
     assert v.verdict == NR and "sigmoid" in v.reason
     v = f(forward_iterations={"sigmoid": FLAT}, scale="paper", paper_data=True)
     assert v.verdict == R
+    # paper scale on stand-in data: the SC sigmoid peak shown in the reason, not judged
+    v = f(forward_iterations={"sigmoid": high}, scale="paper", paper_data=False)
+    assert v.verdict == R and "not compared on stand-in data (SC:sigmoid peak 9.2)" in v.reason
+    v = f(forward_iterations={"L:sigmoid": FLAT}, scale="paper", paper_data=False)
+    assert "no SC:sigmoid cell measured" in v.reason
+    assert "below paper scale" in f(forward_iterations={"sigmoid": FLAT}).reason
 
 
 def test_lipschitz():

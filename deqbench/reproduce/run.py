@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..run.results_reader import run_meta
+from ..run.timeline import wall_seconds
 from .claims import CLAIMS, PAPERS, Claim
 from .verdicts import (
     CPU_SUITES,
@@ -549,8 +550,9 @@ def _md(text: str) -> str:
 def _provenance(sr: SuiteRun, run_dir: Path | None = None) -> tuple[str, str, float, str, str]:
     """(device, commit, seconds, cells, executor) of a suite's run from its ``run.json``: the
     device name (the card on CUDA), the commit with ``+dirty`` for uncommitted changes, the
-    run's wall time from start to finish (so a reused or resumed run reports its own time, not
-    this call's), how many cells ran (with the suite's ``select`` patterns when it ran a part of
+    run's own wall time (:func:`~deqbench.run.timeline.wall_seconds`: summed over its start and
+    resumes, so a reused or resumed run reports its own time, not this call's nor the time
+    between its calls), how many cells ran (with the suite's ``select`` patterns when it ran a part of
     its grid) and how the tasks shared the machine (workers, GPUs, threads)."""
     import datetime as dt
 
@@ -562,11 +564,14 @@ def _provenance(sr: SuiteRun, run_dir: Path | None = None) -> tuple[str, str, fl
     device = str(meta.get("device_name") or meta.get("device") or "")
     git: dict[str, Any] = meta["git"] if isinstance(meta.get("git"), dict) else {}
     commit = str(git.get("commit") or "")[:12] + ("+dirty" if git.get("dirty") else "")
-    try:
-        t0, t1 = (dt.datetime.fromisoformat(str(meta[k])) for k in ("started", "finished"))
-        secs = (t1 - t0).total_seconds()
-    except (KeyError, ValueError, TypeError):
-        pass
+    if (own := wall_seconds(meta)) is not None:
+        secs = own
+    else:  # a run.json without timelines: start to finish
+        try:
+            t0, t1 = (dt.datetime.fromisoformat(str(meta[k])) for k in ("started", "finished"))
+            secs = (t1 - t0).total_seconds()
+        except (KeyError, ValueError, TypeError):
+            pass
     return device, commit, secs, _cells_run(run_dir, meta), _sharing(meta)
 
 
@@ -582,17 +587,19 @@ def _cells_run(run_dir: Path, meta: dict[str, Any]) -> str:
 
 def _sharing(meta: dict[str, Any]) -> str:
     """How the run's tasks shared the machine: ``inline`` or ``dask: 16 workers on 1 GPU`` /
-    ``dask: 15 workers x 1 thread (CPU)``."""
+    ``dask: 15 workers x 1 thread (CPU)``, and over how many calls a resumed run ran."""
+    calls = len(meta.get("timelines") or [])
+    over = f", over {calls} calls (--resume)" if calls > 1 else ""
     ex = meta.get("executor")
     if not isinstance(ex, dict):
-        return "inline"
+        return "inline" + over
     n = ex.get("workers_joined") or ex.get("workers")
     gpus = ex.get("gpus") or []
     if gpus:
         where = f"on {len(set(map(str, gpus)))} GPU" + ("s" if len(set(map(str, gpus))) > 1 else "")
     else:
         where = f"x {ex.get('torch_threads', '?')} thread(s) (CPU)"
-    return f"{ex.get('kind', '?')}: {n} workers {where}"
+    return f"{ex.get('kind', '?')}: {n} workers {where}{over}"
 
 
 def write_report(
