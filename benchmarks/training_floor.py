@@ -453,7 +453,7 @@ def environment(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         "warmup": args.warmup,
         "pack": args.pack,
         "capture": bool(args.capture),
-        "fused_test": bool(args.fused_test),
+        "stop_test": args.stop_test,
         "batch": BATCH,
         "solver": SOLVER,
         "backward": BACKWARD,
@@ -480,7 +480,7 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
                    str(args.seed), "--data", data, "--json", str(out), "--barrier", tmp, "--rank", str(rank),
                    "--world", str(k), "--graph-steps", args.graph_steps, "--tf32", args.tf32,
                    *(["--capture"] if args.capture else []),
-                   *(["--fused-test"] if args.fused_test else []),
+                   "--stop-test", args.stop_test,
                    "--models", *args.models]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
@@ -565,9 +565,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     "defaults, cuDNN TF32 on: what a suite setting no tf32 runs)")  # fmt: skip
     ap.add_argument("--capture", action="store_true",
                     help="captured training steps (train.capture: true)")  # fmt: skip
-    ap.add_argument("--fused-test", action="store_true",
-                    help="with --capture: the masked steps' stop test in Triton kernels "
-                    "(deqbench.run.captured_kernels, opt-in)")  # fmt: skip
+    ap.add_argument("--stop-test", choices=("fused", "torch"), default="fused",
+                    help="with --capture, the masked steps' stop test: fused (the default, as a "
+                    "suite runs: Triton kernels, deqbench.run.captured_kernels) or torch (the "
+                    "torch step it replaces, DEQBENCH_FUSED=0's)")  # fmt: skip
     # internal: the processes of a --pack run
     ap.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -586,10 +587,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     global CAPTURE
     CAPTURE = args.capture
-    if args.fused_test:
-        from deqbench.run import captured_kernels
+    from deqbench.run import captured_kernels
 
-        captured_kernels.ENABLED = True
+    captured_kernels.ENABLED = args.stop_test == "fused"
     if args.graph_steps != "auto":
         from deqbench.solvers import graphs
 

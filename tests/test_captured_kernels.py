@@ -92,12 +92,24 @@ def test_fused_masked_step_matches_the_torch_step_on_cpu_interpreter():
     assert run_checks(CHECKS, "cpu") == {"checked": 32}
 
 
-def test_fused_masked_step_is_off_by_default():
+def test_fused_masked_step_is_on_where_triton_runs(monkeypatch):
+    """On by default with the other fused kernels (``DEQBENCH_FUSED``); a CPU state without
+    Triton's interpreter takes the torch step; switched off, a CUDA state does too."""
+    from deqbench.core import triton_env
     from deqbench.run import captured_kernels
     from deqbench.run.captured_step import MaskedSolve
 
+    assert captured_kernels.ENABLED == triton_env.ENABLED_BY_ENV
     s = MaskedSolve(torch.zeros(2, 3), 1e-3, "rel", "batch_fro", 5, protect=1e6)
-    assert s.fused is None and not captured_kernels.ENABLED
+    assert (s.fused is not None) == (captured_kernels.ENABLED and triton_env.INTERPRET)
+    cuda = torch.cuda.is_available()
+    x = torch.zeros(2, 3, device="cuda" if cuda else "cpu")
+    monkeypatch.setattr(captured_kernels, "ENABLED", True)
+    assert captured_kernels.usable(x, "batch_fro", "rel") == (cuda or triton_env.INTERPRET)
+    monkeypatch.setattr(captured_kernels, "ENABLED", False)
+    assert not captured_kernels.usable(x, "batch_fro", "rel")
+    monkeypatch.setattr(captured_kernels, "ENABLED", True)
+    assert not captured_kernels.usable(x, "batch_fro", "max_norm")  # no such stop mode
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""The masked step's stop test in three Triton kernels (captured training steps, opt-in).
+"""The masked step's stop test in three Triton kernels (captured training steps).
 
 A masked fixed-point step of :class:`~deqbench.run.captured_step.MaskedSolve` in torch is f
 plus about two dozen kernels of bookkeeping: f(z) - z, the two per-sample norms, the stop
@@ -17,24 +17,24 @@ steps) they take about as long as the cell's own kernels. Here the same test in 
 
 The decisions are the torch step's; the norms differ from torch's by rounding only (another
 sum order), so a solve whose residual lands within rounding of its tolerance may stop one step
-apart. Off by default (``DEQBENCH_CAPTURE_FUSED=1`` or :data:`ENABLED` switches it on): a run
-resumed from a checkpoint continues with the step it started with. Tests run the kernels on
-the CPU under Triton's interpreter against the torch step, and compiled in ``gpu`` tests.
+apart. On by default wherever Triton runs (CUDA); ``DEQBENCH_FUSED=0`` (every fused kernel) or
+:data:`ENABLED` switches it off, to compare with the torch step. ``run.json`` records the
+switch (``flags.fused_kernels``). Tests run the kernels on the CPU under Triton's interpreter
+against the torch step, and compiled in ``gpu`` tests.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..core.triton_env import kernel_device, tl, triton
+from ..core.triton_env import ENABLED_BY_ENV, kernel_device, tl, triton
 from ..solvers.stats import EPS
 
-#: opt-in (``DEQBENCH_CAPTURE_FUSED=1``, or set this before the solves are made)
-ENABLED = os.environ.get("DEQBENCH_CAPTURE_FUSED", "0") == "1"
+#: switch the kernels off (``DEQBENCH_FUSED=0``, or set this before the solves are made)
+ENABLED = ENABLED_BY_ENV
 #: elements of a sample one program of the per-sample kernels covers
 CHUNK = 1 << 13
 BLOCK = 1024

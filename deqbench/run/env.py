@@ -265,10 +265,15 @@ def plugin_distributions() -> list[dict[str, Any]]:
 
 
 def flags() -> dict[str, Any]:
-    """Numeric flags that change results or timings."""
+    """Numeric flags that change results or timings (``fused_kernels``: deqbench's Triton
+    kernels run where they can, :mod:`deqbench.core.triton_env`; they sum in another order than
+    torch, so results differ by rounding)."""
     import torch
 
+    from ..core.triton_env import ENABLED_BY_ENV, triton
+
     return {
+        "fused_kernels": bool(ENABLED_BY_ENV and triton is not None),
         "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
         "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
