@@ -65,7 +65,10 @@ MODELS: dict[str, dict[str, Any]] = {
     "pcdeq_sc": {"name": "pcdeq_sc", "channels": 82},
     "fc_deq": {"name": "fc_deq"},
     "conv_deq": {"name": "conv_deq"},
+    "pcdeq_mc": {"name": "pcdeq_mc", "channels": [12, 24, 48]},  # three DEQ layers (chain)
 }
+#: the models of the table by default (pcdeq_mc on request: ``--models pcdeq_mc``)
+DEFAULT_MODELS = ["pcdeq_l", "pcdeq_sc", "fc_deq", "conv_deq"]
 #: the pcDEQ paper's solver settings (suites/paper/pcdeq.yaml)
 SOLVER = {"name": "fixed_point", "max_iter": 200, "tol": 1e-4, "stop": "batch_fro"}
 BACKWARD = {"name": "ift", "solver": "fixed_point", "max_iter": 200, "tol": 1e-4}
@@ -208,13 +211,19 @@ def build(suite: Any, device: str, seed: int) -> tuple[torch.nn.Module, Any, Any
 
 
 class _Counter:
-    """A training callback that keeps every step's solver stats."""
+    """A training callback that keeps every step's solver stats (summed over the DEQ layers)
+    and each layer's f-evaluations and adjoint VJPs."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: Sequence[Any] = ()) -> None:
         self.stats: list[dict[str, float]] = []
+        self.layers = list(layers)
+        self.per_layer: list[tuple[list[int], list[int]]] = []
 
     def on_step(self, ctx: Any, info: Any) -> None:
         self.stats.append(dict(info.deq))
+        f = [ly.last_forward_stats for ly in self.layers]
+        b = [ly.last_backward_stats for ly in self.layers]
+        self.per_layer.append(([s.nstep if s else 0 for s in f], [s.nstep if s else 0 for s in b]))
 
     def on_epoch(self, ctx: Any, info: Any) -> None:
         return None
@@ -234,7 +243,7 @@ def measure(
     cfg.capture = CAPTURE
     cfg.max_steps = warmup + steps + 1  # the last step verifies its solve: kept out of the timing
     data = data.tiled(BATCH * cfg.max_steps, TEST_IMAGES).to(dev, torch.float32)
-    counter = _Counter()
+    counter = _Counter(list(deq_layers(model)))
     marks: dict[str, float] = {}
 
     def progress(epoch: int, step: int) -> None:
@@ -255,13 +264,21 @@ def measure(
     timed = counter.stats[warmup : warmup + steps]
     counts = step_counts(timed)
     ms = (marks["t1"] - marks["t0"]) * 1e3 / steps
+    per = counter.per_layer[warmup : warmup + steps]
+    # the floor's counts per DEQ layer (one layer: the step's counts)
+    layer_fwd = [
+        max(1, round(statistics.fmean(f[k] for f, _ in per))) for k in range(len(per[0][0]))
+    ]
+    layer_adj = [round(statistics.fmean(b[k] for _, b in per)) for k in range(len(per[0][1]))]
+    if len(layer_fwd) == 1:
+        layer_fwd, layer_adj = [counts.floor_forward], [counts.floor_adjoint]
     return {
         "ms_per_step": ms,
         "steps_per_s": 1e3 / ms,
         "forward_f_evals": counts.forward,
         "adjoint_vjps": counts.adjoint,
-        "floor_forward": counts.floor_forward,
-        "floor_adjoint": counts.floor_adjoint,
+        "floor_forward": layer_fwd,
+        "floor_adjoint": layer_adj,
         "per_step_forward": [s.get("forward_nstep") for s in timed],
         "per_step_adjoint": [s.get("backward_nstep") for s in timed],
         "forward_converged": statistics.fmean(s.get("forward_converged", 0.0) for s in timed),
@@ -286,38 +303,50 @@ def floor_optimizer(model: torch.nn.Module, cuda: bool) -> torch.optim.Optimizer
 
 
 def floor_step(
-    model: Any, x: torch.Tensor, y: torch.Tensor, n_forward: int, n_adjoint: int,
-    opt: torch.optim.Optimizer,
+    model: Any, x: torch.Tensor, y: torch.Tensor, n_forward: Sequence[int] | int,
+    n_adjoint: Sequence[int] | int, opt: torch.optim.Optimizer,
 ) -> Callable[[], torch.Tensor]:  # fmt: skip
     """One training step's work with fixed counts and nothing else (gradients must be None or
-    zero before it runs)."""
+    zero before it runs): along the model's chain of equilibria (``DEQModel.chain``: one for
+    most models, three for pcdeq_mc), each layer's forward f-evaluations and adjoint VJPs
+    (``n_forward``/``n_adjoint``: per layer, or one number for a one-layer model)."""
     layers = list(deq_layers(model))
-    if len(layers) != 1 or not hasattr(model, "inject") or not hasattr(model, "readout"):
+    stages, head = model.chain() if hasattr(model, "chain") else ([], None)
+    if not layers or [st.layer for st in stages] != layers:
         raise ValueError(
-            f"the floor replays models with one equilibrium layer and inject/readout; "
+            f"the floor replays models whose DEQ layers form their chain(); "
             f"{type(model).__name__} has {len(layers)} layers"
         )
-    cell = layers[0].cell
+    n_f = [n_forward] if isinstance(n_forward, int) else list(n_forward)
+    n_a = [n_adjoint] if isinstance(n_adjoint, int) else list(n_adjoint)
+    if len(n_f) != len(stages) or len(n_a) != len(stages):
+        raise ValueError(f"counts for {len(n_f)}/{len(n_a)} layers; the model has {len(stages)}")
     loss_fn = loss_function("classification")
 
     def step() -> torch.Tensor:
-        u = model.inject(x)
-        ud = u.detach()
-        with torch.no_grad():
-            z = model.z0(ud)
-            for _ in range(n_forward):
-                z = cell(z, ud)
-        zr = z.detach().requires_grad_()
-        loss = loss_fn(model.readout(zr), y)
-        loss.backward()  # the readout's parameters and dL/dz*
-        g = zr.grad
-        zl = z.detach().requires_grad_()
-        fz = cell(zl, u)  # the one f evaluation with grad
-        w = g
-        for _ in range(n_adjoint):  # the adjoint iteration w = J^T w + g
-            (vz,) = torch.autograd.grad(fz, zl, w, retain_graph=True)
-            w = vz + g
-        fz.backward(w)  # the parameter (and injection) VJP
+        h, us, zrs = x, [], []
+        for st, n in zip(stages, n_f):
+            u = st.inject(h)
+            ud = u.detach()
+            with torch.no_grad():
+                z = st.z0(ud)
+                for _ in range(n):
+                    z = st.layer.cell(z, ud)
+            zr = z.detach().requires_grad_()
+            h = zr if st.finish is None else st.finish(zr)  # the link, with grad from z*
+            us.append(u)
+            zrs.append(zr)
+        loss = loss_fn(head(h), y)
+        loss.backward()  # the head's parameters and the last layer's dL/dz*
+        for k in reversed(range(len(stages))):
+            g = zrs[k].grad
+            zl = zrs[k].detach().requires_grad_()
+            fz = stages[k].layer.cell(zl, us[k])  # the one f evaluation with grad
+            w = g
+            for _ in range(n_a[k]):  # the adjoint iteration w = J^T w + g
+                (vz,) = torch.autograd.grad(fz, zl, w, retain_graph=True)
+                w = vz + g
+            fz.backward(w)  # the parameter VJP, the injection's (into the previous z*)
         opt.step()
         post_step(model)
         return loss.detach()
@@ -380,8 +409,8 @@ def floor_cuda(
 
 
 def floor(
-    model: torch.nn.Module, data: DataBundle, dev: torch.device, n_forward: int, n_adjoint: int,
-    steps: int, barrier: Barrier, tag: str,
+    model: torch.nn.Module, data: DataBundle, dev: torch.device, n_forward: Sequence[int],
+    n_adjoint: Sequence[int], steps: int, barrier: Barrier, tag: str,
 ) -> dict[str, Any]:  # fmt: skip
     """The floor of one model's step at the given counts."""
     cuda = dev.type == "cuda"
@@ -495,6 +524,7 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
         per = [r["rows"][i] for r in runs]
         row = {key: statistics.fmean(p[key] for p in per) for key in NUMERIC if key in per[0]}
         row["model"] = name
+        row["floor_forward"] = per[0].get("floor_forward")  # its length: the DEQ layers
         row["aggregate_steps_per_s"] = sum(p["steps_per_s"] for p in per)
         row["aggregate_floor_steps_per_s"] = sum(p["floor_steps_per_s"] for p in per)
         row["per_process"] = per
@@ -528,7 +558,7 @@ def table(result: dict[str, Any]) -> str:
         head += ["aggregate steps/s", "aggregate floor steps/s"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["model"], f"{r['forward_f_evals']:.1f}", f"{r['adjoint_vjps']:.1f} + 1",
+        cells = [r["model"], f"{r['forward_f_evals']:.1f}", f"{r['adjoint_vjps']:.1f} + {len(r.get('floor_forward') or [1])}",
                  f"{r['ms_per_step']:.2f}", f"{r['steps_per_s']:.1f}",
                  f"{r['floor_ms_per_step']:.3f}", f"{r['floor_steps_per_s']:.1f}",
                  f"{r['ratio']:.2f}"]  # fmt: skip
@@ -549,7 +579,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="timed steps per model (default 100 on CUDA, 20 on CPU)")  # fmt: skip
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed steps first (default 20 on CUDA, 3 on CPU)")  # fmt: skip
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--pack", type=int, default=1,
                     help="K processes at once (one GPU; CPU: single-thread processes)")  # fmt: skip

@@ -9,6 +9,7 @@ from .core.deq import (  # noqa: F401 - re-exported
     STATIC_MAPS,
     BackwardConfig,
     CellMap,
+    ChainStage,
     DEQLayer,
     DEQModel,
     Runtime,

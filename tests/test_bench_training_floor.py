@@ -67,3 +67,25 @@ def test_floor_step_runs_the_counted_f_evaluations_and_vjps():
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in model.parameters())
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_floor_step_follows_a_chain_of_equilibria():
+    """pcdeq_mc (three DEQ layers): each layer's own counts, the injections' gradients through
+    the links (every parameter gets one)."""
+    tf = _module()
+    import deqbench
+
+    torch.manual_seed(0)
+    model = deqbench.models.create("pcdeq_mc", in_shape=(64,), num_outputs=3, channels=[2, 3, 4])
+    calls = []
+    for k, layer in enumerate(tf.deq_layers(model)):
+        layer.cell.register_forward_hook(lambda *a, k=k: calls.append(k))
+    x, y = torch.rand(4, 64), torch.tensor([0, 1, 2, 0])
+    opt = tf.floor_optimizer(model, cuda=False)
+    loss = tf.floor_step(model, x, y, [3, 5, 2], [1, 2, 4], opt)()
+    # forward: 3, 5, 2 no_grad evaluations; backward from the last: one with grad each
+    assert calls == [0] * 3 + [1] * 5 + [2] * 2 + [2, 1, 0]
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(ValueError, match="counts for 1/1 layers; the model has 3"):
+        tf.floor_step(model, x, y, 3, 1, opt)

@@ -64,7 +64,13 @@ def fit(capture, model, steps=12, **kw):
 
 
 @pytest.mark.parametrize(
-    "model", [{"name": "pcdeq_l", "width": 24}, {"name": "fc_deq", "width": 24}]
+    "model",
+    [
+        {"name": "pcdeq_l", "width": 24},
+        {"name": "fc_deq", "width": 24},
+        {"name": "pcdeq_sc", "channels": 4},  # a stage's finish and the head apart
+        {"name": "pcdeq_mc", "channels": [4, 6, 8]},  # three DEQ layers in a chain
+    ],
 )
 def test_captured_steps_equal_the_eager_path_on_cpu(model):
     r0, s0, m0 = fit(False, model)
@@ -79,8 +85,10 @@ def test_captured_steps_equal_the_eager_path_on_cpu(model):
         assert torch.equal(p, q)
     for p, q in zip(m0.buffers(), m1.buffers()):  # BatchNorm's running statistics too
         assert torch.equal(p, q)
-    assert r1.forward.batches == 12 and r1.forward.missed == r0.forward.missed == 0
-    assert r1.adjoint.batches == 12 and r1.adjoint.missed == r0.adjoint.missed == 0
+    layers = 3 if model["name"] == "pcdeq_mc" else 1  # a solve a layer a step in the ledger
+    assert r1.forward.batches == r0.forward.batches == 12 * layers
+    assert r1.adjoint.batches == r0.adjoint.batches == 12 * layers
+    assert r1.forward.missed == r0.forward.missed == r1.adjoint.missed == r0.adjoint.missed == 0
 
 
 def test_partial_last_batch_takes_its_own_captured_parts():
@@ -111,6 +119,42 @@ def test_a_diverged_forward_stops_training_without_an_update(capture):
                for p, q in zip(before, m.parameters()))  # fmt: skip
 
 
+def test_a_diverged_middle_stage_stops_training_as_the_eager_path_does():
+    """MC: a NaN in the second stage's cell. Both paths solve every stage, stop before the
+    backward with the same status and note, and change no parameter; the BatchNorm statistics
+    up to the last equilibrium moved alike (the eager path also ran the readout's forward, the
+    last stage's finish among it; the captured step stops before it)."""
+    runs = []
+    for capture in (False, True):
+        m, cfg, data = build({"name": "pcdeq_mc", "channels": [4, 6, 8]})
+        with torch.no_grad():
+            next(m.stages[1].deq.cell.parameters()).fill_(float("nan"))
+        before = [p.detach().clone() for p in m.parameters()]
+        cfg.capture, cfg.max_steps = capture, 3
+        res = train(m, data, cfg, seed=0)
+        assert res.steps == 0 and res.status in ("nan", "diverged"), (res.status, res.note)
+        assert all(torch.allclose(p, q, equal_nan=True, rtol=0, atol=0)
+                   for p, q in zip(before, m.parameters()))  # fmt: skip
+        assert all(ly.last_forward_stats is not None for ly in m.pc_layers())  # all solved
+        runs.append((res, m))
+    (r0, m0), (r1, m1) = runs
+    assert (r0.status, r0.note) == (r1.status, r1.note)
+    after = {n for n, _ in m0.named_buffers() if n.startswith("stages.2.bn_out")}
+    b1 = dict(m1.named_buffers())
+    for n, p in m0.named_buffers():
+        if n not in after:
+            assert torch.allclose(p, b1[n], equal_nan=True, rtol=0, atol=0), n
+
+
+def test_a_model_whose_chain_misses_a_layer_is_named():
+    from deqbench.core.deq import DEQModel
+
+    m, cfg, data = build({"name": "pcdeq_mc", "channels": [4, 6, 8]})
+    assert capture_problem(m, cfg) is None
+    m.chain = lambda: DEQModel.chain(m)  # the one-layer default: 1 of the 3 DEQ layers
+    assert "3 DEQ layers and its chain() names 1" in capture_problem(m, cfg)
+
+
 def test_masked_solve_stops_where_the_budget_ends():
     z = torch.zeros(4, 3, dtype=torch.float64)
     s = MaskedSolve(z, tol=1e-30, stop_mode="rel", rule="sample_max", max_iter=5, protect=1e6)
@@ -131,7 +175,12 @@ def test_unsupported_cells_are_named():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "model", [{"name": "pcdeq_l", "width": 48}, {"name": "pcdeq_sc", "channels": 8}]
+    "model",
+    [
+        {"name": "pcdeq_l", "width": 48},
+        {"name": "pcdeq_sc", "channels": 8},
+        {"name": "pcdeq_mc", "channels": [8, 12, 16]},
+    ],
 )
 def test_captured_steps_on_cuda_match_the_eager_path(model):
     """CUDA graphs: the same counts and losses as the eager path, float32, within rounding."""

@@ -16,8 +16,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -457,6 +457,18 @@ def last_stats(model: nn.Module, layers: list[DEQLayer] | None = None) -> dict[s
     return out
 
 
+@dataclass(frozen=True)
+class ChainStage:
+    """One equilibrium of a model seen as a chain (:meth:`DEQModel.chain`): from the previous
+    stage's output h (the model's input for the first), u = ``inject(h)``, z* = the fixed point
+    of ``layer`` from ``z0(u)``, and the stage's output ``finish(z*)`` (z* itself where None)."""
+
+    inject: Callable[[Tensor], Tensor]
+    layer: DEQLayer
+    z0: Callable[[Tensor], Tensor]
+    finish: Callable[[Tensor], Tensor] | None = None
+
+
 class DEQModel(nn.Module):
     """Base class of DEQ models: ``readout(deq(inject(x), z0(u)))``.
 
@@ -483,6 +495,14 @@ class DEQModel(nn.Module):
     def cell_parameters(self) -> list[nn.Parameter]:
         """The cells' own parameters (without those a cell declares as injection)."""
         return [p for layer in deq_layers(self) for _, p in cell_weights(layer.cell)]
+
+    def chain(self) -> tuple[list[ChainStage], Callable[[Tensor], Tensor]]:
+        """The model as a chain of equilibria and a head: ``forward(x)`` computes, stage after
+        stage, h = finish(z*(inject(h))) from h = x, then ``head(h)``, with the same operations
+        in the same order (captured training steps take a step apart along it). One stage here
+        (inject, the DEQ layer, z0; the head is :meth:`readout`); a model with several DEQ
+        layers overrides it, else it cannot take captured steps."""
+        return [ChainStage(self.inject, self.deq, self.z0)], self.readout
 
     def equilibrium(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(z*, u) for input x under no_grad."""

@@ -39,13 +39,14 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.deq import BackwardConfig, DEQLayer, DEQModel, SolverConfig
+from ..core.deq import BackwardConfig, ChainStage, DEQLayer, DEQModel, SolverConfig
 from ..core.errors import ConfigError
 from ..core.registry import models
 from ..spectral.norms import conv_norm_fft, dense_norm
@@ -284,6 +285,20 @@ class PCDEQConv(_PCBase):
         """Stages ``start``, ``start + 1``, ... then AvgPool and the linear head."""
         for s in self.stages[start:]:
             h = s(h)
+        return self._head(h)
+
+    def chain(self) -> tuple[list[ChainStage], Callable[[Tensor], Tensor]]:
+        """Every stage's equilibrium (SC: one, MC: three): the first stage's input is the
+        reshaped (resized) image; each stage ends in MaxPool -> BN; the head is AvgPool and the
+        linear layer (:meth:`_stages_and_head`'s operations)."""
+        stages = [cast(_Stage, s) for s in self.stages]
+        chain = [
+            ChainStage(self.inject if i == 0 else s.inject, s.deq, torch.zeros_like, s.finish)
+            for i, s in enumerate(stages)
+        ]
+        return chain, self._head
+
+    def _head(self, h: Tensor) -> Tensor:
         return self.head(self.avg(h).flatten(1))
 
     def readout(self, z: Tensor) -> Tensor:

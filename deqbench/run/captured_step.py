@@ -27,8 +27,17 @@ host reads where each solve fits its first chunk, a launch and a read more per f
 (rounded down to :data:`LADDER`), later chunks a quarter of it. On the CPU the same parts
 run eagerly (no graphs): the tests compare them with the eager training path there.
 
-What it supports (:func:`capture_problem` says why not otherwise): a model with one DEQ layer
-and ``inject``/``readout``/``z0`` (:class:`~deqbench.core.deq.DEQModel`), the ``fixed_point``
+A model with several DEQ layers in a chain (:meth:`~deqbench.core.deq.DEQModel.chain`: pcDEQ's
+MC, three stages) takes the same parts per stage: after stage k's forward solve a ``link`` part
+computes the next stage's injection from z_k* (the stage's finish and the next inject, with
+their autograd graph from z_k*) and resets its solve; after the last, ``middle``; then from the
+last stage back, its adjoint chunks, its ``grads`` (which also backpropagate the injection's
+gradient through the link into z_{k-1}*), and a ``record`` part taking that gradient as the
+previous stage's dL/dz* and recording f at its z*. A host read per solve.
+
+What it supports (:func:`capture_problem` says why not otherwise): a model whose DEQ layers
+form its :meth:`~deqbench.core.deq.DEQModel.chain` (one layer with ``inject``/``readout``/``z0``
+by default), each with the ``fixed_point``
 forward solver (no damping) and the ``ift`` backward with the ``fixed_point`` adjoint solver,
 Adam or AdamW, no gradient clipping, no AMP or compiled cell, classification or regression
 losses. The solves return their last iterate (the eager solvers' default is the per-sample
@@ -49,7 +58,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..core import verdict
-from ..core.deq import deq_layers
+from ..core.deq import ChainStage, DEQModel, deq_layers
 from ..solvers.stats import EPS, SolverStats, batch_norm, make_stats, rule_value
 from . import captured_kernels
 
@@ -67,21 +76,23 @@ def chunk(count: int) -> int:
 def capture_problem(model: nn.Module, cfg: Any) -> str | None:
     """Why ``model`` trained with ``cfg`` (a TrainConfig) cannot take captured steps, or None."""
     layers = list(deq_layers(model))
-    if len(layers) != 1:
-        return f"the model has {len(layers)} DEQ layers (captured steps take one)"
-    if not all(hasattr(model, a) for a in ("inject", "readout", "z0")):
-        return "the model has no inject/readout/z0 (a DEQModel)"
-    layer = layers[0]
-    s, b = layer.solver_cfg, layer.backward_cfg
-    if s.name != "fixed_point" or float(s.options.get("tau", 1.0)) != 1.0:
-        return f"forward solver {s.name!r} (captured steps take fixed_point without damping)"
-    if b.name != "ift" or b.solver != "fixed_point":
-        return f"backward {b.name!r} / {b.solver!r} (captured steps take ift with fixed_point)"
-    if float(b.options.get("tau", 1.0)) != 1.0:
-        return "a damped adjoint solver"
-    rt = layer.runtime
-    if rt.amp != "none" or rt.backend is not None:
-        return "AMP or a compiled cell"
+    if not isinstance(model, DEQModel) or not layers:
+        return "the model is not a DEQModel with inject/readout/z0"
+    chained = [st.layer for st in model.chain()[0]]
+    if len(chained) != len(layers) or any(a is not b for a, b in zip(chained, layers)):
+        return (f"the model has {len(layers)} DEQ layers and its chain() names "
+                f"{len(chained)} of them (a model with several overrides DEQModel.chain)")  # fmt: skip
+    for layer in layers:
+        s, b = layer.solver_cfg, layer.backward_cfg
+        if s.name != "fixed_point" or float(s.options.get("tau", 1.0)) != 1.0:
+            return f"forward solver {s.name!r} (captured steps take fixed_point without damping)"
+        if b.name != "ift" or b.solver != "fixed_point":
+            return f"backward {b.name!r} / {b.solver!r} (captured steps take ift with fixed_point)"
+        if float(b.options.get("tau", 1.0)) != 1.0:
+            return "a damped adjoint solver"
+        rt = layer.runtime
+        if rt.amp != "none" or rt.backend is not None:
+            return "AMP or a compiled cell"
     if cfg.optimizer not in ("adam", "adamw"):
         return f"optimizer {cfg.optimizer!r} (captured steps take adam or adamw)"
     if cfg.grad_clip:
@@ -183,39 +194,20 @@ class _Recapture(Exception):
     """A part could not be captured: the step starts again on the eager parts."""
 
 
-class CapturedStep:
-    """Training steps of ``model`` as captured parts (module docstring); ``step`` runs one."""
+class _Equilibrium:
+    """One stage of the chain in a captured step: its :class:`ChainStage`, its injection (with
+    its autograd graph) and the static buffers of its solves and of f at its z* (made at the
+    first, eager, step: :meth:`alloc`)."""
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Any, task: str,
-                 after_step: list[Any]) -> None:  # fmt: skip
-        self.model: Any = model  # a DEQModel (capture_problem): inject, readout, z0
-        self.opt, self.loss_fn, self.task = opt, loss_fn, task
-        self.after_step = after_step
-        (layer,) = deq_layers(model)
-        self.layer: Any = layer
-        self.cuda = next(model.parameters()).is_cuda
-        self.params = [p for g in opt.param_groups for p in g["params"]]
-        for p in self.params:  # static gradients, accumulated into by the captured parts
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.graphs: dict[Any, Any] = {}
-        self.pool: Any = None
-        self.lr: list[float] = []
-        self.last_count = {"forward": 0, "adjoint": 0}  # the last step's: the first chunks
-        #: whether a step was made (the parts are captured from the second step on: the first,
-        #: eager, creates the optimiser's state and lets the libraries pick their kernels)
-        self.warm = False
-        self.x: Tensor | None = None  # the static batch (the first batch's shapes)
-        self.y: Tensor | None = None
-        if self.cuda:
-            # the recorded f at z* of one batch shape's captured parts keeps the parameters'
-            # AccumulateGrad nodes (made on the capture stream); another shape's eager first
-            # step meets them on the default stream, and torch warns of a possible extra
-            # synchronisation (the values are the same; a failed capture has its own warning)
-            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
+    def __init__(self, stage: ChainStage) -> None:
+        self.stage = stage
+        self.layer: Any = stage.layer
+        self.u: Any = None  # the injection, with its autograd graph (to the previous z* or x)
+        self.ud: Any = None  # the same, detached: the solves' input
+        self.zr: Any = None  # z* as a leaf with grad: the next stage's link starts from it
+        self.fzr: Any = None  # f at z* recorded with grad (the adjoint's and grads' VJPs)
 
-    # -- the parts ---------------------------------------------------------------------------
-    def _alloc(self, u: Tensor) -> None:
+    def alloc(self, u: Tensor) -> None:
         """The solves' and the recording's static buffers, shaped as the injection ``u``."""
         s, b = self.layer.solver_cfg, self.layer.backward_cfg
         prot_s = float(s.options.get("protect_thres", 1e6))
@@ -239,34 +231,31 @@ class CapturedStep:
         self.tensors.update({n: b.data for n, b in cell.named_buffers()})
         named = dict(cell.named_parameters())
         self.cell_pairs = [(named[n], q) for n, q in self.leaves.items() if named[n].requires_grad]
-        self.loss = torch.zeros((), dtype=u.dtype, device=u.device)
-        self.acc = torch.zeros((), dtype=u.dtype, device=u.device)
 
-    def _prologue(self) -> None:
-        for p in self.params:
-            p.grad.zero_()  # type: ignore[union-attr]
-        self.u = self.model.inject(self.x)
-        ud = self.u.detach()
-        self.ud = ud
+    def enter(self, h: Tensor) -> None:
+        """The stage's injection from ``h`` (the previous stage's output, or the batch), its
+        iterate's start z0(u) and its forward solve's reset."""
+        self.u = self.stage.inject(h)
+        self.ud = self.u.detach()
         if not hasattr(self, "fwd"):  # the first (eager) step
-            self._alloc(self.u)
+            self.alloc(self.u)
         with torch.no_grad():
-            self.z.copy_(self.model.z0(ud))
+            self.z.copy_(self.stage.z0(self.ud))
         self.fwd.reset()
 
-    def _f(self, z: Tensor) -> Tensor:
+    def leave(self) -> Tensor:
+        """z* as a leaf with grad, and the stage's output from it (its finish, with grad)."""
+        self.zr = self.z.detach().requires_grad_()
+        fin = self.stage.finish
+        return self.zr if fin is None else fin(self.zr)
+
+    def f(self, z: Tensor) -> Tensor:
         with torch.no_grad():
             return self.layer.cell(z, self.ud)
 
-    def _middle(self) -> None:
-        zr = self.z.detach().requires_grad_()
-        out = self.model.readout(zr)
-        loss = self.loss_fn(out, self.y)
-        loss.backward()  # the readout's gradients and dL/dz*
-        self.loss.copy_(loss.detach())
-        if self.task == "classification":
-            self.acc.copy_((out.detach().argmax(1) == self.y).to(self.acc.dtype).mean())
-        self.g.copy_(zr.grad)  # type: ignore[arg-type]
+    def record(self) -> None:
+        """f at z* recorded with grad (from the static leaves) and the adjoint's start and reset;
+        ``g`` holds dL/dz*."""
         self.zl.data.copy_(self.z)
         self.ul.data.copy_(self.ud)
         with torch.enable_grad():
@@ -278,13 +267,14 @@ class CapturedStep:
                 self.w.zero_()
         self.adj.reset()
 
-    def _adj_map(self, w: Tensor) -> Tensor:
+    def adj_map(self, w: Tensor) -> Tensor:
         (gz,) = torch.autograd.grad(self.fzr, self.zl, w, retain_graph=True)
         return gz + self.g
 
-    def _grads(self) -> None:
-        """The parameters' gradients at w: the cell's (a VJP of the recording), the
-        injection's (its backward from u)."""
+    def grads(self) -> None:
+        """The parameters' gradients at w: the cell's (a VJP of the recording) and, through the
+        injection's backward from u, those of the stage's inject and of what comes before it
+        (the previous stage's finish; its z*'s leaf ``zr`` gets dL/dz*)."""
         wants_u = self.ul.requires_grad
         leaves = [q for _, q in self.cell_pairs]
         inputs = ([self.ul] if wants_u else []) + leaves
@@ -299,6 +289,78 @@ class CapturedStep:
         if gu is not None:
             torch.autograd.backward(self.u, gu, retain_graph=True)
 
+    def drop(self) -> None:
+        """Let go of the autograd graphs (an eager step's, before a capture)."""
+        self.u = self.ud = self.zr = self.fzr = None
+
+
+class CapturedStep:
+    """Training steps of ``model`` as captured parts (module docstring); ``step`` runs one."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Any, task: str,
+                 after_step: list[Any]) -> None:  # fmt: skip
+        self.model: Any = model  # a DEQModel (capture_problem)
+        self.opt, self.loss_fn, self.task = opt, loss_fn, task
+        self.after_step = after_step
+        stages, self.head = model.chain()  # type: ignore[operator]
+        self.eqs = [_Equilibrium(st) for st in stages]
+        self.cuda = next(model.parameters()).is_cuda
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+        for p in self.params:  # static gradients, accumulated into by the captured parts
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.graphs: dict[Any, Any] = {}
+        self.pool: Any = None
+        self.lr: list[float] = []
+        #: the last step's count of each solve (kind, stage): its first chunk
+        self.last_count: dict[tuple[str, int], int] = {}
+        #: whether a step was made (the parts are captured from the second step on: the first,
+        #: eager, creates the optimiser's state and lets the libraries pick their kernels)
+        self.warm = False
+        self.x: Tensor | None = None  # the static batch (the first batch's shapes)
+        self.y: Tensor | None = None
+        self.loss: Tensor | None = None
+        self.acc: Tensor | None = None
+        if self.cuda:
+            # the recorded f at z* of one batch shape's captured parts keeps the parameters'
+            # AccumulateGrad nodes (made on the capture stream); another shape's eager first
+            # step meets them on the default stream, and torch warns of a possible extra
+            # synchronisation (the values are the same; a failed capture has its own warning)
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream")
+
+    # -- the parts ---------------------------------------------------------------------------
+    def _prologue(self) -> None:
+        for p in self.params:
+            p.grad.zero_()  # type: ignore[union-attr]
+        self.eqs[0].enter(self.x)  # type: ignore[arg-type]
+        if self.loss is None:
+            self.loss = self.eqs[0].z.new_zeros(())
+            self.acc = self.eqs[0].z.new_zeros(())
+
+    def _link(self, k: int) -> None:
+        """Stage k's injection from stage k-1's z* (its finish and stage k's inject)."""
+        self.eqs[k].enter(self.eqs[k - 1].leave())
+
+    def _middle(self) -> None:
+        """The head and loss with their backward (the head's and the last finish's gradients,
+        dL/dz* of the last stage), then the last stage's recording."""
+        last = self.eqs[-1]
+        out = self.head(last.leave())
+        loss = self.loss_fn(out, self.y)
+        loss.backward()
+        assert self.loss is not None and self.acc is not None
+        self.loss.copy_(loss.detach())
+        if self.task == "classification":
+            self.acc.copy_((out.detach().argmax(1) == self.y).to(self.acc.dtype).mean())
+        last.g.copy_(last.zr.grad)
+        last.record()
+
+    def _back(self, k: int) -> None:
+        """Stage k's dL/dz* (its leaf's gradient, from stage k+1's grads) and recording."""
+        e = self.eqs[k]
+        e.g.copy_(e.zr.grad)
+        e.record()
+
     def _update(self) -> None:
         """The optimiser step and the model's post_step hooks (captured again when the LR
         changes: a captured step holds it as a constant)."""
@@ -307,7 +369,7 @@ class CapturedStep:
             fn()
 
     def _summary(self, solve: MaskedSolve, tail: Sequence[Tensor]) -> Tensor:
-        return torch.stack([t.to(self.loss.dtype) for t in solve.summary() + list(tail)])
+        return torch.stack([t.to(solve.z.dtype) for t in solve.summary() + list(tail)])
 
     # -- running them ------------------------------------------------------------------------
     def _run(self, key: Any, fn: Any) -> None:
@@ -340,27 +402,32 @@ class CapturedStep:
         self.graphs[key] = g
         return g
 
-    def _solve(self, kind: str, solve: MaskedSolve, fn: Any, tail: list[Tensor]) -> list[float]:
+    def _solve(
+        self, kind: str, k: int, solve: MaskedSolve, fn: Any, tail: list[Tensor]
+    ) -> list[float]:
         """Chunks of masked steps until the device says the solve stopped; the summary row."""
-        last = self.last_count[kind] or 8
+        last = self.last_count.get((kind, k)) or 8
         n, more = chunk(last), chunk(last // 4)
-        if self.cuda and self.warm and (kind, n) not in self.graphs:
+        if self.cuda and self.warm and (kind, k, n) not in self.graphs:
             # every chunk length of the solve at once: a length first met mid-run (the counts
             # move as the model trains) would otherwise be captured then, between timed steps
             for m in LADDER:
-                if (kind, m) not in self.graphs and m <= max(solve.max_iter, LADDER[0]):
-                    self._capture((kind, m), lambda m=m: solve.steps(fn, m))
-        self._run((kind, n), lambda: solve.steps(fn, n))
+                if (kind, k, m) not in self.graphs and m <= max(solve.max_iter, LADDER[0]):
+                    self._capture((kind, k, m), lambda m=m: solve.steps(fn, m))
+        self._run((kind, k, n), lambda: solve.steps(fn, n))
         while True:
             row = self._summary(solve, tail).tolist()
             if row[0] or row[1] >= solve.max_iter:
                 break
-            self._run((kind, more), lambda: solve.steps(fn, more))
-        self.last_count[kind] = int(row[1])
+            self._run((kind, k, more), lambda: solve.steps(fn, more))
+        self.last_count[(kind, k)] = int(row[1])
         return row
 
-    def step(self, xb: Tensor, yb: Tensor) -> tuple[float, float, SolverStats, SolverStats | None]:
-        """One training step on batch (xb, yb): (loss, accuracy, forward stats, adjoint stats or
+    def step(
+        self, xb: Tensor, yb: Tensor
+    ) -> tuple[float, float, list[SolverStats], list[SolverStats] | None]:
+        """One training step on batch (xb, yb): (loss, accuracy, the forward solves' stats in
+        stage order, the adjoint solves' stats in the order they ran (last stage first), or
         None where training must stop before the backward: a diverged forward solve or a
         non-finite loss, in which case no parameter was changed)."""
         eager = not (self.cuda and self.warm)
@@ -371,12 +438,15 @@ class CapturedStep:
                 return self._step(xb, yb)
         finally:
             if eager and self.cuda and len(self.graphs) == 0:
-                # an eager step's autograd graphs (the injection's, f at z*'s) hold the
+                # an eager step's autograd graphs (the injections', f at z*'s) hold the
                 # parameters' AccumulateGrad nodes, made on the default stream: dropped, so that
                 # a capture (of this or another batch shape's parts) makes its own
-                self.u = self.ud = self.fzr = None  # type: ignore[assignment]
+                for e in self.eqs:
+                    e.drop()
 
-    def _step(self, xb: Tensor, yb: Tensor) -> tuple[float, float, SolverStats, SolverStats | None]:
+    def _step(
+        self, xb: Tensor, yb: Tensor
+    ) -> tuple[float, float, list[SolverStats], list[SolverStats] | None]:
         if self.x is None or self.y is None:
             self.x, self.y = xb.clone(), yb.clone()
         lrs = [float(g["lr"]) for g in self.opt.param_groups]
@@ -386,30 +456,45 @@ class CapturedStep:
         self.x.copy_(xb)
         self.y.copy_(yb)
         self._run("prologue", self._prologue)
-        frow = self._solve("forward", self.fwd, self._f, [])
-        fst = self.fwd.stats(frow)
-        if frow[3]:  # diverged: no backward (the eager path's rule)
-            return math.nan, math.nan, fst, None
+        fsts, diverged = [], False
+        for k, e in enumerate(self.eqs):
+            if k:
+                self._run(("link", k), lambda k=k: self._link(k))
+            row = self._solve("forward", k, e.fwd, e.f, [])
+            fsts.append(e.fwd.stats(row))
+            diverged |= bool(row[3])
+        if diverged:  # no backward (the eager path's rule; it solves every stage first too)
+            return math.nan, math.nan, fsts, None
         self._run("middle", self._middle)
-        brow = self._solve("adjoint", self.adj, self._adj_map, [self.loss, self.acc])
-        loss, acc = brow[-2], brow[-1]
-        ast = self.adj.stats(brow)
-        if not math.isfinite(loss):
-            return loss, acc, fst, None
-        self._run("grads", self._grads)
+        assert self.loss is not None and self.acc is not None
+        asts, loss, acc = [], math.nan, math.nan
+        for k in reversed(range(len(self.eqs))):
+            e = self.eqs[k]
+            if k < len(self.eqs) - 1:
+                self._run(("back", k), lambda k=k: self._back(k))
+            tail = [self.loss, self.acc] if k == len(self.eqs) - 1 else []
+            row = self._solve("adjoint", k, e.adj, e.adj_map, tail)
+            if k == len(self.eqs) - 1:
+                loss, acc = row[-2], row[-1]
+                if not math.isfinite(loss):
+                    return loss, acc, fsts, None
+            asts.append(e.adj.stats(row))
+            self._run(("grads", k), e.grads)
         self._run("update", self._update)
         self.warm = True
-        return loss, acc, fst, ast
+        return loss, acc, fsts, asts
 
-    def record(self, fst: SolverStats, ast: SolverStats | None) -> None:
+    def record(self, fsts: list[SolverStats], asts: list[SolverStats] | None) -> None:
         """The step's solves into the solve ledger (checked against their tolerance as the
-        eager solves are) and onto the layer (``last_forward_stats`` / ``last_backward_stats``,
-        which the step's records and the analyses read)."""
-        s, b = self.layer.solver_cfg, self.layer.backward_cfg
+        eager solves are: the forward solves in stage order, then the adjoints as they ran)
+        and onto the layers (``last_forward_stats`` / ``last_backward_stats``, which the step's
+        records and the analyses read)."""
         # converged is the device's test of the returned iterate's own residual (not a
         # solver's claim to check again: that would read it once more); the ledger keeps it
-        verdict.record("forward", fst, s.max_iter)
-        self.layer.__dict__["last_forward_stats"] = fst
-        if ast is not None:
-            verdict.record("adjoint", ast, b.max_iter)
-            self.layer.__dict__["last_backward_stats"] = ast
+        for e, fst in zip(self.eqs, fsts):
+            verdict.record("forward", fst, e.layer.solver_cfg.max_iter)
+            e.layer.__dict__["last_forward_stats"] = fst
+        if asts is not None:
+            for e, ast in zip(reversed(self.eqs), asts):
+                verdict.record("adjoint", ast, e.layer.backward_cfg.max_iter)
+                e.layer.__dict__["last_backward_stats"] = ast
