@@ -182,18 +182,28 @@ def test_unsupported_cells_are_named():
         {"name": "pcdeq_mc", "channels": [8, 12, 16]},
     ],
 )
-def test_captured_steps_on_cuda_match_the_eager_path(model):
-    """CUDA graphs: the same counts and losses as the eager path, float32, within rounding."""
+def test_captured_steps_on_cuda_match_the_eager_path(model, monkeypatch):
+    """CUDA graphs: the same counts and losses as the eager path, float32, within rounding.
+    MC with cuDNN's TF32 off: with it on (PyTorch's default) its three convolutional layers
+    carry TF32's rounding through 32 steps to softmax outputs 0.075 apart (measured on an
+    H200); off, within the 2e-2 of the other cells."""
     kw = {"device": "cuda", "dtype": torch.float32}
+    if model["name"] == "pcdeq_mc":
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     # batch 96 of 1,438 images: each epoch's 15th step is a partial batch of 94
     r0, s0, m0 = fit(False, model, steps=32, batch_size=96, epochs=3, **kw)
     r1, s1, m1 = fit(True, model, steps=32, batch_size=96, epochs=3, **kw)
     assert r0.status == r1.status == "ok" and len(s1) == 32
     # the eager graph path checks once per 2-step chunk: up to one step past the stop a solve
+    # (a step past the stop per solve: one solve a DEQ layer a step)
+    layers = 3 if model["name"] == "pcdeq_mc" else 1
     made, captured = sum(s["forward_nstep"] for s in s0), sum(s["forward_nstep"] for s in s1)
-    assert made - len(s0) <= captured <= made
+    assert made - layers * len(s0) <= captured <= made
+    # the eager path's overshoot moves each z* within the solve's tolerance, a layer at a time,
+    # and 32 Adam steps carry it on: three layers, a wider band (bit for bit on CPU, float64)
+    rel = 1e-2 if layers > 1 else 2e-3
     for a, b in zip(s0, s1):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=2e-3, abs_tol=1e-4)
+        assert math.isclose(a["loss"], b["loss"], rel_tol=rel, abs_tol=1e-4)
     # the models' outputs on the data (not the raw parameters: Adam moves a parameter whose
     # gradient is near zero by about the LR whatever its sign's noise)
     _, _, data = build(model, **kw)
