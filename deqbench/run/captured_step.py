@@ -125,7 +125,7 @@ class MaskedSolve:
         self.value = torch.zeros((), dtype=state.dtype, device=dev)
         self.conv = torch.zeros((), dtype=torch.bool, device=dev)
         self.div = torch.zeros((), dtype=torch.bool, device=dev)
-        #: the stop test in three Triton kernels (:mod:`deqbench.run.captured_kernels`, opt-in)
+        #: the stop test in three Triton kernels (:mod:`deqbench.run.captured_kernels`; CUDA)
         self.fused = (
             captured_kernels.FusedTest(state, self.tol, self.protect, rule, stop_mode)
             if captured_kernels.usable(state, rule, stop_mode)
