@@ -469,6 +469,16 @@ def run_models(args: argparse.Namespace) -> dict[str, Any]:
     return {"env": environment(args, dev), "rows": rows}
 
 
+def stop_test(args: argparse.Namespace, dev: torch.device) -> str | None:
+    """The captured steps' stop test that ran: fused or torch (None without ``--capture``)."""
+    if not args.capture:
+        return None
+    from deqbench.core.triton_env import kernel_device
+    from deqbench.run import captured_kernels
+
+    return "fused" if captured_kernels.ENABLED and kernel_device(dev) else "torch"
+
+
 def environment(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     return {
         "device": device_name(dev),
@@ -482,7 +492,7 @@ def environment(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         "warmup": args.warmup,
         "pack": args.pack,
         "capture": bool(args.capture),
-        "stop_test": args.stop_test,
+        "stop_test": stop_test(args, dev),
         "batch": BATCH,
         "solver": SOLVER,
         "backward": BACKWARD,
@@ -509,7 +519,7 @@ def run_pack(args: argparse.Namespace) -> dict[str, Any]:
                    str(args.seed), "--data", data, "--json", str(out), "--barrier", tmp, "--rank", str(rank),
                    "--world", str(k), "--graph-steps", args.graph_steps, "--tf32", args.tf32,
                    *(["--capture"] if args.capture else []),
-                   "--stop-test", args.stop_test,
+                   *(["--stop-test", args.stop_test] if args.stop_test else []),
                    "--models", *args.models]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
@@ -595,10 +605,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     "defaults, cuDNN TF32 on: what a suite setting no tf32 runs)")  # fmt: skip
     ap.add_argument("--capture", action="store_true",
                     help="captured training steps (train.capture: true)")  # fmt: skip
-    ap.add_argument("--stop-test", choices=("fused", "torch"), default="fused",
-                    help="with --capture, the masked steps' stop test: fused (the default, as a "
-                    "suite runs: Triton kernels, deqbench.run.captured_kernels) or torch (the "
-                    "torch step it replaces, DEQBENCH_FUSED=0's)")  # fmt: skip
+    ap.add_argument("--stop-test", choices=("fused", "torch"), default=None,
+                    help="with --capture, the masked steps' stop test: fused (Triton kernels, "
+                    "deqbench.run.captured_kernels) or torch (the torch step they replace); "
+                    "default: as a suite runs (fused on CUDA unless DEQBENCH_FUSED=0)")  # fmt: skip
     # internal: the processes of a --pack run
     ap.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -619,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     CAPTURE = args.capture
     from deqbench.run import captured_kernels
 
-    captured_kernels.ENABLED = args.stop_test == "fused"
+    if args.stop_test is not None:
+        captured_kernels.ENABLED = args.stop_test == "fused"
     if args.graph_steps != "auto":
         from deqbench.solvers import graphs
 

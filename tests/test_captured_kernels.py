@@ -116,3 +116,16 @@ def test_fused_masked_step_is_on_where_triton_runs(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_masked_step_matches_the_torch_step_on_cuda():
     assert run_checks(CHECKS, "cuda") == {"checked": 32}
+
+
+def test_run_json_records_whether_the_fused_kernels_run_on_the_device(monkeypatch):
+    """``flags.fused_kernels``: on where the switch is on and Triton runs on the run's device
+    (CUDA, or the CPU under the interpreter); off with ``DEQBENCH_FUSED=0``'s switch."""
+    from deqbench.core import triton_env
+    from deqbench.run.env import flags
+
+    assert flags("cpu")["fused_kernels"] == (triton_env.ENABLED_BY_ENV and triton_env.INTERPRET)
+    assert flags("cuda")["fused_kernels"] == triton_env.ENABLED_BY_ENV
+    assert flags("no-such-device")["fused_kernels"] is False
+    monkeypatch.setattr(triton_env, "ENABLED_BY_ENV", False)
+    assert flags("cuda")["fused_kernels"] is False

@@ -643,18 +643,26 @@ def test_report_time_of_a_run_carried_across_calls(tmp_path):
 
     d = tmp_path / "runs" / "a"
     d.mkdir(parents=True)
-    calls = [(1000.0, 1480.0), (7000.0, 7495.0), (9000.0, 9207.0)]  # 480 + 495 + 207 s
+    calls = [(1000.0, 1480.0), (7000.0, 7495.0), (9000.0, 9207.0)]  # 471 + 486 + 198 s
+    # process_start: the process's creation, which a reproduce running several suites shares
     meta = {"started": "2026-01-01T12:00:00", "finished": "2026-01-01T14:20:00", "cells": ["x"],
             "executor": {"kind": "dask", "workers": 16, "gpus": ["0", "1"]},
-            "timelines": [{"phases": {"process_start": a, "run_start": a + 9, "end": b}}
+            "resumed": [{"at": "x"}, {"at": "y"}],
+            "timelines": [{"phases": {"process_start": 0.0, "run_start": a + 9, "end": b}}
                           for a, b in calls]}  # fmt: skip
     (d / "run.json").write_text(json.dumps(meta))
     runs = {tmp_path / "a.yaml": SuiteRun(tmp_path / "a.yaml", run_dir=d, seconds=0.0)}
     write_report(tmp_path, [], "paper", runs, seconds=4.0)
     md = (tmp_path / "reproduction.md").read_text()
-    assert md.splitlines()[2].endswith("1 suite runs, 1182 s in total."), md.splitlines()[2]
-    assert "| 1182.0 |" in md  # the run table's seconds, not 8,400 s from start to finish
-    assert "dask: 16 workers on 2 GPUs, over 3 calls (--resume)" in md
+    assert md.splitlines()[2].endswith("1 suite runs, 1155 s in total."), md.splitlines()[2]
+    assert "| 1155.0 |" in md  # the run table's seconds, not 8,400 s from start to finish
+    assert "dask: 16 workers on 2 GPUs, over 3 calls (--resume) |" in md
+    # a fourth call killed before its finish: counted, its time said to be left out
+    meta["resumed"].append({"at": "z"})
+    (d / "run.json").write_text(json.dumps(meta))
+    write_report(tmp_path, [], "paper", runs, seconds=4.0)
+    md = (tmp_path / "reproduction.md").read_text()
+    assert "over 4 calls (--resume); the seconds leave out 1 call(s) that recorded no time" in md
 
 
 def _paper_run(out: Path, stamp: str, rows: list[dict], cells: list[str], select: str,

@@ -587,9 +587,14 @@ def _cells_run(run_dir: Path, meta: dict[str, Any]) -> str:
 
 def _sharing(meta: dict[str, Any]) -> str:
     """How the run's tasks shared the machine: ``inline`` or ``dask: 16 workers on 1 GPU`` /
-    ``dask: 15 workers x 1 thread (CPU)``, and over how many calls a resumed run ran."""
-    calls = len(meta.get("timelines") or [])
+    ``dask: 15 workers x 1 thread (CPU)``, and over how many calls a resumed run ran (its start
+    and each resume; a call killed before its finish recorded no timeline, which is said)."""
+    resumed = meta.get("resumed")
+    calls = 1 + (len(resumed) if isinstance(resumed, list) else 0)  # each start and resume
+    timed = len(meta.get("timelines") or [])
     over = f", over {calls} calls (--resume)" if calls > 1 else ""
+    if timed and calls > timed:  # a call killed before its finish recorded no time
+        over += f"; the seconds leave out {calls - timed} call(s) that recorded no time"
     ex = meta.get("executor")
     if not isinstance(ex, dict):
         return "inline" + over

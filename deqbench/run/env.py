@@ -264,16 +264,26 @@ def plugin_distributions() -> list[dict[str, Any]]:
     return sorted(found.values(), key=lambda r: r["name"])
 
 
-def flags() -> dict[str, Any]:
-    """Numeric flags that change results or timings (``fused_kernels``: deqbench's Triton
-    kernels run where they can, :mod:`deqbench.core.triton_env`; they sum in another order than
-    torch, so results differ by rounding)."""
+def _kernel_device(check: Any, device: str) -> bool:
     import torch
 
-    from ..core.triton_env import ENABLED_BY_ENV, triton
+    try:
+        return bool(check(torch.device(device)))
+    except (RuntimeError, ValueError):  # a device name torch does not know: no kernels there
+        return False
+
+
+def flags(device: str = "cpu") -> dict[str, Any]:
+    """Numeric flags that change results or timings on ``device`` (``fused_kernels``: whether
+    deqbench's Triton kernels run there, switched on and with Triton able to run on it,
+    :mod:`deqbench.core.triton_env`; they sum in another order than torch, so results differ by
+    rounding)."""
+    import torch
+
+    from ..core.triton_env import ENABLED_BY_ENV, kernel_device
 
     return {
-        "fused_kernels": bool(ENABLED_BY_ENV and triton is not None),
+        "fused_kernels": bool(ENABLED_BY_ENV and _kernel_device(kernel_device, device)),
         "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
         "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -316,7 +326,7 @@ def collect(device: str = "auto", command: list[str] | None = None) -> dict[str,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
-        "flags": flags(),
+        "flags": flags(dev),
         "git": git_info(),
         "plugins": plugin_distributions(),
         "command": command if command is not None else list(sys.argv),

@@ -80,12 +80,14 @@ def _float(v: Any) -> float | None:
 
 def wall_seconds(meta: dict[str, Any]) -> float | None:
     """A run's own wall time from its ``run.json`` (``meta``): the sum over its invocations
-    (``timelines``, one per start and resume) of process start to end, so that a run carried
-    across several calls does not count the time between them; ``None`` without timelines.
+    (``timelines``, one per start and resume) of each one's ``run_start`` to ``end``, so that a
+    run carried across several calls does not count the time between them (nor, where one
+    process ran several suites, as ``deqbench reproduce`` does, the suites before it: its
+    ``process_start`` is the process's); ``None`` without timelines.
 
     Example:
-        >>> wall_seconds({"timelines": [{"phases": {"process_start": 0, "end": 480}},
-        ...                             {"phases": {"process_start": 6000, "end": 6207}}]})
+        >>> wall_seconds({"timelines": [{"phases": {"run_start": 0, "end": 480}},
+        ...                             {"phases": {"run_start": 6000, "end": 6207}}]})
         687.0
     """
     total, seen = 0.0, False
@@ -93,8 +95,7 @@ def wall_seconds(meta: dict[str, Any]) -> float | None:
         ph = tl.get("phases") if isinstance(tl, dict) else None
         if not isinstance(ph, dict):
             continue
-        t0, t1 = _float(ph.get("process_start")), _float(ph.get("end"))
-        t0 = _float(ph.get("run_start")) if t0 is None else t0
+        t0, t1 = _float(ph.get("run_start")), _float(ph.get("end"))
         if t0 is not None and t1 is not None and t1 >= t0:
             total, seen = total + (t1 - t0), True
     return total if seen else None
