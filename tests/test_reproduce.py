@@ -768,7 +768,7 @@ def test_a_part_with_unfinished_tasks_or_other_settings_is_not_merged_silently(t
     _, code = reproduce_run(claim_ids=["002-iterations"], scale="paper", out=out,
                             options=RunOptions(judge_only=True), log=log)  # fmt: skip
     r = next(csv.DictReader(open(out / "reproduction.csv")))
-    assert code == 1 and "unfinished: pcdeq_l-activation=relu6 seed 0" in r["reason"]
+    assert code == 1 and "unfinished: pcdeq_l-activation=relu6 seeds 0, 1, 2" in r["reason"]
     assert "L:tanh" in r["measured"] and "SC:tanh" in r["measured"]
 
     other = tmp_path / "o"

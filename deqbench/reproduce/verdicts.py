@@ -203,6 +203,25 @@ def suite_file(suite: str, scale: str, root: Path | None = None) -> Path | None:
     raise ValueError(f"scale must be 'cpu' or 'paper', got {scale!r}")
 
 
+def tasks_by_cell(tasks: list[str], most: int = 4) -> str:
+    """Tasks named ``"CELL seed N"`` as one phrase per cell (``"CELL seeds 0, 1, 2"``), the
+    first ``most`` cells and how many tasks more.
+
+    Example:
+        >>> tasks_by_cell(["a seed 0", "a seed 1", "b seed 2"])
+        'a seeds 0, 1; b seed 2'
+    """
+    cells: dict[str, list[str]] = {}
+    for t in tasks:
+        cell, sep, seed = t.rpartition(" seed ")
+        cells.setdefault(cell if sep else t, []).extend([seed] if sep else [])
+    parts = [f"{c} seed{'s' if len(sd) > 1 else ''} {', '.join(sd)}" if sd else c
+             for c, sd in cells.items()]  # fmt: skip
+    shown = parts[:most]
+    rest = sum(max(len(sd), 1) for sd in list(cells.values())[most:])
+    return "; ".join(shown) + (f" (+{rest} more tasks)" if rest else "")
+
+
 @dataclass
 class SuiteRun:
     """One suite's run for the report."""
@@ -304,9 +323,8 @@ def verdict_for(claim: Claim, scale: str, sr: SuiteRun | None) -> tuple[Verdict,
         runs = f" of {len(sr.dirs)} runs" if len(sr.dirs) > 1 else ""
         notes.append(f"judged on a part of the suite's grid (select {', '.join(sel)}{runs})")
     if sr.unfinished:
-        more = f" (+{len(sr.unfinished) - 4} more)" if len(sr.unfinished) > 4 else ""
         notes.append(f"judged on the finished tasks of a stopped run; unfinished: "
-                     f"{', '.join(sr.unfinished[:4])}{more}")  # fmt: skip
+                     f"{tasks_by_cell(sr.unfinished)}")  # fmt: skip
     for part in notes:
         v = Verdict(v.claim_id, v.verdict, f"{v.reason}; {part}" if v.reason else part,
                     v.measured, v.paper_value, v.direction)  # fmt: skip
