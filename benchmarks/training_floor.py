@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deqbench.core.deq import deq_layers  # noqa: E402
+from deqbench.core.deq import chain_problem, deq_layers  # noqa: E402
 from deqbench.core.evaluation import loss_function  # noqa: E402
 from deqbench.data.base import DataBundle  # noqa: E402
 from deqbench.run.suite import one_cell_suite  # noqa: E402
@@ -265,13 +265,11 @@ def measure(
     counts = step_counts(timed)
     ms = (marks["t1"] - marks["t0"]) * 1e3 / steps
     per = counter.per_layer[warmup : warmup + steps]
-    # the floor's counts per DEQ layer (one layer: the step's counts)
+    # the floor's counts per DEQ layer
     layer_fwd = [
         max(1, round(statistics.fmean(f[k] for f, _ in per))) for k in range(len(per[0][0]))
     ]
     layer_adj = [round(statistics.fmean(b[k] for _, b in per)) for k in range(len(per[0][1]))]
-    if len(layer_fwd) == 1:
-        layer_fwd, layer_adj = [counts.floor_forward], [counts.floor_adjoint]
     return {
         "ms_per_step": ms,
         "steps_per_s": 1e3 / ms,
@@ -310,13 +308,9 @@ def floor_step(
     zero before it runs): along the model's chain of equilibria (``DEQModel.chain``: one for
     most models, three for pcdeq_mc), each layer's forward f-evaluations and adjoint VJPs
     (``n_forward``/``n_adjoint``: per layer, or one number for a one-layer model)."""
-    layers = list(deq_layers(model))
-    stages, head = model.chain() if hasattr(model, "chain") else ([], None)
-    if not layers or [st.layer for st in stages] != layers:
-        raise ValueError(
-            f"the floor replays models whose DEQ layers form their chain(); "
-            f"{type(model).__name__} has {len(layers)} layers"
-        )
+    if (why := chain_problem(model)) is not None:
+        raise ValueError(f"the floor replays models whose DEQ layers form their chain(): {why}")
+    stages, head = model.chain()
     n_f = [n_forward] if isinstance(n_forward, int) else list(n_forward)
     n_a = [n_adjoint] if isinstance(n_adjoint, int) else list(n_adjoint)
     if len(n_f) != len(stages) or len(n_a) != len(stages):

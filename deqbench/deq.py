@@ -14,6 +14,7 @@ from .core.deq import (  # noqa: F401 - re-exported
     DEQModel,
     Runtime,
     SolverConfig,
+    chain_problem,
     configure,
     deq_layers,
     direct_solves,

@@ -469,6 +469,19 @@ class ChainStage:
     finish: Callable[[Tensor], Tensor] | None = None
 
 
+def chain_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be taken apart along :meth:`DEQModel.chain` (not a DEQModel, no DEQ
+    layer, or a chain that does not name its DEQ layers, each once, in order), or None."""
+    layers = list(deq_layers(model))
+    if not isinstance(model, DEQModel) or not layers:
+        return "the model is not a DEQModel with inject/readout/z0"
+    chained = [st.layer for st in model.chain()[0]]
+    if len(chained) != len(layers) or any(a is not b for a, b in zip(chained, layers)):
+        return (f"the model has {len(layers)} DEQ layers and its chain() names "
+                f"{len(chained)} of them (a model with several overrides DEQModel.chain)")  # fmt: skip
+    return None
+
+
 class DEQModel(nn.Module):
     """Base class of DEQ models: ``readout(deq(inject(x), z0(u)))``.
 

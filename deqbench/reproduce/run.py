@@ -183,6 +183,12 @@ def previous_run(out: Path, path: Path) -> Path | None:
 PART_KEYS = ("select", "matrix", "device", "threads", "output", "description", "paper")
 
 
+def _cells_of(run_dir: Path) -> set[str]:
+    """The cell ids a run ran (its run.json ``cells``)."""
+    c = run_meta(run_dir).get("cells")
+    return {str(x) for x in c} if isinstance(c, list) else set()
+
+
 def companion_runs(out: Path, path: Path, run_dir: Path | None) -> list[Path]:
     """The other runs of suite ``path`` under ``out/runs`` to judge together with ``run_dir``:
     newest first, each with results, the same suite settings but :data:`PART_KEYS`, and none
@@ -198,18 +204,14 @@ def companion_runs(out: Path, path: Path, run_dir: Path | None) -> list[Path]:
         raw = suite_raw(d)
         return repr(sorted((k, repr(v)) for k, v in raw.items() if k not in PART_KEYS))
 
-    def cells(d: Path) -> set[str]:
-        c = run_meta(d).get("cells")
-        return {str(x) for x in c} if isinstance(c, list) else set()
-
-    want, taken, found = settings(run_dir), cells(run_dir), []
+    want, taken, found = settings(run_dir), _cells_of(run_dir), []
     if not taken:
         return []
     for d in sorted((out / "runs" / _suite_name(path)).glob("*/run.json"), reverse=True):
         d = d.parent
         if d.resolve() == run_dir.resolve() or not (d / "results.csv").is_file():
             continue
-        mine = cells(d)
+        mine = _cells_of(d)
         if mine and not mine & taken and settings(d) == want:
             found.append(d)
         taken |= mine
@@ -245,8 +247,7 @@ def covers_grid(path: Path, dirs: Sequence[Path]) -> bool:
         return False
     have: set[str] = set()
     for d in dirs:
-        c = run_meta(d).get("cells")
-        have |= {str(x) for x in c} if isinstance(c, list) else set()
+        have |= _cells_of(d)
     return bool(want) and want <= have
 
 

@@ -236,7 +236,8 @@ class SuiteRun:
     #: tasks that errored (training failed: ``error``, ``oom``), as ``cell seed status: note``
     errored: list[str] = field(default_factory=list)
     #: other runs of the same suite in the report folder, judged together with ``run_dir``:
-    #: parts of its grid (``select``) whose cells no other judged run has (:func:`runs_of`)
+    #: parts of its grid (``select``) whose cells no other judged run has
+    #: (:func:`~deqbench.reproduce.run.companion_runs`)
     parts: list[Path] = field(default_factory=list)
     #: a stopped run judged as it is (``reproduce --judge-only``): its tasks with no results,
     #: as ``cell seed N``; the claims are judged on the finished tasks and say so

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..core import verdict
-from ..core.deq import ChainStage, DEQModel, deq_layers
+from ..core.deq import ChainStage, chain_problem, deq_layers
 from ..solvers.stats import EPS, SolverStats, batch_norm, make_stats, rule_value
 from . import captured_kernels
 
@@ -75,14 +75,9 @@ def chunk(count: int) -> int:
 
 def capture_problem(model: nn.Module, cfg: Any) -> str | None:
     """Why ``model`` trained with ``cfg`` (a TrainConfig) cannot take captured steps, or None."""
-    layers = list(deq_layers(model))
-    if not isinstance(model, DEQModel) or not layers:
-        return "the model is not a DEQModel with inject/readout/z0"
-    chained = [st.layer for st in model.chain()[0]]
-    if len(chained) != len(layers) or any(a is not b for a, b in zip(chained, layers)):
-        return (f"the model has {len(layers)} DEQ layers and its chain() names "
-                f"{len(chained)} of them (a model with several overrides DEQModel.chain)")  # fmt: skip
-    for layer in layers:
+    if (why := chain_problem(model)) is not None:
+        return why
+    for layer in deq_layers(model):
         s, b = layer.solver_cfg, layer.backward_cfg
         if s.name != "fixed_point" or float(s.options.get("tau", 1.0)) != 1.0:
             return f"forward solver {s.name!r} (captured steps take fixed_point without damping)"

@@ -264,15 +264,6 @@ def plugin_distributions() -> list[dict[str, Any]]:
     return sorted(found.values(), key=lambda r: r["name"])
 
 
-def _kernel_device(check: Any, device: str) -> bool:
-    import torch
-
-    try:
-        return bool(check(torch.device(device)))
-    except (RuntimeError, ValueError):  # a device name torch does not know: no kernels there
-        return False
-
-
 def flags(device: str = "cpu") -> dict[str, Any]:
     """Numeric flags that change results or timings on ``device`` (``fused_kernels``: whether
     deqbench's Triton kernels run there, switched on and with Triton able to run on it,
@@ -282,8 +273,12 @@ def flags(device: str = "cpu") -> dict[str, Any]:
 
     from ..core.triton_env import ENABLED_BY_ENV, kernel_device
 
+    try:
+        fused = ENABLED_BY_ENV and kernel_device(torch.device(device))
+    except (RuntimeError, ValueError):  # a device name torch does not know: no kernels there
+        fused = False
     return {
-        "fused_kernels": bool(ENABLED_BY_ENV and _kernel_device(kernel_device, device)),
+        "fused_kernels": bool(fused),
         "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
         "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
