@@ -146,6 +146,55 @@ def test_a_diverged_middle_stage_stops_training_as_the_eager_path_does():
             assert torch.allclose(p, b1[n], equal_nan=True, rtol=0, atol=0), n
 
 
+class _Replay:
+    """A stand-in for a CUDA graph on the CPU: recorded, not run; ``replay`` runs the part."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+    def pool(self):
+        return None
+
+
+@pytest.mark.parametrize("fails", ["middle", "update"])
+def test_a_capture_failing_midway_reruns_the_step_from_its_buffers(fails, monkeypatch):
+    """The captured path's parts as stand-in graphs on the CPU, and the capture of one part
+    failing at the first captured step, after the injection's and the head's BatchNorm ran in
+    the parts replayed before it. The step starts again on the eager parts from the buffers it
+    started with: parameters and BatchNorm statistics equal the eager path's bit for bit (not
+    moved twice), and the failure is a warning."""
+    from deqbench.run import captured_step as cs
+
+    init = cs.CapturedStep.__init__
+
+    def on_a_device(self, *a, **kw):  # the step's CUDA branch, its graphs the stand-ins
+        init(self, *a, **kw)
+        self.cuda = True
+
+    def record(self, fn):
+        if getattr(fn, "__name__", "") == f"_{fails}":  # the bound part, not a lambda
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return _Replay(fn)
+
+    monkeypatch.setattr(cs.CapturedStep, "__init__", on_a_device)
+    monkeypatch.setattr(cs.CapturedStep, "_record", record)
+    model = {"name": "pcdeq_sc", "channels": 4}
+    r0, s0, m0 = fit(False, model, steps=4)
+    with pytest.warns(RuntimeWarning, match="eager parts from now on"):
+        r1, s1, m1 = fit(True, model, steps=4)
+    assert r0.status == r1.status == "ok" and [a["loss"] for a in s0] == [b["loss"] for b in s1]
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p, q)
+    moved = 0
+    for (n, p), q in zip(m0.named_buffers(), m1.buffers()):
+        assert torch.equal(p, q), n
+        moved += "running_mean" in n
+    assert moved >= 2  # the injection's and the head's BatchNorm
+
+
 def test_a_model_whose_chain_misses_a_layer_is_named():
     from deqbench.core.deq import DEQModel
 

@@ -312,6 +312,9 @@ class CapturedStep:
         #: whether a step was made (the parts are captured from the second step on: the first,
         #: eager, creates the optimiser's state and lets the libraries pick their kernels)
         self.warm = False
+        #: whether the last step replayed parts only (captured none): the next captures none
+        #: unless the LR changes
+        self.settled = False
         self.x: Tensor | None = None  # the static batch (the first batch's shapes)
         self.y: Tensor | None = None
         self.loss: Tensor | None = None
@@ -381,10 +384,8 @@ class CapturedStep:
     def _capture(self, key: Any, fn: Any) -> Any:
         """Capture part ``key`` (recorded, not run) into the shared pool (the eager steps before
         it dropped their autograd graphs: :meth:`step`)."""
-        g = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(g, pool=self.pool):
-                fn()
+            g = self._record(fn)
         except Exception as exc:  # noqa: BLE001 - not capturable: eager from now on
             why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
             warnings.warn(f"captured training steps: {why}; eager parts from now on",
@@ -395,6 +396,13 @@ class CapturedStep:
         if self.pool is None:
             self.pool = g.pool()
         self.graphs[key] = g
+        return g
+
+    def _record(self, fn: Any) -> Any:
+        """A CUDA graph of ``fn`` (recorded, not run) in the shared pool."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            fn()
         return g
 
     def _solve(
@@ -426,11 +434,26 @@ class CapturedStep:
         None where training must stop before the backward: a diverged forward solve or a
         non-finite loss, in which case no parameter was changed)."""
         eager = not (self.cuda and self.warm)
+        lrs = [float(g["lr"]) for g in self.opt.param_groups]
+        # a step that may capture a part (the first captured step, the one after it, a new LR)
+        # keeps the model's buffers: where a capture fails, the parts replayed before it have
+        # run (the injections' and the head's BatchNorm statistics moved), and the step starts
+        # again on the eager parts from the buffers it started with
+        keep = None
+        if not eager and (not self.settled or lrs != self.lr):
+            keep = [b.detach().clone() for b in self.model.buffers()]
+        n_graphs = len(self.graphs)
         try:
             try:
-                return self._step(xb, yb)
+                out = self._step(xb, yb)
             except _Recapture:  # nothing of the step ran on the device past the failed capture
-                return self._step(xb, yb)
+                if keep is not None:
+                    with torch.no_grad():
+                        for b, v in zip(self.model.buffers(), keep):
+                            b.copy_(v)
+                out = self._step(xb, yb)
+            self.settled = not eager and self.cuda and len(self.graphs) == n_graphs
+            return out
         finally:
             if eager and self.cuda and len(self.graphs) == 0:
                 # an eager step's autograd graphs (the injections', f at z*'s) hold the
