@@ -159,16 +159,25 @@ class _Replay:
         return None
 
 
-@pytest.mark.parametrize("fails", ["middle", "update"])
-def test_a_capture_failing_midway_reruns_the_step_from_its_buffers(fails, monkeypatch):
-    """The captured path's parts as stand-in graphs on the CPU, and the capture of one part
-    failing at the first captured step, after the injection's and the head's BatchNorm ran in
-    the parts replayed before it. The step starts again on the eager parts from the buffers it
-    started with: parameters and BatchNorm statistics equal the eager path's bit for bit (not
-    moved twice), and the failure is a warning."""
+@pytest.mark.parametrize(
+    "fails, nth, lr_drop",
+    [
+        ("middle", 1, None),  # at the first captured step: the injection's BatchNorm ran
+        ("update", 1, None),  # the same, the head's BatchNorm ran too
+        ("update", 2, [3]),  # captured again after the LR drop at step 3, both ran again
+    ],
+)
+def test_a_capture_failing_midway_reruns_the_step_from_its_buffers(fails, nth, lr_drop,
+                                                                    monkeypatch):  # fmt: skip
+    """The captured path's parts as stand-in graphs on the CPU, and the nth capture of one part
+    failing after BatchNorm layers ran in the parts replayed before it in that step. The step
+    starts again on the eager parts from the buffers it started with: parameters and BatchNorm
+    statistics equal the eager path's bit for bit (not moved twice), and the failure is a
+    warning."""
     from deqbench.run import captured_step as cs
 
     init = cs.CapturedStep.__init__
+    seen = []
 
     def on_a_device(self, *a, **kw):  # the step's CUDA branch, its graphs the stand-ins
         init(self, *a, **kw)
@@ -176,23 +185,27 @@ def test_a_capture_failing_midway_reruns_the_step_from_its_buffers(fails, monkey
 
     def record(self, fn):
         if getattr(fn, "__name__", "") == f"_{fails}":  # the bound part, not a lambda
-            raise RuntimeError("operation not permitted when stream is capturing")
+            seen.append(fn)
+            if len(seen) == nth:
+                raise RuntimeError("operation not permitted when stream is capturing")
         return _Replay(fn)
 
     monkeypatch.setattr(cs.CapturedStep, "__init__", on_a_device)
     monkeypatch.setattr(cs.CapturedStep, "_record", record)
-    model = {"name": "pcdeq_sc", "channels": 4}
-    r0, s0, m0 = fit(False, model, steps=4)
+    model, kw = {"name": "pcdeq_sc", "channels": 4}, {}
+    if lr_drop:
+        kw = {"lr_milestone_steps": lr_drop, "gamma": 0.1}
+    r0, s0, m0 = fit(False, model, steps=5, **kw)
     with pytest.warns(RuntimeWarning, match="eager parts from now on"):
-        r1, s1, m1 = fit(True, model, steps=4)
+        r1, s1, m1 = fit(True, model, steps=5, **kw)
+    assert len(seen) == nth
     assert r0.status == r1.status == "ok" and [a["loss"] for a in s0] == [b["loss"] for b in s1]
     for p, q in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(p, q)
-    moved = 0
     for (n, p), q in zip(m0.named_buffers(), m1.buffers()):
         assert torch.equal(p, q), n
-        moved += "running_mean" in n
-    assert moved >= 2  # the injection's and the head's BatchNorm
+    start = dict(build(model)[0].named_buffers())  # the statistics moved in training
+    assert all(not torch.equal(start[n], p) for n, p in m1.named_buffers() if "running" in n)
 
 
 def test_a_model_whose_chain_misses_a_layer_is_named():

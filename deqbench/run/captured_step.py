@@ -312,8 +312,8 @@ class CapturedStep:
         #: whether a step was made (the parts are captured from the second step on: the first,
         #: eager, creates the optimiser's state and lets the libraries pick their kernels)
         self.warm = False
-        #: whether the last step replayed parts only (captured none): the next captures none
-        #: unless the LR changes
+        #: whether the last captured step added no part (an LR change's new ``update`` aside):
+        #: the next captures none unless the LR changes
         self.settled = False
         self.x: Tensor | None = None  # the static batch (the first batch's shapes)
         self.y: Tensor | None = None
