@@ -249,8 +249,10 @@ class _Equilibrium:
             return self.layer.cell(z, self.ud)
 
     def record(self) -> None:
-        """f at z* recorded with grad (from the static leaves) and the adjoint's start and reset;
-        ``g`` holds dL/dz*."""
+        """dL/dz* into ``g`` (from the gradient of z*'s leaf, which the head's or the next
+        stage's backward wrote), f at z* recorded with grad (from the static leaves) and the
+        adjoint's start and reset."""
+        self.g.copy_(self.zr.grad)
         self.zl.data.copy_(self.z)
         self.ul.data.copy_(self.ud)
         with torch.enable_grad():
@@ -350,14 +352,11 @@ class CapturedStep:
         self.loss.copy_(loss.detach())
         if self.task == "classification":
             self.acc.copy_((out.detach().argmax(1) == self.y).to(self.acc.dtype).mean())
-        last.g.copy_(last.zr.grad)
         last.record()
 
     def _back(self, k: int) -> None:
         """Stage k's dL/dz* (its leaf's gradient, from stage k+1's grads) and recording."""
-        e = self.eqs[k]
-        e.g.copy_(e.zr.grad)
-        e.record()
+        self.eqs[k].record()
 
     def _update(self) -> None:
         """The optimiser step and the model's post_step hooks (captured again when the LR
@@ -445,13 +444,13 @@ class CapturedStep:
         n_graphs = len(self.graphs)
         try:
             try:
-                out = self._step(xb, yb)
+                out = self._step(xb, yb, lrs)
             except _Recapture:  # nothing of the step ran on the device past the failed capture
                 if keep is not None:
                     with torch.no_grad():
                         for b, v in zip(self.model.buffers(), keep):
                             b.copy_(v)
-                out = self._step(xb, yb)
+                out = self._step(xb, yb, lrs)
             self.settled = not eager and self.cuda and len(self.graphs) == n_graphs
             return out
         finally:
@@ -463,11 +462,10 @@ class CapturedStep:
                     e.drop()
 
     def _step(
-        self, xb: Tensor, yb: Tensor
+        self, xb: Tensor, yb: Tensor, lrs: list[float]
     ) -> tuple[float, float, list[SolverStats], list[SolverStats] | None]:
         if self.x is None or self.y is None:
             self.x, self.y = xb.clone(), yb.clone()
-        lrs = [float(g["lr"]) for g in self.opt.param_groups]
         if self.cuda and self.warm and lrs != self.lr:  # a new LR: the step is captured again
             self.graphs.pop("update", None)
         self.lr = lrs
