@@ -770,6 +770,13 @@ def test_a_part_with_unfinished_tasks_or_other_settings_is_not_merged_silently(t
     r = next(csv.DictReader(open(out / "reproduction.csv")))
     assert code == 1 and "unfinished: pcdeq_l-activation=relu6 seeds 0, 1, 2" in r["reason"]
     assert "L:tanh" in r["measured"] and "SC:tanh" in r["measured"]
+    # the run table says "stopped" on the row of the run that stopped, not the suite's newest
+    table = {ln.split(" | ")[6]: ln for ln in (out / "reproduction.md").read_text().splitlines()
+             if ln.startswith("| pcdeq |")}  # fmt: skip
+    assert table["runs/pcdeq_paper/20260101-110000"].endswith(
+        "| stopped: 3 task(s) unfinished, judged on the others |"
+    )
+    assert table["runs/pcdeq_paper/20260101-120000"].endswith("|  |")
 
     other = tmp_path / "o"
     _paper_run(other, "20260101-110000", _arch_rows("l")[0], l_cells, "pcdeq_l-*")

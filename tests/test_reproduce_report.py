@@ -61,6 +61,16 @@ def test_a_part_of_a_grid_and_its_sharing_are_named(tmp_path):
     cpu = {"kind": "dask", "workers": 15, "gpus": [], "torch_threads": 1}
     assert _sharing({"executor": cpu}) == "dask: 15 workers x 1 thread(s) (CPU)"
     assert _sharing({}) == "inline"
+    # a resumed run whose calls asked for different worker counts: each call's is said, since
+    # the executor recorded is the last call's
+    start = ["deqbench", "reproduce", "002", "--executor", "dask", "--workers", "16"]
+    meta = {"executor": {"kind": "dask", "workers_joined": 2, "gpus": ["0", "1"]},
+            "command": start, "resumed": [{"command": start + ["--resume"]},
+                                          {"command": start[:-2] + ["--resume"]}]}  # fmt: skip
+    assert _sharing(meta) == ("dask: 2 workers on 2 GPUs in the last call, over 3 calls "
+                              "(--resume); --workers per call: 16, 16, default")  # fmt: skip
+    meta["resumed"] = [{"command": ["deqbench", "--workers=16", "--resume"]}]
+    assert _sharing(meta) == "dask: 2 workers on 2 GPUs, over 2 calls (--resume)"
 
 
 def test_readme_quotes_each_committed_reports_counts():

@@ -605,7 +605,28 @@ def _sharing(meta: dict[str, Any]) -> str:
         where = f"on {len(set(map(str, gpus)))} GPU" + ("s" if len(set(map(str, gpus))) > 1 else "")
     else:
         where = f"x {ex.get('torch_threads', '?')} thread(s) (CPU)"
+    asked = [_workers_asked(c) for c in _call_commands(meta)]
+    if len(set(asked)) > 1:  # the executor recorded is the last call's: say each call's
+        over += "; --workers per call: " + ", ".join(w or "default" for w in asked)
+        return f"{ex.get('kind', '?')}: {n} workers {where} in the last call{over}"
     return f"{ex.get('kind', '?')}: {n} workers {where}{over}"
+
+
+def _call_commands(meta: dict[str, Any]) -> list[list[str]]:
+    """The command line of a run's start and of each of its resumes, in order."""
+    resumed = meta.get("resumed") if isinstance(meta.get("resumed"), list) else []
+    cmds = [meta.get("command")] + [r.get("command") for r in resumed if isinstance(r, dict)]
+    return [[str(a) for a in c] if isinstance(c, list) else [] for c in cmds]
+
+
+def _workers_asked(argv: list[str]) -> str | None:
+    """The ``--workers`` value of a command line (None: the executor's default)."""
+    for i, a in enumerate(argv):
+        if a == "--workers" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--workers="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def write_report(
@@ -671,9 +692,10 @@ def write_report(
             sr = runs[f]
             rd = _rel(d, out) if d else ""
             err = sr.error if d == sr.run_dir else ""
-            if d == sr.run_dir and sr.unfinished:
+            left = part_state(d)[1] if d and sr.unfinished else []  # this run's own, not a part's
+            if left:
                 err = (f"{err}; " if err else "") + (
-                    f"stopped: {len(sr.unfinished)} task(s) unfinished, judged on the others"
+                    f"stopped: {len(left)} task(s) unfinished, judged on the others"
                 )
             lines.append(
                 f"| {f.stem} | {secs:.1f} | {_md(device)} | {_md(cells)} | {_md(sharing)} | "
