@@ -614,8 +614,9 @@ def _sharing(meta: dict[str, Any]) -> str:
 
 def _call_commands(meta: dict[str, Any]) -> list[list[str]]:
     """The command line of a run's start and of each of its resumes, in order."""
-    resumed = meta.get("resumed") if isinstance(meta.get("resumed"), list) else []
-    cmds = [meta.get("command")] + [r.get("command") for r in resumed if isinstance(r, dict)]
+    resumed = meta.get("resumed")
+    calls = resumed if isinstance(resumed, list) else []
+    cmds = [meta.get("command")] + [r.get("command") for r in calls if isinstance(r, dict)]
     return [[str(a) for a in c] if isinstance(c, list) else [] for c in cmds]
 
 
