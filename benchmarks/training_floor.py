@@ -93,13 +93,11 @@ FLOOR_SECONDS = 1.0
 
 @dataclass(frozen=True)
 class StepCounts:
-    """Per-step solver work of the timed steps: mean forward f-evaluations and adjoint VJPs, and
-    the whole counts the floor replays (the parameter VJP and the one f with grad come on top)."""
+    """Per-step solver work of the timed steps: mean forward f-evaluations and adjoint VJPs (the
+    parameter VJP and the one f with grad come on top), over ``steps`` steps."""
 
     forward: float
     adjoint: float
-    floor_forward: int
-    floor_adjoint: int
     steps: int
 
 
@@ -115,7 +113,7 @@ def step_counts(stats: Sequence[dict[str, float]]) -> StepCounts:
         raise ValueError(f"steps {missing[:5]} report no forward_nstep (not a DEQ model?)")
     fwd = statistics.fmean(s["forward_nstep"] for s in stats)
     adj = statistics.fmean(s.get("backward_nstep", 0.0) for s in stats)
-    return StepCounts(fwd, adj, max(1, round(fwd)), round(adj), len(stats))
+    return StepCounts(fwd, adj, len(stats))
 
 
 def ratio(measured_ms: float, floor_ms: float) -> float:
