@@ -54,23 +54,32 @@ def _timeline_devices(run_dir: Path) -> dict[str, str]:
 # -- the decision, with injected timings -----------------------------------------------------
 
 
-def test_choose_compares_the_pools_throughput():
+def test_choose_compares_when_the_tasks_end_on_each_side():
     host = Pool(gpus=1, cpu_workers=15, cpu_threads=1)
-    assert choose(*PCDEQ_L, host)[0] == "cpu"  # 178 x 15 = 2,670 > 243
-    assert choose(*PCDEQ_SC, host)[0] == "cuda"  # 0.8 x 15 = 12 <= 92
-    # one process running every cell in turn (the inline executor): the GPU is faster
-    assert choose(*PCDEQ_L, Pool(gpus=1, cpu_workers=1))[0] == "cuda"
-    # two GPUs double the GPU side: 243 x 2 = 486 > 178 x 2
-    assert choose(*PCDEQ_L, Pool(gpus=2, cpu_workers=2))[0] == "cuda"
-    dev, why = choose(100.0, 50.0, Pool(gpus=1, cpu_workers=2))
-    assert dev == "cuda" and "= 100 <=" in why  # a tie keeps the GPU
-    assert choose(100.0, 50.1, Pool(gpus=1, cpu_workers=2))[0] == "cpu"
-    assert choose(1.0, 1e6, Pool(gpus=1, cpu_workers=0)) == (
+    assert choose(*PCDEQ_L, host, tasks=15)[0] == "cpu"  # 178 in 1 round > 243 in 15
+    assert choose(*PCDEQ_SC, host, tasks=15)[0] == "cuda"  # 0.8 in 1 round <= 92 in 15
+    # one task: the faster device, however many CPU workers stand idle
+    dev, why = choose(*PCDEQ_L, host, tasks=1)
+    assert dev == "cuda" and why == (
+        "1 task(s): CPU 178 steps/s in 1 round(s) of 15 workers <= GPU 243 steps/s in 1 "
+        "round(s) of 1"
+    )
+    # rounds on the GPUs: 3 tasks on 2 GPUs take two rounds (243 / 2 < 178), 2 tasks one
+    two = Pool(gpus=2, cpu_workers=15)
+    assert choose(*PCDEQ_L, two, tasks=3)[0] == "cpu"
+    assert choose(*PCDEQ_L, two, tasks=2)[0] == "cuda"
+    # many tasks: the pools' throughput (steps/s x workers)
+    assert choose(*PCDEQ_L, Pool(gpus=1, cpu_workers=1), tasks=30)[0] == "cuda"  # 178 < 243
+    assert choose(*PCDEQ_L, Pool(gpus=2, cpu_workers=2), tasks=30)[0] == "cuda"
+    dev, why = choose(100.0, 50.0, Pool(gpus=1, cpu_workers=2), tasks=2)
+    assert dev == "cuda" and "<= GPU 100 steps/s in 2 round(s)" in why  # a tie keeps the GPU
+    assert choose(100.0, 50.1, Pool(gpus=1, cpu_workers=2), tasks=2)[0] == "cpu"
+    assert choose(1.0, 1e6, Pool(gpus=1, cpu_workers=0), tasks=1) == (
         "cuda",
         "no CPU worker beside the GPU workers",
     )
-    assert choose(None, 1e6, host) == ("cuda", "not calibrated")
-    assert choose(10.0, None, host) == ("cuda", "not calibrated")
+    assert choose(None, 1e6, host, tasks=1) == ("cuda", "not calibrated")
+    assert choose(10.0, None, host, tasks=1) == ("cuda", "not calibrated")
 
 
 def _rates(width_rates: dict[int, tuple[float, float]], calls: list[tuple[str, str]]):
@@ -98,6 +107,7 @@ def test_place_cells_measures_each_signature_once_and_follows_the_rule(tmp_path)
     assert record is not None and record["cells"] == placed and record["rule"] == placement.RULE
     sig = record["signatures"][signature(cells["narrow"], suite)]
     assert (sig["gpu_steps_s"], sig["cpu_steps_s"], sig["device"]) == (*PCDEQ_L, "cpu")
+    assert sig["tasks"] == 2 * len(suite.seeds)  # narrow and narrow_lr share it
     assert notes == [
         "device auto: 2 of 3 cells on cpu (15 CPU workers of 1 thread(s)), 1 on cuda "
         "(2 signatures calibrated)"

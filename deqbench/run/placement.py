@@ -12,12 +12,15 @@ this rule (:data:`RULE`, :func:`choose`):
   and times :func:`deqbench.run.train.train` after ``WARMUP_STEPS`` warm-up steps, for up to
   ``TIMED_STEPS`` steps or ``DEADLINE_S`` seconds: once on the GPU, once on CPU with the threads a
   CPU-placed cell will have (one on the Dask executor's CPU workers).
-* The **pools** (:class:`Pool`): a GPU is one device, so the GPU side's throughput is the
-  steps/s of one cell on it x the GPUs; the CPU side's is the steps/s of one CPU cell x the CPU
-  workers the executor runs beside the GPU workers (the inline executor: 1).
-* ``cpu`` where the CPU side's throughput is strictly higher, else ``cuda``. A cell that takes no
+* The **pools** (:class:`Pool`): a GPU is one device, one cell at a time; the CPU side is the
+  CPU workers the executor runs beside the GPU workers (the inline executor: 1).
+* The signature's **tasks** (its cells x the seeds) run in rounds on each side: ceil(tasks /
+  GPUs) on the GPUs, ceil(tasks / CPU workers) on the CPU workers. ``cpu`` where they end
+  strictly sooner there (one CPU cell's steps/s / its rounds > one GPU cell's steps/s / its
+  rounds), else ``cuda``. With many tasks this is the pools' throughput (steps/s x workers);
+  with few, idle workers count for nothing (one task: the faster device). A cell that takes no
   training steps (``train.epochs: 0``), a calibration that fails, or an executor with no CPU
-  worker gives ``cuda``.
+  worker gives ``cuda``. Each signature is placed as if it had the pools to itself.
 
 Without a GPU, ``auto`` is ``cpu`` for every cell (one note). The decision is stored in
 ``run.json`` (``placement``: the rule, the pools, each signature's measured steps/s and
@@ -27,9 +30,12 @@ says the device it ran on.
 
 Example:
     >>> from deqbench.run.placement import Pool, choose
-    >>> choose(243.0, 178.0, Pool(gpus=1, cpu_workers=15, cpu_threads=1))[0]  # pcdeq_l on an H200 host
+    >>> host = Pool(gpus=1, cpu_workers=15, cpu_threads=1)
+    >>> choose(243.0, 178.0, host, tasks=15)[0]  # pcdeq_l on an H200 host: 15 tasks
     'cpu'
-    >>> choose(92.0, 0.8, Pool(gpus=1, cpu_workers=15, cpu_threads=1))[0]     # pcdeq_sc
+    >>> choose(243.0, 178.0, host, tasks=1)[0]   # one task: the faster device
+    'cuda'
+    >>> choose(92.0, 0.8, host, tasks=15)[0]     # pcdeq_sc
     'cuda'
 """
 
@@ -39,7 +45,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,7 +61,8 @@ __all__ = ["Pool", "RULE", "choose", "signature", "measure_steps", "place_cells"
 
 #: the rule, as ``run.json`` records it
 RULE = (
-    "cpu where steps/s of one CPU cell x the CPU workers > steps/s of one GPU cell x the GPUs "
+    "cpu where a signature's tasks (cells x seeds) end sooner on the CPU workers: steps/s of one "
+    "CPU cell / ceil(tasks / CPU workers) > steps/s of one GPU cell / ceil(tasks / GPUs) "
     "(training steps timed per signature after warm-up); else cuda"
 )
 #: calibration: warm-up steps (not timed), then up to TIMED_STEPS steps or DEADLINE_S seconds
@@ -77,19 +86,25 @@ class Pool:
     cpu_threads: int = 1
 
 
-def choose(gpu_rate: float | None, cpu_rate: float | None, pool: Pool) -> tuple[str, str]:
-    """``(device, reason)`` for a signature whose training steps ran at ``gpu_rate`` steps/s on
-    one GPU and ``cpu_rate`` on one CPU process of ``pool.cpu_threads`` threads (:data:`RULE`)."""
+def choose(
+    gpu_rate: float | None, cpu_rate: float | None, pool: Pool, tasks: int
+) -> tuple[str, str]:
+    """``(device, reason)`` for a signature of ``tasks`` tasks whose training steps ran at
+    ``gpu_rate`` steps/s on one GPU and ``cpu_rate`` on one CPU process of ``pool.cpu_threads``
+    threads (:data:`RULE`: the side where its tasks, in rounds over that side's workers, end
+    sooner; a tie keeps the GPU)."""
     if pool.cpu_workers < 1:
         return "cuda", "no CPU worker beside the GPU workers"
     if gpu_rate is None or cpu_rate is None or not (gpu_rate > 0 and cpu_rate >= 0):
         return "cuda", "not calibrated"
-    gpu_side = gpu_rate * max(pool.gpus, 1)
-    cpu_side = cpu_rate * pool.cpu_workers
+    n, gpus = max(int(tasks), 1), max(pool.gpus, 1)
+    gpu_rounds, cpu_rounds = math.ceil(n / gpus), math.ceil(n / pool.cpu_workers)
+    gpu_side, cpu_side = gpu_rate / gpu_rounds, cpu_rate / cpu_rounds
     rel = ">" if cpu_side > gpu_side else "<="
     why = (
-        f"CPU {cpu_rate:.4g} steps/s x {pool.cpu_workers} = {cpu_side:.4g} {rel} "
-        f"GPU {gpu_rate:.4g} steps/s x {max(pool.gpus, 1)} = {gpu_side:.4g}"
+        f"{n} task(s): CPU {cpu_rate:.4g} steps/s in {cpu_rounds} round(s) of "
+        f"{pool.cpu_workers} workers {rel} GPU {gpu_rate:.4g} steps/s in {gpu_rounds} round(s) "
+        f"of {gpus}"
     )
     return ("cpu" if cpu_side > gpu_side else "cuda"), why
 
@@ -261,21 +276,24 @@ def place_cells(
         note = "device auto: the executor's workers resolve it each on their own (no placement)"
         return {c.id: dev for c in cells}, None, [note]
     measure = measure or measure_steps
+    keys = {c.id: signature(c, suite) for c in cells if trains(c)}
+    tasks = {k: n * len(suite.seeds) for k, n in Counter(keys.values()).items()}  # cells x seeds
     sigs: dict[str, dict[str, Any]] = {}
     placed: dict[str, str] = {}
     for c in cells:
-        if not trains(c):
+        if c.id not in keys:
             placed[c.id] = "cuda"
             continue
-        key = signature(c, suite)
+        key = keys[c.id]
         if key not in sigs:
             g = _safely(measure, c, suite, "cuda", pool.cpu_threads)
             p = _safely(measure, c, suite, "cpu", pool.cpu_threads)
             rates = [r if isinstance(r, int | float) or r is None else None for r in (g, p)]
-            dev, why = choose(rates[0], rates[1], pool)
+            dev, why = choose(rates[0], rates[1], pool, tasks[key])
             fails = [f"{d}: {r}" for d, r in (("cuda", g), ("cpu", p)) if isinstance(r, str)]
             sigs[key] = {
                 "first_cell": c.id,
+                "tasks": tasks[key],
                 "gpu_steps_s": rates[0],
                 "cpu_steps_s": rates[1],
                 "device": dev,
