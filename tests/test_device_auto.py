@@ -54,30 +54,36 @@ def _timeline_devices(run_dir: Path) -> dict[str, str]:
 # -- the decision, with injected timings -----------------------------------------------------
 
 
-def test_choose_compares_when_the_tasks_end_on_each_side():
+def test_choose_compares_when_the_runs_tasks_end_on_each_side():
     host = Pool(gpus=1, cpu_workers=15, cpu_threads=1)
     assert choose(*PCDEQ_L, host, tasks=15)[0] == "cpu"  # 178 in 1 round > 243 in 15
     assert choose(*PCDEQ_SC, host, tasks=15)[0] == "cuda"  # 0.8 in 1 round <= 92 in 15
-    # one task: the faster device, however many CPU workers stand idle
+    # a run of one task: the faster device, however many CPU workers stand idle
     dev, why = choose(*PCDEQ_L, host, tasks=1)
     assert dev == "cuda" and why == (
-        "1 task(s): CPU 178 steps/s in 1 round(s) of 15 workers <= GPU 243 steps/s in 1 "
-        "round(s) of 1"
+        "1 task(s): CPU 178 steps/s / 1 round(s) of 15 workers = 178 <= GPU 243 steps/s / 1 "
+        "round(s) of 1 = 243"
     )
     # rounds on the GPUs: 3 tasks on 2 GPUs take two rounds (243 / 2 < 178), 2 tasks one
     two = Pool(gpus=2, cpu_workers=15)
     assert choose(*PCDEQ_L, two, tasks=3)[0] == "cpu"
     assert choose(*PCDEQ_L, two, tasks=2)[0] == "cuda"
+    # rounds on the CPU workers: 15 tasks fill 15 of them once (90 > 100 / 2 on 8 GPUs), the
+    # 16th makes a second round (90 / 2 <= 100 / 2)
+    eight = Pool(gpus=8, cpu_workers=15)
+    assert choose(100.0, 90.0, eight, tasks=15)[0] == "cpu"
+    assert choose(100.0, 90.0, eight, tasks=16)[0] == "cuda"
     # many tasks: the pools' throughput (steps/s x workers)
     assert choose(*PCDEQ_L, Pool(gpus=1, cpu_workers=1), tasks=30)[0] == "cuda"  # 178 < 243
     assert choose(*PCDEQ_L, Pool(gpus=2, cpu_workers=2), tasks=30)[0] == "cuda"
     dev, why = choose(100.0, 50.0, Pool(gpus=1, cpu_workers=2), tasks=2)
-    assert dev == "cuda" and "<= GPU 100 steps/s in 2 round(s)" in why  # a tie keeps the GPU
+    assert dev == "cuda" and why.endswith("= 50 <= GPU 100 steps/s / 2 round(s) of 1 = 50")
     assert choose(100.0, 50.1, Pool(gpus=1, cpu_workers=2), tasks=2)[0] == "cpu"
     assert choose(1.0, 1e6, Pool(gpus=1, cpu_workers=0), tasks=1) == (
         "cuda",
         "no CPU worker beside the GPU workers",
     )
+    assert choose(1.0, 1e6, host, tasks=0) == ("cuda", "no training tasks")
     assert choose(None, 1e6, host, tasks=1) == ("cuda", "not calibrated")
     assert choose(10.0, None, host, tasks=1) == ("cuda", "not calibrated")
 
@@ -107,7 +113,7 @@ def test_place_cells_measures_each_signature_once_and_follows_the_rule(tmp_path)
     assert record is not None and record["cells"] == placed and record["rule"] == placement.RULE
     sig = record["signatures"][signature(cells["narrow"], suite)]
     assert (sig["gpu_steps_s"], sig["cpu_steps_s"], sig["device"]) == (*PCDEQ_L, "cpu")
-    assert sig["tasks"] == 2 * len(suite.seeds)  # narrow and narrow_lr share it
+    assert record["tasks"] == 3  # the run's training tasks: 3 cells x 1 seed
     assert notes == [
         "device auto: 2 of 3 cells on cpu (15 CPU workers of 1 thread(s)), 1 on cuda "
         "(2 signatures calibrated)"
@@ -115,6 +121,31 @@ def test_place_cells_measures_each_signature_once_and_follows_the_rule(tmp_path)
     # the same timings, one process: every cell on the GPU
     one = place_cells(suite, Pool(gpus=1, cpu_workers=1), gpu=True, measure=measure)[0]
     assert set(one.values()) == {"cuda"}
+
+
+def test_place_cells_counts_the_runs_tasks_not_one_signatures(tmp_path):
+    """A grid of cells that each have their own signature (one task each) is placed by the
+    whole run's rounds: five 1-task signatures on one GPU take five rounds there, one on the
+    CPU workers, so they go to the CPU; the seeds count as tasks too."""
+    widths = {8: PCDEQ_L, 10: PCDEQ_L, 12: PCDEQ_L, 14: PCDEQ_L, 16: PCDEQ_L}
+    case = "".join(f"    - {{id: w{w}, model.width: {w}}}\n" for w in widths)
+    grid = load_suite(write_suite(tmp_path, AUTO_SUITE, "g.yaml", {
+        "    - {id: narrow, model.width: 8}\n    - {id: narrow_lr, model.width: 8, train.lr: "
+        "1.0e-2}\n    - {id: wide, model.width: 16}\n": case}))  # fmt: skip
+    assert len(grid.cells) == 5 and len({signature(c, grid) for c in grid.cells}) == 5
+    calls: list[tuple[str, str]] = []
+    host = Pool(gpus=1, cpu_workers=15)
+    placed, record, _ = place_cells(grid, host, gpu=True, measure=_rates(widths, calls))
+    assert set(placed.values()) == {"cpu"} and record["tasks"] == 5  # 178 > 243 / 5
+    # one cell: one task goes to the faster GPU, three seeds on 2 GPUs to the CPU workers
+    one = load_suite(write_suite(tmp_path, AUTO_SUITE, "o.yaml"), overrides=["select=[wide]"])
+    rates = _rates({16: PCDEQ_L}, [])
+    two = Pool(gpus=2, cpu_workers=15)
+    assert place_cells(one, two, gpu=True, measure=rates)[0] == {"wide": "cuda"}
+    three = load_suite(write_suite(tmp_path, AUTO_SUITE, "t.yaml"), overrides=["select=[wide]"],
+                       seeds=[0, 1, 2])  # fmt: skip
+    placed, record, _ = place_cells(three, two, gpu=True, measure=rates)
+    assert placed == {"wide": "cpu"} and record["tasks"] == 3  # 178 > 243 / 2
 
 
 def test_place_cells_edge_cases(tmp_path):
@@ -359,7 +390,9 @@ def test_gpu_dask_mixed_pool_runs_each_cell_where_placed(tmp_path, monkeypatch):
     from deqbench.run.executors import open_executor
 
     calls: list[tuple[str, str]] = []
-    monkeypatch.setattr(placement, "measure_steps", _rates({8: PCDEQ_L, 16: PCDEQ_SC}, calls))
+    # narrow far faster on a CPU core, wide on the GPU, whatever the host's GPU count
+    monkeypatch.setattr(placement, "measure_steps", _rates({8: (10.0, 178.0), 16: PCDEQ_SC},
+                                                           calls))  # fmt: skip
     suite = load_suite(write_suite(tmp_path, AUTO_SUITE, replace={
         "    - {id: narrow_lr, model.width: 8, train.lr: 1.0e-2}\n": ""}), seeds=[0, 1])  # fmt: skip
     with open_executor("dask", suite=suite) as ex:

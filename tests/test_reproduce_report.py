@@ -71,6 +71,9 @@ def test_a_part_of_a_grid_and_its_sharing_are_named(tmp_path):
                               "(--resume); --workers per call: 16, 16, default")  # fmt: skip
     meta["resumed"] = [{"command": ["deqbench", "--workers=16", "--resume"]}]
     assert _sharing(meta) == "dask: 2 workers on 2 GPUs, over 2 calls (--resume)"
+    # the last --workers is the one the CLI takes; a call without a recorded command is "?"
+    meta["resumed"] = [{"command": start + ["--workers", "4", "--workers", "16"]}, {"at": "x"}]
+    assert _sharing(meta).endswith("; --workers per call: 16, 16, ?")
 
 
 def test_readme_quotes_each_committed_reports_counts():

@@ -607,27 +607,33 @@ def _sharing(meta: dict[str, Any]) -> str:
         where = f"x {ex.get('torch_threads', '?')} thread(s) (CPU)"
     asked = [_workers_asked(c) for c in _call_commands(meta)]
     if len(set(asked)) > 1:  # the executor recorded is the last call's: say each call's
-        over += "; --workers per call: " + ", ".join(w or "default" for w in asked)
+        over += "; --workers per call: " + ", ".join(asked)
         return f"{ex.get('kind', '?')}: {n} workers {where} in the last call{over}"
     return f"{ex.get('kind', '?')}: {n} workers {where}{over}"
 
 
-def _call_commands(meta: dict[str, Any]) -> list[list[str]]:
-    """The command line of a run's start and of each of its resumes, in order."""
+def _call_commands(meta: dict[str, Any]) -> list[list[str] | None]:
+    """The command line of a run's start and of each of its resumes, in order (None where a
+    call's was not recorded)."""
     resumed = meta.get("resumed")
     calls = resumed if isinstance(resumed, list) else []
-    cmds = [meta.get("command")] + [r.get("command") for r in calls if isinstance(r, dict)]
-    return [[str(a) for a in c] if isinstance(c, list) else [] for c in cmds]
+    cmds = [meta.get("command")] + [r.get("command") if isinstance(r, dict) else None
+                                    for r in calls]  # fmt: skip
+    return [[str(a) for a in c] if isinstance(c, list) else None for c in cmds]
 
 
-def _workers_asked(argv: list[str]) -> str | None:
-    """The ``--workers`` value of a command line (None: the executor's default)."""
+def _workers_asked(argv: list[str] | None) -> str:
+    """The ``--workers`` value of a command line as the CLI reads it (the last one given),
+    ``default`` where none is, ``?`` where the command was not recorded."""
+    if argv is None:
+        return "?"
+    found = "default"
     for i, a in enumerate(argv):
         if a == "--workers" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--workers="):
-            return a.split("=", 1)[1]
-    return None
+            found = argv[i + 1]
+        elif a.startswith("--workers="):
+            found = a.split("=", 1)[1]
+    return found
 
 
 def write_report(
@@ -693,7 +699,9 @@ def write_report(
             sr = runs[f]
             rd = _rel(d, out) if d else ""
             err = sr.error if d == sr.run_dir else ""
-            left = part_state(d)[1] if d and sr.unfinished else []  # this run's own, not a part's
+            # this run's own unfinished tasks, not a part's (a run that ended has none)
+            ended = d is None or not sr.unfinished or run_meta(d).get("status") == "complete"
+            left = part_state(d)[1] if d is not None and not ended else []
             if left:
                 err = (f"{err}; " if err else "") + (
                     f"stopped: {len(left)} task(s) unfinished, judged on the others"

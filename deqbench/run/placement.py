@@ -14,26 +14,27 @@ this rule (:data:`RULE`, :func:`choose`):
   CPU-placed cell will have (one on the Dask executor's CPU workers).
 * The **pools** (:class:`Pool`): a GPU is one device, one cell at a time; the CPU side is the
   CPU workers the executor runs beside the GPU workers (the inline executor: 1).
-* The signature's **tasks** (its cells x the seeds) run in rounds on each side: ceil(tasks /
-  GPUs) on the GPUs, ceil(tasks / CPU workers) on the CPU workers. ``cpu`` where they end
-  strictly sooner there (one CPU cell's steps/s / its rounds > one GPU cell's steps/s / its
-  rounds), else ``cuda``. With many tasks this is the pools' throughput (steps/s x workers);
-  with few, idle workers count for nothing (one task: the faster device). A cell that takes no
-  training steps (``train.epochs: 0``), a calibration that fails, or an executor with no CPU
-  worker gives ``cuda``. Each signature is placed as if it had the pools to itself.
+* The run's training **tasks** (its training cells x the seeds) would run in rounds on either
+  side: ceil(tasks / GPUs) on the GPUs (counted as one cell at a time each), ceil(tasks / CPU
+  workers) on the CPU workers. A signature goes to ``cpu`` where the run's tasks at its rates
+  end strictly sooner there (one CPU cell's steps/s divided by the CPU rounds > one GPU cell's
+  steps/s divided by the GPU rounds), else ``cuda``. With many tasks this approaches the pools'
+  throughput (steps/s x workers); with few, idle workers count for nothing (a run of one task:
+  the faster device). A cell that takes no training steps (``train.epochs: 0``), a calibration
+  that fails, or an executor with no CPU worker gives ``cuda``.
 
 Without a GPU, ``auto`` is ``cpu`` for every cell (one note). The decision is stored in
-``run.json`` (``placement``: the rule, the pools, each signature's measured steps/s and
-choice, each cell's device) before any task starts, and a ``--resume`` reads it back, so a
+``run.json`` (``placement``: the rule, the pools, the run's training tasks, each signature's
+measured steps/s, choice and reason, each cell's device) before any task starts, and a ``--resume`` reads it back, so a
 resumed run places its cells as the first invocation did. Each task's ``timeline.csv`` line
 says the device it ran on.
 
 Example:
     >>> from deqbench.run.placement import Pool, choose
     >>> host = Pool(gpus=1, cpu_workers=15, cpu_threads=1)
-    >>> choose(243.0, 178.0, host, tasks=15)[0]  # pcdeq_l on an H200 host: 15 tasks
+    >>> choose(243.0, 178.0, host, tasks=15)[0]  # pcdeq_l on an H200 host: a run of 15 tasks
     'cpu'
-    >>> choose(243.0, 178.0, host, tasks=1)[0]   # one task: the faster device
+    >>> choose(243.0, 178.0, host, tasks=1)[0]   # a run of one task: the faster device
     'cuda'
     >>> choose(92.0, 0.8, host, tasks=15)[0]     # pcdeq_sc
     'cuda'
@@ -47,7 +48,6 @@ import hashlib
 import json
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,9 +61,9 @@ __all__ = ["Pool", "RULE", "choose", "signature", "measure_steps", "place_cells"
 
 #: the rule, as ``run.json`` records it
 RULE = (
-    "cpu where a signature's tasks (cells x seeds) end sooner on the CPU workers: steps/s of one "
-    "CPU cell / ceil(tasks / CPU workers) > steps/s of one GPU cell / ceil(tasks / GPUs) "
-    "(training steps timed per signature after warm-up); else cuda"
+    "cpu where the run's training tasks (cells x seeds) at a signature's rates end sooner on the "
+    "CPU workers: steps/s of one CPU cell / ceil(tasks / CPU workers) > steps/s of one GPU cell "
+    "/ ceil(tasks / GPUs) (training steps timed per signature after warm-up); else cuda"
 )
 #: calibration: warm-up steps (not timed), then up to TIMED_STEPS steps or DEADLINE_S seconds
 WARMUP_STEPS = 2
@@ -89,22 +89,24 @@ class Pool:
 def choose(
     gpu_rate: float | None, cpu_rate: float | None, pool: Pool, tasks: int
 ) -> tuple[str, str]:
-    """``(device, reason)`` for a signature of ``tasks`` tasks whose training steps ran at
-    ``gpu_rate`` steps/s on one GPU and ``cpu_rate`` on one CPU process of ``pool.cpu_threads``
-    threads (:data:`RULE`: the side where its tasks, in rounds over that side's workers, end
-    sooner; a tie keeps the GPU)."""
+    """``(device, reason)`` for a signature whose training steps ran at ``gpu_rate`` steps/s on
+    one GPU and ``cpu_rate`` on one CPU process of ``pool.cpu_threads`` threads, in a run of
+    ``tasks`` training tasks (:data:`RULE`: the side where those tasks, in rounds over that
+    side's workers, end sooner; a tie keeps the GPU)."""
     if pool.cpu_workers < 1:
         return "cuda", "no CPU worker beside the GPU workers"
+    if tasks < 1:
+        return "cuda", "no training tasks"
     if gpu_rate is None or cpu_rate is None or not (gpu_rate > 0 and cpu_rate >= 0):
         return "cuda", "not calibrated"
-    n, gpus = max(int(tasks), 1), max(pool.gpus, 1)
-    gpu_rounds, cpu_rounds = math.ceil(n / gpus), math.ceil(n / pool.cpu_workers)
+    gpus = max(pool.gpus, 1)
+    gpu_rounds, cpu_rounds = math.ceil(tasks / gpus), math.ceil(tasks / pool.cpu_workers)
     gpu_side, cpu_side = gpu_rate / gpu_rounds, cpu_rate / cpu_rounds
     rel = ">" if cpu_side > gpu_side else "<="
     why = (
-        f"{n} task(s): CPU {cpu_rate:.4g} steps/s in {cpu_rounds} round(s) of "
-        f"{pool.cpu_workers} workers {rel} GPU {gpu_rate:.4g} steps/s in {gpu_rounds} round(s) "
-        f"of {gpus}"
+        f"{tasks} task(s): CPU {cpu_rate:.4g} steps/s / {cpu_rounds} round(s) of "
+        f"{pool.cpu_workers} workers = {cpu_side:.4g} {rel} GPU {gpu_rate:.4g} steps/s / "
+        f"{gpu_rounds} round(s) of {gpus} = {gpu_side:.4g}"
     )
     return ("cpu" if cpu_side > gpu_side else "cuda"), why
 
@@ -269,15 +271,18 @@ def place_cells(
         gpu = gpu_visible()
     if not gpu:
         on_cpu = {c.id: "cpu" for c in cells}
-        record = {"rule": RULE, "cells": dict(on_cpu)}
-        return on_cpu, record, ["device auto: no GPU visible, every cell on cpu"]
+        return (
+            on_cpu,
+            {"rule": RULE, "cells": dict(on_cpu)},
+            ["device auto: no GPU visible, every cell on cpu"],
+        )
     if pool is None:
         dev = fallback or "cuda"
         note = "device auto: the executor's workers resolve it each on their own (no placement)"
         return {c.id: dev for c in cells}, None, [note]
     measure = measure or measure_steps
     keys = {c.id: signature(c, suite) for c in cells if trains(c)}
-    tasks = {k: n * len(suite.seeds) for k, n in Counter(keys.values()).items()}  # cells x seeds
+    tasks = len(keys) * len(suite.seeds)  # the run's training tasks, whichever side they go to
     sigs: dict[str, dict[str, Any]] = {}
     placed: dict[str, str] = {}
     for c in cells:
@@ -289,11 +294,10 @@ def place_cells(
             g = _safely(measure, c, suite, "cuda", pool.cpu_threads)
             p = _safely(measure, c, suite, "cpu", pool.cpu_threads)
             rates = [r if isinstance(r, int | float) or r is None else None for r in (g, p)]
-            dev, why = choose(rates[0], rates[1], pool, tasks[key])
+            dev, why = choose(rates[0], rates[1], pool, tasks)
             fails = [f"{d}: {r}" for d, r in (("cuda", g), ("cpu", p)) if isinstance(r, str)]
             sigs[key] = {
                 "first_cell": c.id,
-                "tasks": tasks[key],
                 "gpu_steps_s": rates[0],
                 "cpu_steps_s": rates[1],
                 "device": dev,
@@ -303,6 +307,7 @@ def place_cells(
     record = {
         "rule": RULE,
         "pool": dataclasses.asdict(pool),
+        "tasks": tasks,
         "device_names": {d: _name(d) for d in ("cuda", "cpu")},
         "signatures": sigs,
         "cells": placed,
