@@ -220,21 +220,25 @@ def companion_runs(out: Path, path: Path, run_dir: Path | None) -> list[Path]:
 
 def part_state(run_dir: Path) -> tuple[list[str], list[str]]:
     """(errored, unfinished) tasks of a run: those whose training failed (:func:`errored_tasks`)
-    and, for a run that did not end (stopped, interrupted, still running), its tasks with no
-    results, as ``cell seed N``."""
+    and those with no results (:func:`unfinished_tasks`)."""
+    return errored_tasks(run_dir), unfinished_tasks(run_dir)
+
+
+def unfinished_tasks(run_dir: Path) -> list[str]:
+    """For a run that did not end (stopped, interrupted, still running), its tasks with no
+    results, as ``cell seed N`` (a complete run: none, its results not read)."""
     from ..run.results import load_results, task_status
 
     meta = run_meta(run_dir)
     if meta.get("status") == "complete":
-        return errored_tasks(run_dir), []
+        return []
     try:
         st = task_status(load_results(run_dir, check_keys=False))
         have = {(str(c), int(sd)) for c, sd in zip(st["cell_id"], st["seed"])}
     except Exception:
         have = set()
     cells, seeds = meta.get("cells") or [], meta.get("seeds") or []
-    unfinished = [f"{c} seed {sd}" for c in cells for sd in seeds if (str(c), int(sd)) not in have]
-    return errored_tasks(run_dir), unfinished
+    return [f"{c} seed {sd}" for c in cells for sd in seeds if (str(c), int(sd)) not in have]
 
 
 def covers_grid(path: Path, dirs: Sequence[Path]) -> bool:
@@ -699,9 +703,8 @@ def write_report(
             sr = runs[f]
             rd = _rel(d, out) if d else ""
             err = sr.error if d == sr.run_dir else ""
-            # this run's own unfinished tasks, not a part's (a run that ended has none)
-            ended = d is None or not sr.unfinished or run_meta(d).get("status") == "complete"
-            left = part_state(d)[1] if d is not None and not ended else []
+            # this run's own unfinished tasks, not a part's
+            left = unfinished_tasks(d) if d is not None and sr.unfinished else []
             if left:
                 err = (f"{err}; " if err else "") + (
                     f"stopped: {len(left)} task(s) unfinished, judged on the others"

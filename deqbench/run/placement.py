@@ -25,9 +25,9 @@ this rule (:data:`RULE`, :func:`choose`):
 
 Without a GPU, ``auto`` is ``cpu`` for every cell (one note). The decision is stored in
 ``run.json`` (``placement``: the rule, the pools, the run's training tasks, each signature's
-measured steps/s, choice and reason, each cell's device) before any task starts, and a ``--resume`` reads it back, so a
-resumed run places its cells as the first invocation did. Each task's ``timeline.csv`` line
-says the device it ran on.
+measured steps/s, choice and reason, each cell's device) before any task starts, and a
+``--resume`` reads it back, so a resumed run places its cells as the first invocation did.
+Each task's ``timeline.csv`` line says the device it ran on.
 
 Example:
     >>> from deqbench.run.placement import Pool, choose
@@ -271,25 +271,21 @@ def place_cells(
         gpu = gpu_visible()
     if not gpu:
         on_cpu = {c.id: "cpu" for c in cells}
-        return (
-            on_cpu,
-            {"rule": RULE, "cells": dict(on_cpu)},
-            ["device auto: no GPU visible, every cell on cpu"],
-        )
+        record: dict[str, Any] = {"rule": RULE, "cells": dict(on_cpu)}
+        return on_cpu, record, ["device auto: no GPU visible, every cell on cpu"]
     if pool is None:
         dev = fallback or "cuda"
         note = "device auto: the executor's workers resolve it each on their own (no placement)"
         return {c.id: dev for c in cells}, None, [note]
     measure = measure or measure_steps
-    keys = {c.id: signature(c, suite) for c in cells if trains(c)}
-    tasks = len(keys) * len(suite.seeds)  # the run's training tasks, whichever side they go to
+    tasks = sum(map(trains, cells)) * len(suite.seeds)  # the run's training tasks
     sigs: dict[str, dict[str, Any]] = {}
     placed: dict[str, str] = {}
     for c in cells:
-        if c.id not in keys:
+        if not trains(c):
             placed[c.id] = "cuda"
             continue
-        key = keys[c.id]
+        key = signature(c, suite)
         if key not in sigs:
             g = _safely(measure, c, suite, "cuda", pool.cpu_threads)
             p = _safely(measure, c, suite, "cpu", pool.cpu_threads)
