@@ -208,6 +208,45 @@ def test_a_capture_failing_midway_reruns_the_step_from_its_buffers(fails, nth, l
     assert all(not torch.equal(start[n], p) for n, p in m1.named_buffers() if "running" in n)
 
 
+def test_a_solve_as_long_as_the_last_stops_at_the_end_of_its_first_chunk(monkeypatch):
+    """The chunk plan on the captured path (stand-in graphs on the CPU): a solve that takes as
+    many steps as at the last step runs exactly those masked steps (its first chunk, no step
+    past its stop); a shorter one runs to the end of its first chunk, a longer one past its
+    stop by less than one later chunk."""
+    from deqbench.run import captured_step as cs
+
+    init, solve, masked = cs.CapturedStep.__init__, cs.CapturedStep._solve, cs.MaskedSolve.step
+    made, solves = [0], []
+
+    def on_a_device(self, *a, **kw):
+        init(self, *a, **kw)
+        self.cuda = True
+
+    def counted(self, fn):
+        made[0] += 1
+        masked(self, fn)
+
+    def logged(self, kind, k, s, fn, tail):
+        made[0], last = 0, self.last_count.get((kind, k))
+        row = solve(self, kind, k, s, fn, tail)
+        solves.append((last, int(row[1]), made[0]))
+        return row
+
+    monkeypatch.setattr(cs.CapturedStep, "__init__", on_a_device)
+    monkeypatch.setattr(cs.CapturedStep, "_record", lambda self, fn: _Replay(fn))
+    monkeypatch.setattr(cs.MaskedSolve, "step", counted)
+    monkeypatch.setattr(cs.CapturedStep, "_solve", logged)
+    r, _, _ = fit(True, {"name": "pcdeq_sc", "channels": 4}, steps=12)
+    assert r.status == "ok"
+    repeats = [(n, m) for last, n, m in solves if last == n]
+    assert len(repeats) >= 5 and any(n not in (2, 4, 8, 16, 32, 64) for n, _ in repeats)
+    assert all(m == n for n, m in repeats), repeats
+    for last, n, m in solves:
+        if last is not None:
+            first, more = cs.plan(last)
+            assert m == (first if n <= first else n + -(n - first) % more), (last, n, m)
+
+
 def test_a_model_whose_chain_misses_a_layer_is_named():
     from deqbench.core.deq import DEQModel
 

@@ -23,8 +23,11 @@ Each part is captured once (every chunk length of a solve at its first capture, 
 capture falls between later steps as the counts move) in one memory pool and replayed; the host reads
 one small tensor after the forward chunks (halted? diverged?) and one after the adjoint chunks
 (halted? the loss and both solves' summaries), so a step costs about six graph launches and two
-host reads where each solve fits its first chunk, a launch and a read more per further chunk. The first chunk's length is the last step's count
-(rounded down to :data:`LADDER`), later chunks a quarter of it. On the CPU the same parts
+host reads where each solve fits its first chunk, a launch and a read more per further chunk.
+The first chunk's length is the solve's count at the last step (rounded down to
+:data:`LADDER`, which holds every length to 16), later chunks an eighth of it (at least one
+step): a solve whose count holds from step to step stops at the end of its first chunk, with
+no masked step past its stop and one host read (:func:`plan`). On the CPU the same parts
 run eagerly (no graphs): the tests compare them with the eager training path there.
 
 A model with several DEQ layers in a chain (:meth:`~deqbench.core.deq.DEQModel.chain`: pcDEQ's
@@ -62,15 +65,23 @@ from ..core.deq import ChainStage, chain_problem, deq_layers
 from ..solvers.stats import EPS, SolverStats, batch_norm, make_stats, rule_value
 from . import captured_kernels
 
-#: the chunk lengths (one captured graph each per solve): the first chunk of a solve is the
-#: longest not above the last step's count, the later ones the longest not above a quarter of
-#: it (at least the shortest), so a step makes a few host reads and few steps past its stop
-LADDER = (2, 4, 8, 16, 32, 64)
+#: the chunk lengths (one captured graph each per solve): every length to 16, where the small
+#: DEQs' solves end, then coarser steps to 64
+LADDER = tuple(range(1, 17)) + (20, 24, 28, 32, 40, 48, 56, 64)
 
 
 def chunk(count: int) -> int:
     """The longest chunk of :data:`LADDER` not above ``count`` (the shortest below it)."""
     return max([n for n in LADDER if n <= count] or [LADDER[0]])
+
+
+def plan(last: int) -> tuple[int, int]:
+    """The first chunk and the later chunks of a solve whose count at the last step was
+    ``last``: the first the longest not above it (so that a solve that takes as many steps as
+    the last stops at the end of its first chunk: one host read, no masked step past the
+    stop), the later ones the longest not above an eighth of it (at least one step: a solve a
+    step or two longer than the last costs a read or two, not half a chunk of masked steps)."""
+    return chunk(last), chunk(max(1, last // 8))
 
 
 def capture_problem(model: nn.Module, cfg: Any) -> str | None:
@@ -408,8 +419,7 @@ class CapturedStep:
         self, kind: str, k: int, solve: MaskedSolve, fn: Any, tail: list[Tensor]
     ) -> list[float]:
         """Chunks of masked steps until the device says the solve stopped; the summary row."""
-        last = self.last_count.get((kind, k)) or 8
-        n, more = chunk(last), chunk(last // 4)
+        n, more = plan(self.last_count.get((kind, k)) or 8)
         if self.cuda and self.warm and (kind, k, n) not in self.graphs:
             # every chunk length of the solve at once: a length first met mid-run (the counts
             # move as the model trains) would otherwise be captured then, between timed steps
