@@ -247,6 +247,31 @@ def test_a_solve_as_long_as_the_last_stops_at_the_end_of_its_first_chunk(monkeyp
             assert m == (first if n <= first else n + -(n - first) % more), (last, n, m)
 
 
+def test_a_captured_steps_records_read_no_residual_tensor(monkeypatch):
+    """The step's records (the solves' residual maxima in ``last_stats``) come from the
+    summary the step read, not from the per-sample tensors: on a GPU such a read would wait for
+    the gradient and optimiser parts queued after the solves. The values themselves equal the
+    eager path's bit for bit (the test above)."""
+    from deqbench.solvers import stats
+
+    reads, seen = [0], []
+    batch_max = stats.batch_max
+
+    def counted(t):
+        reads[0] += 1
+        return batch_max(t)
+
+    class Reads(Steps):
+        def on_step(self, ctx, info):
+            seen.append((reads[0], info.deq["forward_rel_residual"]))
+
+    monkeypatch.setattr(stats, "batch_max", counted)
+    m, cfg, data = build({"name": "pcdeq_mc", "channels": [4, 6, 8]})
+    cfg.capture, cfg.max_steps = True, 4
+    assert train(m, data, cfg, callbacks=[Reads()], seed=0).status == "ok"
+    assert len(seen) == 4 and all(n == 0 and 0 < r < 1e-6 for n, r in seen), seen
+
+
 def test_a_model_whose_chain_misses_a_layer_is_named():
     from deqbench.core.deq import DEQModel
 

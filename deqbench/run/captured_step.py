@@ -183,8 +183,10 @@ class MaskedSolve:
     def stats(self, row: list[float]) -> SolverStats:
         """The solve's :class:`SolverStats` (solver ``fixed_point``) from its summary ``row``
         (as :meth:`summary` ordered, read on the host), the per-sample residuals copied out of
-        the static buffers."""
-        _, nstep, conv, div, value = row[:5]
+        the static buffers, their batch maxima those of the row (so that the step's records
+        read no device value: a read would wait for the parts queued after the solve, and the
+        host could not queue the next step's meanwhile)."""
+        _, nstep, conv, div, value, abs_max, rel_max = row[:7]
         B = self.abs_r.shape[0]
         empty = self.abs_r.new_zeros(0, B)
         st = make_stats(
@@ -192,7 +194,7 @@ class MaskedSolve:
             self.tol, self.stop_mode, diverged=bool(div), converged=bool(conv), stop=self.rule,
             extra={"returned": "x", "stop_residual": value},
         )  # fmt: skip
-        st.path = "captured"
+        st.path, st.maxima = "captured", (abs_max, rel_max)
         return st
 
 

@@ -46,6 +46,11 @@ class SolverStats:
             reports "graph".
         fz_norm: (B,) per-sample ``||f(x)||`` of the returned iterate where the tracker kept it
             (``stop="batch_fro"`` with ``stop_mode="rel"``), else None.
+        maxima: (max abs, max rel) over the batch of ``abs_residual`` and ``rel_residual``
+            where the solver read them already (a captured training step's solves, in the
+            summary it reads once): :attr:`abs_max` and :attr:`rel_max` return them without a
+            device read, which on a GPU would wait for the work queued after the solve. None:
+            read from the tensors.
 
     Example:
         >>> import torch, deqbench
@@ -71,10 +76,11 @@ class SolverStats:
     path: str = "eager"
     stop: str = DEFAULT_STOP
     fz_norm: Tensor | None = None
+    maxima: tuple[float, float] | None = None
 
     @property
     def abs_max(self) -> float:
-        return batch_max(self.abs_residual)
+        return self.maxima[0] if self.maxima is not None else batch_max(self.abs_residual)
 
     @property
     def abs_mean(self) -> float:
@@ -82,7 +88,7 @@ class SolverStats:
 
     @property
     def rel_max(self) -> float:
-        return batch_max(self.rel_residual)
+        return self.maxima[1] if self.maxima is not None else batch_max(self.rel_residual)
 
     @property
     def rel_mean(self) -> float:
