@@ -247,11 +247,11 @@ def test_a_solve_as_long_as_the_last_stops_at_the_end_of_its_first_chunk(monkeyp
             assert m == (first if n <= first else n + -(n - first) % more), (last, n, m)
 
 
-def test_a_captured_steps_records_read_no_residual_tensor(monkeypatch):
+def test_captured_step_records_read_no_residual_tensor(monkeypatch):
     """The step's records (the solves' residual maxima in ``last_stats``) come from the
     summary the step read, not from the per-sample tensors: on a GPU such a read would wait for
     the gradient and optimiser parts queued after the solves. The values themselves equal the
-    eager path's bit for bit (the test above)."""
+    eager path's bit for bit (test_captured_steps_equal_the_eager_path_on_cpu)."""
     from deqbench.solvers import stats
 
     reads, seen = [0], []
