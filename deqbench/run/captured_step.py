@@ -26,8 +26,9 @@ one small tensor after the forward chunks (halted? diverged?) and one after the 
 host reads where each solve fits its first chunk, a launch and a read more per further chunk.
 The first chunk's length is the solve's count at the last step (rounded down to
 :data:`LADDER`, which holds every length to 16), later chunks an eighth of it (at least one
-step): a solve whose count holds from step to step stops at the end of its first chunk, with
-no masked step past its stop and one host read (:func:`plan`). On the CPU the same parts
+step): a solve whose count holds from step to step at a length of the ladder (every count to
+16) stops at the end of its first chunk, with no masked step past its stop and one host read
+(:func:`plan`). On the CPU the same parts
 run eagerly (no graphs): the tests compare them with the eager training path there.
 
 A model with several DEQ layers in a chain (:meth:`~deqbench.core.deq.DEQModel.chain`: pcDEQ's
@@ -78,9 +79,11 @@ def chunk(count: int) -> int:
 def plan(last: int) -> tuple[int, int]:
     """The first chunk and the later chunks of a solve whose count at the last step was
     ``last``: the first the longest not above it (so that a solve that takes as many steps as
-    the last stops at the end of its first chunk: one host read, no masked step past the
-    stop), the later ones the longest not above an eighth of it (at least one step: a solve a
-    step or two longer than the last costs a read or two, not half a chunk of masked steps)."""
+    the last, a count of the ladder, stops at the end of its first chunk: one host read, no
+    masked step past the stop; above 16 the ladder is coarser, so a count between its lengths
+    takes a later chunk or more), the later ones the longest not above an eighth of it (at
+    least one step: a solve a step or two longer than the last costs a read or two, not half a
+    chunk of masked steps)."""
     return chunk(last), chunk(max(1, last // 8))
 
 

@@ -50,7 +50,7 @@ class SolverStats:
             where the solver read them already (a captured training step's solves, in the
             summary it reads once): :attr:`abs_max` and :attr:`rel_max` return them without a
             device read, which on a GPU would wait for the work queued after the solve. None:
-            read from the tensors.
+            read from the tensors. Code that replaces the residual tensors must clear it.
 
     Example:
         >>> import torch, deqbench
