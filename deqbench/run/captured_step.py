@@ -429,7 +429,7 @@ class CapturedStep:
             # every chunk length of the solve at once: a length first met mid-run (the counts
             # move as the model trains) would otherwise be captured then, between timed steps
             for m in LADDER:
-                if (kind, k, m) not in self.graphs and m <= max(solve.max_iter, LADDER[0]):
+                if (kind, k, m) not in self.graphs and m <= solve.max_iter:
                     self._capture((kind, k, m), lambda m=m: solve.steps(fn, m))
         self._run((kind, k, n), lambda: solve.steps(fn, n))
         while True:
